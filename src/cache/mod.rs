@@ -1,0 +1,1 @@
+//! Chunk cache and metadata cache.

@@ -1,0 +1,1 @@
+//! Chunk model: visible intervals, manifests, truncation.

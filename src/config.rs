@@ -1,0 +1,127 @@
+//! Plain configuration structs with defaults, shared by the `mount` command and the CSI node.
+
+use std::path::PathBuf;
+
+/// How chunk data is fetched from / sent to volume servers (`-volumeServerAccess`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VolumeServerAccess {
+    /// `Location.url`
+    #[default]
+    Direct,
+    /// `Location.public_url`
+    PublicUrl,
+    /// through the filer: `http://<filer>/?proxyChunkId=<fid>`
+    FilerProxy,
+}
+
+impl std::str::FromStr for VolumeServerAccess {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "" | "direct" => Ok(Self::Direct),
+            "publicUrl" => Ok(Self::PublicUrl),
+            "filerProxy" => Ok(Self::FilerProxy),
+            other => Err(format!(
+                "invalid volumeServerAccess {other:?}: expected direct, publicUrl or filerProxy"
+            )),
+        }
+    }
+}
+
+/// Everything one mounted volume (one FUSE session) needs. Mirrors `weed mount` flags.
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    /// Filer HTTP addresses (`host:port` or `host:port.grpcPort`).
+    pub filers: Vec<String>,
+    /// Remote path mounted as the root (no trailing slash, except "/").
+    pub filer_path: String,
+    pub collection: String,
+    pub replication: String,
+    pub disk_type: String,
+    pub ttl_sec: i32,
+    pub data_center: String,
+    pub chunk_size_limit_mb: u32,
+    pub concurrent_writers: usize,
+    pub concurrent_readers: usize,
+    /// Disk cache directory (optional disk tier, write swap). None = memory only.
+    pub cache_dir: Option<PathBuf>,
+    /// Chunk cache capacity in MiB (memory tier; see docs/CONFIGURATION.md).
+    pub cache_capacity_mb: u64,
+    pub cache_meta_ttl_sec: u64,
+    pub read_only: bool,
+    pub umask: u32,
+    pub allow_others: bool,
+    /// (local, filer) uid pairs.
+    pub uid_map: Vec<(u32, u32)>,
+    /// (local, filer) gid pairs.
+    pub gid_map: Vec<(u32, u32)>,
+    pub volume_server_access: VolumeServerAccess,
+    /// Quota in bytes (0 = none): writes fail with ENOSPC beyond it; `df` shows it.
+    pub quota_bytes: u64,
+    /// Max total wait for read retries.
+    pub read_retry_secs: u64,
+    /// FUSE worker threads.
+    pub fuse_threads: usize,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        Self {
+            filers: vec!["localhost:8888".into()],
+            filer_path: "/".into(),
+            collection: String::new(),
+            replication: String::new(),
+            disk_type: String::new(),
+            ttl_sec: 0,
+            data_center: String::new(),
+            chunk_size_limit_mb: 2,
+            concurrent_writers: 32,
+            concurrent_readers: 16,
+            cache_dir: None,
+            cache_capacity_mb: 128,
+            cache_meta_ttl_sec: 60,
+            read_only: false,
+            umask: 0o022,
+            allow_others: true,
+            uid_map: Vec::new(),
+            gid_map: Vec::new(),
+            volume_server_access: VolumeServerAccess::Direct,
+            quota_bytes: 0,
+            read_retry_secs: 6,
+            fuse_threads: 4,
+        }
+    }
+}
+
+/// Parses `local:filer,local:filer` id maps (`-map.uid`, `uidMap`).
+pub fn parse_id_map(s: &str) -> Result<Vec<(u32, u32)>, String> {
+    let mut out = Vec::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (l, f) = pair
+            .split_once(':')
+            .ok_or_else(|| format!("invalid id map entry {pair:?}: expected local:filer"))?;
+        let l = l.trim().parse().map_err(|_| format!("invalid local id in {pair:?}"))?;
+        let f = f.trim().parse().map_err(|_| format!("invalid filer id in {pair:?}"))?;
+        out.push((l, f));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_map_parses_and_rejects() {
+        assert_eq!(parse_id_map("1000:0, 5:6").unwrap(), vec![(1000, 0), (5, 6)]);
+        assert_eq!(parse_id_map("").unwrap(), vec![]);
+        assert!(parse_id_map("1000").is_err());
+        assert!(parse_id_map("a:1").is_err());
+    }
+
+    #[test]
+    fn volume_server_access_parses() {
+        assert_eq!("publicUrl".parse::<VolumeServerAccess>(), Ok(VolumeServerAccess::PublicUrl));
+        assert!("bogus".parse::<VolumeServerAccess>().is_err());
+    }
+}

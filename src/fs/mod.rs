@@ -1,0 +1,1 @@
+//! Filesystem logic, free of FUSE types.

@@ -1,0 +1,1 @@
+//! Thin fuser adapter, session lifecycle and live-connection takeover.

