@@ -1,1 +1,2 @@
 //! Thin fuser adapter, session lifecycle and live-connection takeover.
+pub mod adapter;
