@@ -10,7 +10,9 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 /// Latency histogram bucket bounds in seconds.
-const BUCKETS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0, 10.0];
+const BUCKETS: [f64; 12] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0, 10.0,
+];
 
 #[derive(Default, Clone)]
 struct Hist {
@@ -57,7 +59,11 @@ impl Metrics {
     }
 
     pub fn observe(&self, family: &'static str, label: &str, secs: f64, failed: bool) {
-        self.hists.lock().entry((family, label.to_string())).or_default().observe(secs, failed);
+        self.hists
+            .lock()
+            .entry((family, label.to_string()))
+            .or_default()
+            .observe(secs, failed);
     }
 
     /// Registers a closure that appends metric lines at every scrape.
@@ -70,38 +76,80 @@ impl Metrics {
         let families: [(&str, &str, &str); 3] = [
             ("seaweedfs_csi_fuse_op", "op", "FUSE operations"),
             ("seaweedfs_csi_filer_rpc", "method", "filer gRPC calls"),
-            ("seaweedfs_csi_volume_request", "kind", "volume-server HTTP requests"),
+            (
+                "seaweedfs_csi_volume_request",
+                "kind",
+                "volume-server HTTP requests",
+            ),
         ];
         let hists = self.hists.lock().clone();
         for (fam, label, help) in families {
-            let _ = writeln!(out, "# HELP {fam}_seconds Latency of {help}.\n# TYPE {fam}_seconds histogram");
+            let _ = writeln!(
+                out,
+                "# HELP {fam}_seconds Latency of {help}.\n# TYPE {fam}_seconds histogram"
+            );
             for ((f, l), h) in hists.iter().filter(|((f, _), _)| *f == fam) {
                 let _ = f;
                 for (i, b) in BUCKETS.iter().enumerate() {
-                    let _ = writeln!(out, "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"{b}\"}} {}", h.buckets[i]);
+                    let _ = writeln!(
+                        out,
+                        "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"{b}\"}} {}",
+                        h.buckets[i]
+                    );
                 }
-                let _ = writeln!(out, "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"+Inf\"}} {}", h.count);
+                let _ = writeln!(
+                    out,
+                    "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"+Inf\"}} {}",
+                    h.count
+                );
                 let _ = writeln!(out, "{fam}_seconds_sum{{{label}=\"{l}\"}} {}", h.sum);
                 let _ = writeln!(out, "{fam}_seconds_count{{{label}=\"{l}\"}} {}", h.count);
             }
-            let _ = writeln!(out, "# HELP {fam}_errors_total Failed {help}.\n# TYPE {fam}_errors_total counter");
+            let _ = writeln!(
+                out,
+                "# HELP {fam}_errors_total Failed {help}.\n# TYPE {fam}_errors_total counter"
+            );
             for ((_, l), h) in hists.iter().filter(|((f, _), _)| *f == fam) {
                 let _ = writeln!(out, "{fam}_errors_total{{{label}=\"{l}\"}} {}", h.errors);
             }
         }
         let counters = [
-            ("seaweedfs_csi_uploads_total", "Chunk uploads that succeeded.", &self.uploads_ok),
-            ("seaweedfs_csi_upload_errors_total", "Chunk uploads that failed.", &self.uploads_failed),
+            (
+                "seaweedfs_csi_uploads_total",
+                "Chunk uploads that succeeded.",
+                &self.uploads_ok,
+            ),
+            (
+                "seaweedfs_csi_upload_errors_total",
+                "Chunk uploads that failed.",
+                &self.uploads_failed,
+            ),
         ];
         for (n, h, v) in counters {
-            let _ = writeln!(out, "# HELP {n} {h}\n# TYPE {n} counter\n{n} {}", v.load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "# HELP {n} {h}\n# TYPE {n} counter\n{n} {}",
+                v.load(Ordering::Relaxed)
+            );
         }
         let gauges = [
-            ("seaweedfs_csi_staged_volumes", "Volumes staged (FUSE sessions served).", &self.staged_volumes),
-            ("seaweedfs_csi_published_targets", "Pod target paths bind-mounted.", &self.published_targets),
+            (
+                "seaweedfs_csi_staged_volumes",
+                "Volumes staged (FUSE sessions served).",
+                &self.staged_volumes,
+            ),
+            (
+                "seaweedfs_csi_published_targets",
+                "Pod target paths bind-mounted.",
+                &self.published_targets,
+            ),
         ];
         for (n, h, v) in gauges {
-            let _ = writeln!(out, "# HELP {n} {h}\n# TYPE {n} gauge\n{n} {}", v.load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "# HELP {n} {h}\n# TYPE {n} gauge\n{n} {}",
+                v.load(Ordering::Relaxed)
+            );
         }
         for c in self.collectors.lock().iter() {
             c(&mut out);
@@ -131,7 +179,12 @@ impl OpTimer {
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        global().observe(self.family, self.label, self.start.elapsed().as_secs_f64(), self.failed.get());
+        global().observe(
+            self.family,
+            self.label,
+            self.start.elapsed().as_secs_f64(),
+            self.failed.get(),
+        );
     }
 }
 
@@ -140,5 +193,10 @@ pub fn fuse_op(op: &'static str) -> OpTimer {
 }
 
 pub fn timer(family: &'static str, label: &'static str) -> OpTimer {
-    OpTimer { family, label, start: Instant::now(), failed: Cell::new(false) }
+    OpTimer {
+        family,
+        label,
+        start: Instant::now(),
+        failed: Cell::new(false),
+    }
 }

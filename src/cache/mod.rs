@@ -55,13 +55,18 @@ impl ChunkCache {
         let v = self.cache.as_ref()?.get(fid).await;
         if let Some(b) = &v {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
-            self.stats.bytes_from_cache.fetch_add(b.len() as u64, Ordering::Relaxed);
+            self.stats
+                .bytes_from_cache
+                .fetch_add(b.len() as u64, Ordering::Relaxed);
         }
         v
     }
 
     pub fn contains(&self, fid: &str) -> bool {
-        self.cache.as_ref().map(|c| c.contains_key(fid)).unwrap_or(false)
+        self.cache
+            .as_ref()
+            .map(|c| c.contains_key(fid))
+            .unwrap_or(false)
     }
 
     pub async fn insert(&self, fid: String, data: Bytes) {
@@ -84,7 +89,9 @@ impl ChunkCache {
                     .try_get_with(fid.to_string(), async {
                         fetched = true;
                         let b = fetch.await?;
-                        stats.bytes_fetched.fetch_add(b.len() as u64, Ordering::Relaxed);
+                        stats
+                            .bytes_fetched
+                            .fetch_add(b.len() as u64, Ordering::Relaxed);
                         Ok(b)
                     })
                     .await;
@@ -93,7 +100,9 @@ impl ChunkCache {
                         self.stats.misses.fetch_add(1, Ordering::Relaxed);
                     } else {
                         self.stats.hits.fetch_add(1, Ordering::Relaxed);
-                        self.stats.bytes_from_cache.fetch_add(b.len() as u64, Ordering::Relaxed);
+                        self.stats
+                            .bytes_from_cache
+                            .fetch_add(b.len() as u64, Ordering::Relaxed);
                     }
                 }
                 r
@@ -101,7 +110,9 @@ impl ChunkCache {
             None => {
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 let b = fetch.await.map_err(Arc::new)?;
-                self.stats.bytes_fetched.fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .bytes_fetched
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
                 Ok(b)
             }
         }
@@ -147,10 +158,15 @@ mod tests {
         }
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         for i in 0..40 {
-            c.insert(format!("2,{i:02x}"), Bytes::from(vec![0u8; 1024 * 1024])).await;
+            c.insert(format!("2,{i:02x}"), Bytes::from(vec![0u8; 1024 * 1024]))
+                .await;
         }
         c.run_pending_tasks().await;
-        assert!(c.weighted_size() <= 10 * 1024 * 1024 + 1024 * 1024, "{}", c.weighted_size());
+        assert!(
+            c.weighted_size() <= 10 * 1024 * 1024 + 1024 * 1024,
+            "{}",
+            c.weighted_size()
+        );
     }
 
     #[tokio::test]
@@ -160,7 +176,9 @@ mod tests {
             .get_or_fetch::<_, std::io::Error>("3,01", async { Err(std::io::Error::other("boom")) })
             .await;
         assert!(r.is_err());
-        let r = c.get_or_fetch::<_, std::io::Error>("3,01", async { Ok(Bytes::from_static(b"ok")) }).await;
+        let r = c
+            .get_or_fetch::<_, std::io::Error>("3,01", async { Ok(Bytes::from_static(b"ok")) })
+            .await;
         assert_eq!(r.unwrap(), Bytes::from_static(b"ok"));
     }
 }

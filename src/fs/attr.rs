@@ -155,16 +155,32 @@ pub struct IdMap {
 
 impl IdMap {
     pub fn uid_to_local(&self, filer: u32) -> u32 {
-        self.uids.iter().find(|(_, f)| *f == filer).map(|(l, _)| *l).unwrap_or(filer)
+        self.uids
+            .iter()
+            .find(|(_, f)| *f == filer)
+            .map(|(l, _)| *l)
+            .unwrap_or(filer)
     }
     pub fn gid_to_local(&self, filer: u32) -> u32 {
-        self.gids.iter().find(|(_, f)| *f == filer).map(|(l, _)| *l).unwrap_or(filer)
+        self.gids
+            .iter()
+            .find(|(_, f)| *f == filer)
+            .map(|(l, _)| *l)
+            .unwrap_or(filer)
     }
     pub fn uid_to_filer(&self, local: u32) -> u32 {
-        self.uids.iter().find(|(l, _)| *l == local).map(|(_, f)| *f).unwrap_or(local)
+        self.uids
+            .iter()
+            .find(|(l, _)| *l == local)
+            .map(|(_, f)| *f)
+            .unwrap_or(local)
     }
     pub fn gid_to_filer(&self, local: u32) -> u32 {
-        self.gids.iter().find(|(l, _)| *l == local).map(|(_, f)| *f).unwrap_or(local)
+        self.gids
+            .iter()
+            .find(|(l, _)| *l == local)
+            .map(|(_, f)| *f)
+            .unwrap_or(local)
     }
 }
 
@@ -189,9 +205,21 @@ pub fn entry_attr(ino: u64, e: &pb::Entry, ids: &IdMap) -> Attr {
         kind = Kind::Dir;
     }
     let mtime = ts(a.mtime, a.mtime_ns);
-    let ctime = if a.ctime > 0 { ts(a.ctime, a.ctime_ns) } else { mtime };
-    let atime = if a.atime > 0 { ts(a.atime, a.atime_ns) } else { mtime };
-    let crtime = if a.crtime > 0 { ts(a.crtime, a.crtime_ns) } else { mtime };
+    let ctime = if a.ctime > 0 {
+        ts(a.ctime, a.ctime_ns)
+    } else {
+        mtime
+    };
+    let atime = if a.atime > 0 {
+        ts(a.atime, a.atime_ns)
+    } else {
+        mtime
+    };
+    let crtime = if a.crtime > 0 {
+        ts(a.crtime, a.crtime_ns)
+    } else {
+        mtime
+    };
     let size = match kind {
         Kind::Symlink => a.symlink_target.len() as u64,
         Kind::Dir => 4096,
@@ -228,7 +256,15 @@ mod tests {
         assert_eq!(from_go_mode(0x080001ff), (Kind::Symlink, 0o777));
         assert_eq!(from_go_mode(0x1a4), (Kind::File, 0o644));
         assert_eq!(from_go_mode(GO_SETUID | 0o755), (Kind::File, 0o4755));
-        for k in [Kind::File, Kind::Dir, Kind::Symlink, Kind::Fifo, Kind::Socket, Kind::CharDev, Kind::BlockDev] {
+        for k in [
+            Kind::File,
+            Kind::Dir,
+            Kind::Symlink,
+            Kind::Fifo,
+            Kind::Socket,
+            Kind::CharDev,
+            Kind::BlockDev,
+        ] {
             assert_eq!(from_go_mode(to_go_mode(k, 0o1750)), (k, 0o1750));
         }
     }
@@ -236,7 +272,12 @@ mod tests {
     #[test]
     fn ctime_zero_falls_back_to_mtime() {
         let e = pb::Entry {
-            attributes: Some(pb::FuseAttributes { mtime: 100, ctime: -62135596800, file_mode: 0o644, ..Default::default() }),
+            attributes: Some(pb::FuseAttributes {
+                mtime: 100,
+                ctime: -62135596800,
+                file_mode: 0o644,
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let a = entry_attr(5, &e, &IdMap::default());
@@ -246,7 +287,10 @@ mod tests {
 
     #[test]
     fn id_maps_both_ways() {
-        let m = IdMap { uids: vec![(1000, 0)], gids: vec![] };
+        let m = IdMap {
+            uids: vec![(1000, 0)],
+            gids: vec![],
+        };
         assert_eq!(m.uid_to_local(0), 1000);
         assert_eq!(m.uid_to_filer(1000), 0);
         assert_eq!(m.uid_to_local(7), 7);

@@ -133,13 +133,30 @@ pub struct OpenFile {
 
 /// A piece of a read: where its bytes come from.
 pub enum Piece {
-    Chunk { chunk: pb::FileChunk, offset_in_chunk: u64, len: u64, at: u64 },
-    Mem { data: Bytes, at: u64 },
-    Zero { len: u64, at: u64 },
+    Chunk {
+        chunk: pb::FileChunk,
+        offset_in_chunk: u64,
+        len: u64,
+        at: u64,
+    },
+    Mem {
+        data: Bytes,
+        at: u64,
+    },
+    Zero {
+        len: u64,
+        at: u64,
+    },
 }
 
 impl OpenFile {
-    pub fn new(ino: u64, dir: String, entry: pb::Entry, chunk_size: usize, max_slots: usize) -> Self {
+    pub fn new(
+        ino: u64,
+        dir: String,
+        entry: pb::Entry,
+        chunk_size: usize,
+        max_slots: usize,
+    ) -> Self {
         let size = entry_size(&entry);
         let resolved = Arc::new(entry.chunks.clone());
         OpenFile {
@@ -195,7 +212,11 @@ impl OpenFile {
             sealed.extend(seal_slot(&mut s, k, cs));
         }
         while s.slots.len() > self.max_slots {
-            let fullest = s.slots.iter().max_by_key(|(_, sl)| sl.written()).map(|(k, _)| *k);
+            let fullest = s
+                .slots
+                .iter()
+                .max_by_key(|(_, sl)| sl.written())
+                .map(|(k, _)| *k);
             match fullest {
                 Some(k) => sealed.extend(seal_slot(&mut s, k, cs)),
                 None => break,
@@ -307,7 +328,10 @@ impl OpenFile {
             }
             if (cend as u64) < end {
                 let from = (cend as u64).max(offset);
-                pieces.push(Piece::Zero { len: end - from, at: from });
+                pieces.push(Piece::Zero {
+                    len: end - from,
+                    at: from,
+                });
             }
         } else {
             let has_inflight = !s.inflight.is_empty();
@@ -338,10 +362,16 @@ impl OpenFile {
             };
             for p in chunks::read_plan(&visible, offset, end - offset, end) {
                 match p {
-                    chunks::ReadPiece::Zero { file_offset, len } => {
-                        pieces.push(Piece::Zero { len, at: file_offset })
-                    }
-                    chunks::ReadPiece::Chunk { chunk_index, offset_in_chunk, len, file_offset } => {
+                    chunks::ReadPiece::Zero { file_offset, len } => pieces.push(Piece::Zero {
+                        len,
+                        at: file_offset,
+                    }),
+                    chunks::ReadPiece::Chunk {
+                        chunk_index,
+                        offset_in_chunk,
+                        len,
+                        file_offset,
+                    } => {
                         let chunk = &list[chunk_index];
                         match chunk.file_id.strip_prefix(INFLIGHT) {
                             Some(id) => {
@@ -349,7 +379,10 @@ impl OpenFile {
                                 if let Some(inf) = s.inflight.iter().find(|i| i.id == id) {
                                     let a = (offset_in_chunk as usize).min(inf.data.len());
                                     let b = (a + len as usize).min(inf.data.len());
-                                    pieces.push(Piece::Mem { data: inf.data.slice(a..b), at: file_offset });
+                                    pieces.push(Piece::Mem {
+                                        data: inf.data.slice(a..b),
+                                        at: file_offset,
+                                    });
                                 }
                             }
                             None => pieces.push(Piece::Chunk {
@@ -404,20 +437,35 @@ fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
         let k = off / cs;
         let in_slot = (off % cs) as usize;
         let n = ((cs as usize) - in_slot).min(buf.len() - pos);
-        s.slots.entry(k).or_default().write(in_slot, &buf[pos..pos + n]);
+        s.slots
+            .entry(k)
+            .or_default()
+            .write(in_slot, &buf[pos..pos + n]);
         pos += n;
     }
 }
 
 fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
-    let Some(sl) = s.slots.remove(&k) else { return Vec::new() };
+    let Some(sl) = s.slots.remove(&k) else {
+        return Vec::new();
+    };
     let data = Bytes::from(sl.data);
     let mut out = Vec::new();
     for (a, b) in sl.ranges {
         let id = s.next_id;
         s.next_id += 1;
-        let run = SealedRun { id, offset: k * cs + a as u64, data: data.slice(a..b), ts: next_ts_ns() };
-        s.inflight.push(Inflight { id, offset: run.offset, data: run.data.clone(), ts: run.ts });
+        let run = SealedRun {
+            id,
+            offset: k * cs + a as u64,
+            data: data.slice(a..b),
+            ts: next_ts_ns(),
+        };
+        s.inflight.push(Inflight {
+            id,
+            offset: run.offset,
+            data: run.data.clone(),
+            ts: run.ts,
+        });
         out.push(run);
     }
     out
@@ -441,7 +489,9 @@ mod tests {
         let mut out = vec![0u8; (end - off) as usize];
         for p in pieces {
             match p {
-                Piece::Mem { data, at } => out[(at - off) as usize..][..data.len()].copy_from_slice(&data),
+                Piece::Mem { data, at } => {
+                    out[(at - off) as usize..][..data.len()].copy_from_slice(&data)
+                }
                 Piece::Zero { .. } => {}
                 Piece::Chunk { .. } => panic!("no chunks in this test"),
             }

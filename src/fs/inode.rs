@@ -30,12 +30,22 @@ pub struct InodeTable {
 
 impl InodeTable {
     pub fn new(root_path: &str) -> Self {
-        let t = InodeTable { inner: RwLock::new(Inner::default()) };
+        let t = InodeTable {
+            inner: RwLock::new(Inner::default()),
+        };
         t.inner.write().by_ino.insert(
             ROOT_INO,
-            NodeRecord { ino: ROOT_INO, path: root_path.to_string(), is_dir: true, nlookup: 1 },
+            NodeRecord {
+                ino: ROOT_INO,
+                path: root_path.to_string(),
+                is_dir: true,
+                nlookup: 1,
+            },
         );
-        t.inner.write().by_path.insert(root_path.to_string(), ROOT_INO);
+        t.inner
+            .write()
+            .by_path
+            .insert(root_path.to_string(), ROOT_INO);
         t
     }
 

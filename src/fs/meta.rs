@@ -38,7 +38,10 @@ pub enum Cached {
 
 impl MetaCache {
     pub fn new(ttl: Duration) -> Self {
-        MetaCache { inner: Mutex::new(Inner::default()), ttl }
+        MetaCache {
+            inner: Mutex::new(Inner::default()),
+            ttl,
+        }
     }
 
     fn fresh(&self, l: &Listing) -> bool {
@@ -59,7 +62,10 @@ impl MetaCache {
     /// Sorted entries of a fresh cached directory.
     pub fn listing(&self, dir: &str) -> Option<Vec<Arc<pb::Entry>>> {
         let g = self.inner.lock();
-        g.dirs.get(dir).filter(|l| self.fresh(l)).map(|l| l.entries.values().cloned().collect())
+        g.dirs
+            .get(dir)
+            .filter(|l| self.fresh(l))
+            .map(|l| l.entries.values().cloned().collect())
     }
 
     pub fn is_cached(&self, dir: &str) -> bool {
@@ -74,17 +80,31 @@ impl MetaCache {
 
     /// Installs a listing fetched from the filer, unless the directory changed meanwhile.
     /// `pinned` entries (files created here but not yet on the filer) are kept.
-    pub fn install(&self, dir: &str, entries: Vec<pb::Entry>, gen: u64, pinned: &[Arc<pb::Entry>]) -> bool {
+    pub fn install(
+        &self,
+        dir: &str,
+        entries: Vec<pb::Entry>,
+        gen: u64,
+        pinned: &[Arc<pb::Entry>],
+    ) -> bool {
         let mut g = self.inner.lock();
         if *g.gens.get(dir).unwrap_or(&0) != gen {
             return false;
         }
-        let mut map: BTreeMap<String, Arc<pb::Entry>> =
-            entries.into_iter().map(|e| (e.name.clone(), Arc::new(e))).collect();
+        let mut map: BTreeMap<String, Arc<pb::Entry>> = entries
+            .into_iter()
+            .map(|e| (e.name.clone(), Arc::new(e)))
+            .collect();
         for p in pinned {
             map.insert(p.name.clone(), p.clone());
         }
-        g.dirs.insert(dir.to_string(), Listing { entries: map, loaded: Instant::now() });
+        g.dirs.insert(
+            dir.to_string(),
+            Listing {
+                entries: map,
+                loaded: Instant::now(),
+            },
+        );
         true
     }
 
@@ -137,7 +157,10 @@ mod tests {
     use super::*;
 
     fn e(name: &str) -> pb::Entry {
-        pb::Entry { name: name.into(), ..Default::default() }
+        pb::Entry {
+            name: name.into(),
+            ..Default::default()
+        }
     }
 
     #[test]

@@ -37,19 +37,28 @@ pub struct FsError {
 
 impl FsError {
     pub fn new(errno: i32, msg: impl Into<String>) -> Self {
-        FsError { errno, msg: msg.into() }
+        FsError {
+            errno,
+            msg: msg.into(),
+        }
     }
 }
 
 impl From<FilerError> for FsError {
     fn from(e: FilerError) -> Self {
-        FsError { errno: e.errno(), msg: e.to_string() }
+        FsError {
+            errno: e.errno(),
+            msg: e.to_string(),
+        }
     }
 }
 
 impl From<VolumeError> for FsError {
     fn from(e: VolumeError) -> Self {
-        FsError { errno: e.errno(), msg: e.to_string() }
+        FsError {
+            errno: e.errno(),
+            msg: e.to_string(),
+        }
     }
 }
 
@@ -105,7 +114,10 @@ impl FsConfig {
             meta_ttl: Duration::from_secs(o.cache_meta_ttl_sec.max(1)),
             read_only: o.read_only,
             umask: o.umask,
-            ids: IdMap { uids: o.uid_map.clone(), gids: o.gid_map.clone() },
+            ids: IdMap {
+                uids: o.uid_map.clone(),
+                gids: o.gid_map.clone(),
+            },
             quota_bytes: o.quota_bytes,
             concurrent_writers: o.concurrent_writers.max(1),
             concurrent_readers: o.concurrent_readers.max(1),
@@ -246,7 +258,8 @@ impl Fs {
     }
 
     pub fn set_quota(&self, bytes: u64) {
-        self.quota.store(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.quota
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
         *self.statfs_cache.lock() = None;
     }
 

@@ -68,7 +68,11 @@ impl Fs {
     }
 
     fn dir_lock(&self, dir: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.dir_locks.lock().entry(dir.to_string()).or_default().clone()
+        self.dir_locks
+            .lock()
+            .entry(dir.to_string())
+            .or_default()
+            .clone()
     }
 
     /// Lists `dir` into the metadata cache (coalesced per directory).
@@ -168,7 +172,10 @@ impl Fs {
             Ok(e) => e,
             Err(FilerError::NotFound(_)) => {
                 if self.cfg.read_only {
-                    return Err(errno(libc::ENOENT, format!("{} does not exist on the filer", self.cfg.root)));
+                    return Err(errno(
+                        libc::ENOENT,
+                        format!("{} does not exist on the filer", self.cfg.root),
+                    ));
                 }
                 let e = self.new_entry(&name, Kind::Dir, 0o777 & !self.cfg.umask, 0, 0, "", 0);
                 let req = pb::CreateEntryRequest {
@@ -186,7 +193,10 @@ impl Fs {
             Err(e) => return Err(e.into()),
         };
         if !e.is_directory {
-            return Err(errno(libc::ENOTDIR, format!("{} is not a directory", self.cfg.root)));
+            return Err(errno(
+                libc::ENOTDIR,
+                format!("{} is not a directory", self.cfg.root),
+            ));
         }
         let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
         a.ino = ROOT_INO;
@@ -202,7 +212,16 @@ impl Fs {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn new_entry(&self, name: &str, kind: Kind, perm: u32, uid: u32, gid: u32, symlink: &str, rdev: u32) -> pb::Entry {
+    fn new_entry(
+        &self,
+        name: &str,
+        kind: Kind,
+        perm: u32,
+        uid: u32,
+        gid: u32,
+        symlink: &str,
+        rdev: u32,
+    ) -> pb::Entry {
         let (s, ns) = now_parts();
         let a = pb::FuseAttributes {
             file_size: 0,
@@ -362,16 +381,21 @@ impl Fs {
             skip_check_parent_directory: true,
             ..Default::default()
         };
-        self.filer.create_entry(req).await.map_err(|err| match err {
-            FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
-            other => other.into(),
-        })?;
+        self.filer
+            .create_entry(req)
+            .await
+            .map_err(|err| match err {
+                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
+                other => other.into(),
+            })?;
         Ok(())
     }
 
     /// Records a change of `dir`'s contents: mtime/ctime now, written back in the background.
     fn touch_dir(&self, dir: &str) {
-        self.dir_times.lock().insert(dir.to_string(), SystemTime::now());
+        self.dir_times
+            .lock()
+            .insert(dir.to_string(), SystemTime::now());
     }
 
     /// Writes pending directory times to the filer (called periodically).
@@ -472,23 +496,49 @@ impl Fs {
         Ok(self.remember(&path, &e, true))
     }
 
-    pub async fn mkdir(&self, parent: u64, name: &str, mode: u32, uid: u32, gid: u32) -> Result<Attr> {
-        self.make_node(parent, name, Kind::Dir, mode & 0o7777, uid, gid, "", 0).await
+    pub async fn mkdir(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        self.make_node(parent, name, Kind::Dir, mode & 0o7777, uid, gid, "", 0)
+            .await
     }
 
-    pub async fn mknod(&self, parent: u64, name: &str, mode: u32, rdev: u32, uid: u32, gid: u32) -> Result<Attr> {
-        let kind = attr::kind_from_posix(mode).ok_or_else(|| errno(libc::EINVAL, "bad file type"))?;
+    pub async fn mknod(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        let kind =
+            attr::kind_from_posix(mode).ok_or_else(|| errno(libc::EINVAL, "bad file type"))?;
         if kind == Kind::Dir || kind == Kind::Symlink {
             return Err(errno(libc::EINVAL, "mknod of a directory or symlink"));
         }
-        self.make_node(parent, name, kind, mode & 0o7777, uid, gid, "", rdev).await
+        self.make_node(parent, name, kind, mode & 0o7777, uid, gid, "", rdev)
+            .await
     }
 
-    pub async fn symlink(&self, parent: u64, name: &str, target: &str, uid: u32, gid: u32) -> Result<Attr> {
+    pub async fn symlink(
+        &self,
+        parent: u64,
+        name: &str,
+        target: &str,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
         if target.len() > 4095 {
             return Err(errno(libc::ENAMETOOLONG, "symlink target too long"));
         }
-        self.make_node(parent, name, Kind::Symlink, 0o777, uid, gid, target, 0).await
+        self.make_node(parent, name, Kind::Symlink, 0o777, uid, gid, target, 0)
+            .await
     }
 
     pub async fn readlink(&self, ino: u64) -> Result<String> {
@@ -536,13 +586,25 @@ impl Fs {
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
         }
-        let of = Arc::new(OpenFile::new(ino, dir.clone(), e.clone(), self.cfg.chunk_size, self.cfg.max_dirty_slots));
+        let of = Arc::new(OpenFile::new(
+            ino,
+            dir.clone(),
+            e.clone(),
+            self.cfg.chunk_size,
+            self.cfg.max_dirty_slots,
+        ));
         {
             let mut s = of.state.lock();
             s.pending_create = true;
             s.meta_dirty = true;
         }
-        self.files.lock().insert(ino, OpenEntry { file: of.clone(), handles: 0 });
+        self.files.lock().insert(
+            ino,
+            OpenEntry {
+                file: of.clone(),
+                handles: 0,
+            },
+        );
         self.meta.upsert(&dir, Arc::new(e.clone()));
         self.touch_dir(&dir);
         let a = self.remember(&path, &e, true);
@@ -630,7 +692,14 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn rename(&self, parent: u64, name: &str, newparent: u64, newname: &str, flags: u32) -> Result<()> {
+    pub async fn rename(
+        &self,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+        flags: u32,
+    ) -> Result<()> {
         self.check_writable()?;
         if flags & RENAME_WHITEOUT != 0 {
             return Err(errno(libc::EINVAL, "RENAME_WHITEOUT is not supported"));
@@ -667,7 +736,10 @@ impl Fs {
             if dst.is_directory && src.is_directory && npath.starts_with(&format!("{opath}/"))
                 || opath.starts_with(&format!("{npath}/"))
             {
-                return Err(errno(libc::EINVAL, "cannot exchange a directory with its descendant"));
+                return Err(errno(
+                    libc::EINVAL,
+                    "cannot exchange a directory with its descendant",
+                ));
             }
             // Three moves through a hidden temporary name in the source directory.
             let tmp = format!(".swx-{}-{}", std::process::id(), super::file::next_ts_ns());
@@ -677,13 +749,18 @@ impl Fs {
                 let _ = self.rename_plain(&odir, &tmp, &odir, name, &tsrc).await;
                 return Err(e);
             }
-            self.rename_plain(&odir, &tmp, &ndir, newname, &tsrc).await?;
+            self.rename_plain(&odir, &tmp, &ndir, newname, &tsrc)
+                .await?;
             return Ok(());
         }
         if let Some(d) = &dst {
             match (src.is_directory, d.is_directory) {
-                (true, false) => return Err(errno(libc::ENOTDIR, format!("{npath} is not a directory"))),
-                (false, true) => return Err(errno(libc::EISDIR, format!("{npath} is a directory"))),
+                (true, false) => {
+                    return Err(errno(libc::ENOTDIR, format!("{npath} is not a directory")))
+                }
+                (false, true) => {
+                    return Err(errno(libc::EISDIR, format!("{npath} is a directory")))
+                }
                 (true, true) => {
                     let np = npath.clone();
                     if self.load_dir(&np).await.unwrap_or(false) {
@@ -705,7 +782,14 @@ impl Fs {
         self.rename_plain(&odir, name, &ndir, newname, &src).await
     }
 
-    async fn rename_plain(&self, odir: &str, name: &str, ndir: &str, newname: &str, src: &pb::Entry) -> Result<()> {
+    async fn rename_plain(
+        &self,
+        odir: &str,
+        name: &str,
+        ndir: &str,
+        newname: &str,
+        src: &pb::Entry,
+    ) -> Result<()> {
         let opath = join(odir, name);
         let npath = join(ndir, newname);
         let ino = entry_inode(&opath, src);
@@ -821,9 +905,15 @@ impl Fs {
         if let Some(o) = self.files.lock().get_mut(&ino) {
             o.handles += 1;
         }
-        self.handles
-            .lock()
-            .insert(fh, Arc::new(Handle { ino, file, writable, seq: parking_lot::Mutex::new((0, 0)) }));
+        self.handles.lock().insert(
+            fh,
+            Arc::new(Handle {
+                ino,
+                file,
+                writable,
+                seq: parking_lot::Mutex::new((0, 0)),
+            }),
+        );
         fh
     }
 
@@ -834,7 +924,12 @@ impl Fs {
             return Ok(h.clone());
         }
         let of = self.open_inode(ino).await?;
-        let h = Arc::new(Handle { ino, file: of, writable: !self.cfg.read_only, seq: parking_lot::Mutex::new((0, 0)) });
+        let h = Arc::new(Handle {
+            ino,
+            file: of,
+            writable: !self.cfg.read_only,
+            seq: parking_lot::Mutex::new((0, 0)),
+        });
         let mut hs = self.handles.lock();
         let h = hs.entry(fh).or_insert(h).clone();
         drop(hs);
@@ -856,15 +951,34 @@ impl Fs {
         }
         let mut entry = (*e).clone();
         if entry.chunks.iter().any(|c| c.is_chunk_manifest) {
-            let resolved = crate::chunks::expand_manifests(&entry.chunks, self.store.as_ref()).await?;
-            let of = OpenFile::new(ino, dir.clone(), entry.clone(), self.cfg.chunk_size, self.cfg.max_dirty_slots);
+            let resolved =
+                crate::chunks::expand_manifests(&entry.chunks, self.store.as_ref()).await?;
+            let of = OpenFile::new(
+                ino,
+                dir.clone(),
+                entry.clone(),
+                self.cfg.chunk_size,
+                self.cfg.max_dirty_slots,
+            );
             of.state.lock().resolved = Arc::new(resolved);
             return Ok(self.install_open(ino, of));
         }
-        if entry.remote_entry.as_ref().map(|r| r.remote_size > 0).unwrap_or(false) && entry.chunks.is_empty() {
+        if entry
+            .remote_entry
+            .as_ref()
+            .map(|r| r.remote_size > 0)
+            .unwrap_or(false)
+            && entry.chunks.is_empty()
+        {
             entry = self.cache_remote(&dir, &name).await?;
         }
-        let of = OpenFile::new(ino, dir, entry, self.cfg.chunk_size, self.cfg.max_dirty_slots);
+        let of = OpenFile::new(
+            ino,
+            dir,
+            entry,
+            self.cfg.chunk_size,
+            self.cfg.max_dirty_slots,
+        );
         Ok(self.install_open(ino, of))
     }
 
@@ -877,7 +991,14 @@ impl Fs {
 
     fn install_open(&self, ino: u64, of: OpenFile) -> Arc<OpenFile> {
         let mut files = self.files.lock();
-        files.entry(ino).or_insert_with(|| OpenEntry { file: Arc::new(of), handles: 0 }).file.clone()
+        files
+            .entry(ino)
+            .or_insert_with(|| OpenEntry {
+                file: Arc::new(of),
+                handles: 0,
+            })
+            .file
+            .clone()
     }
 
     /// open(2). Returns the handle and whether the kernel may keep its page cache.
@@ -963,7 +1084,9 @@ impl Fs {
             let of = of.clone();
             let stats_bytes = run.data.len() as u64;
             self.stats.uploads.fetch_add(1, Ordering::Relaxed);
-            self.stats.upload_bytes.fetch_add(stats_bytes, Ordering::Relaxed);
+            self.stats
+                .upload_bytes
+                .fetch_add(stats_bytes, Ordering::Relaxed);
             self.stats.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
             let fs_stats = crate::metrics::global();
             let cache = self.cache.clone();
@@ -1061,7 +1184,8 @@ impl Fs {
 
     /// Flushes every open file (before a handover or shutdown).
     pub async fn flush_all(&self) -> Result<()> {
-        let files: Vec<Arc<OpenFile>> = self.files.lock().values().map(|o| o.file.clone()).collect();
+        let files: Vec<Arc<OpenFile>> =
+            self.files.lock().values().map(|o| o.file.clone()).collect();
         let mut first_err = None;
         for of in files {
             if let Err(e) = self.flush_file(&of).await {
@@ -1086,10 +1210,21 @@ impl Fs {
         let entries: Vec<Arc<pb::Entry>> = if self.load_dir(&dir).await? {
             match self.meta.listing(&dir) {
                 Some(l) => l,
-                None => self.filer.list_all(&dir).await?.into_iter().map(Arc::new).collect(),
+                None => self
+                    .filer
+                    .list_all(&dir)
+                    .await?
+                    .into_iter()
+                    .map(Arc::new)
+                    .collect(),
             }
         } else {
-            self.filer.list_all(&dir).await?.into_iter().map(Arc::new).collect()
+            self.filer
+                .list_all(&dir)
+                .await?
+                .into_iter()
+                .map(Arc::new)
+                .collect()
         };
         let parent_ino = if ino == ROOT_INO {
             ROOT_INO
@@ -1097,13 +1232,28 @@ impl Fs {
             self.inodes.ino_of(&split(&dir).0).unwrap_or(ROOT_INO)
         };
         let mut out = Vec::with_capacity(entries.len() + 2);
-        out.push(DirEntryOut { name: ".".into(), ino, kind: Kind::Dir, attr: None });
-        out.push(DirEntryOut { name: "..".into(), ino: parent_ino, kind: Kind::Dir, attr: None });
+        out.push(DirEntryOut {
+            name: ".".into(),
+            ino,
+            kind: Kind::Dir,
+            attr: None,
+        });
+        out.push(DirEntryOut {
+            name: "..".into(),
+            ino: parent_ino,
+            kind: Kind::Dir,
+            attr: None,
+        });
         for e in entries {
             let path = join(&dir, &e.name);
             let eino = entry_inode(&path, &e);
             let a = self.attr_of(eino, &path, &e);
-            out.push(DirEntryOut { name: e.name.clone(), ino: eino, kind: a.kind, attr: Some(a) });
+            out.push(DirEntryOut {
+                name: e.name.clone(),
+                ino: eino,
+                kind: a.kind,
+                attr: Some(a),
+            });
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.dir_handles.lock().insert(fh, Arc::new(out));
@@ -1130,7 +1280,8 @@ impl Fs {
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
-            self.inodes.remember(e.ino, &join(&dir, &e.name), e.kind, true);
+            self.inodes
+                .remember(e.ino, &join(&dir, &e.name), e.kind, true);
         }
     }
 
@@ -1222,8 +1373,11 @@ impl Fs {
 
     pub async fn listxattr(&self, ino: u64) -> Result<Vec<String>> {
         let (_, e) = self.entry_for_xattr(ino).await?;
-        let mut v: Vec<String> =
-            e.extended.keys().filter_map(|k| k.strip_prefix(XATTR_PREFIX).map(str::to_string)).collect();
+        let mut v: Vec<String> = e
+            .extended
+            .keys()
+            .filter_map(|k| k.strip_prefix(XATTR_PREFIX).map(str::to_string))
+            .collect();
         v.sort();
         Ok(v)
     }
@@ -1291,7 +1445,14 @@ impl Fs {
 
     /// fallocate(2): mode 0 (and KEEP_SIZE) is honoured by reserving the size; SeaweedFS has no
     /// preallocation, so punching holes and other modes are not supported.
-    pub async fn fallocate(&self, fh: u64, ino: u64, offset: u64, length: u64, mode: i32) -> Result<()> {
+    pub async fn fallocate(
+        &self,
+        fh: u64,
+        ino: u64,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> Result<()> {
         self.check_writable()?;
         if mode & !libc::FALLOC_FL_KEEP_SIZE != 0 {
             return Err(errno(libc::EOPNOTSUPP, "fallocate mode not supported"));
@@ -1300,7 +1461,9 @@ impl Fs {
         if mode & libc::FALLOC_FL_KEEP_SIZE != 0 {
             return Ok(());
         }
-        let end = offset.checked_add(length).ok_or_else(|| errno(libc::EFBIG, "too large"))?;
+        let end = offset
+            .checked_add(length)
+            .ok_or_else(|| errno(libc::EFBIG, "too large"))?;
         let grow = {
             let s = h.file.state.lock();
             end > s.size
@@ -1330,11 +1493,17 @@ impl Fs {
 
     /// Applies one metadata event from the filer (another client's change).
     pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
-        let Some(n) = ev.event_notification.as_ref() else { return };
+        let Some(n) = ev.event_notification.as_ref() else {
+            return;
+        };
         let dir = ev.directory.as_str();
         let notifier = self.notifier.read().clone();
         if let Some(old) = &n.old_entry {
-            let renamed_or_deleted = n.new_entry.as_ref().map(|ne| ne.name != old.name).unwrap_or(true)
+            let renamed_or_deleted = n
+                .new_entry
+                .as_ref()
+                .map(|ne| ne.name != old.name)
+                .unwrap_or(true)
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
                 self.meta.remove(dir, &old.name);
@@ -1355,7 +1524,11 @@ impl Fs {
             }
         }
         if let Some(new) = &n.new_entry {
-            let ndir = if n.new_parent_path.is_empty() { dir } else { n.new_parent_path.as_str() };
+            let ndir = if n.new_parent_path.is_empty() {
+                dir
+            } else {
+                n.new_parent_path.as_str()
+            };
             self.meta.upsert(ndir, Arc::new(new.clone()));
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);

@@ -16,7 +16,12 @@ pub fn chunk_key(c: &pb::FileChunk) -> String {
         Some(f) => {
             let key = f.file_key.to_be_bytes();
             let first = key.iter().position(|b| *b != 0).unwrap_or(7);
-            format!("{},{}{:08x}", f.volume_id, hex::encode(&key[first..]), f.cookie)
+            format!(
+                "{},{}{:08x}",
+                f.volume_id,
+                hex::encode(&key[first..]),
+                f.cookie
+            )
         }
         None => String::new(),
     }
@@ -75,10 +80,16 @@ impl Fs {
         match p {
             Piece::Zero { len, .. } => Ok(Bytes::from(vec![0u8; len as usize])),
             Piece::Mem { data, .. } => Ok(data),
-            Piece::Chunk { chunk, offset_in_chunk, len, .. } => {
+            Piece::Chunk {
+                chunk,
+                offset_in_chunk,
+                len,
+                ..
+            } => {
                 let key = chunk_key(&chunk);
                 let plain = chunk.cipher_key.is_empty() && !chunk.is_compressed;
-                let whole = sequential || !plain || len > RANDOM_RANGE_MAX || self.cache.contains(&key);
+                let whole =
+                    sequential || !plain || len > RANDOM_RANGE_MAX || self.cache.contains(&key);
                 let data = if whole {
                     self.whole_chunk(&chunk, &key).await?
                 } else {
@@ -113,19 +124,27 @@ impl Fs {
             return;
         }
         let window = (self.cfg.readahead_chunks * self.cfg.chunk_size) as u64;
-        let Some((_, pieces, _)) = of.plan_read(from, window) else { return };
+        let Some((_, pieces, _)) = of.plan_read(from, window) else {
+            return;
+        };
         for p in pieces {
-            let Piece::Chunk { chunk, .. } = p else { continue };
+            let Piece::Chunk { chunk, .. } = p else {
+                continue;
+            };
             let key = chunk_key(&chunk);
             if self.cache.contains(&key) {
                 continue;
             }
-            let Ok(permit) = self.prefetch_sem.clone().try_acquire_owned() else { return };
+            let Ok(permit) = self.prefetch_sem.clone().try_acquire_owned() else {
+                return;
+            };
             let cache = self.cache.clone();
             let store = self.store.clone();
             tokio::spawn(async move {
                 let c = chunk.clone();
-                let _ = cache.get_or_fetch(&key, async move { store.fetch_chunk(&c).await }).await;
+                let _ = cache
+                    .get_or_fetch(&key, async move { store.fetch_chunk(&c).await })
+                    .await;
                 drop(permit);
             });
         }
@@ -134,7 +153,10 @@ impl Fs {
 
 fn check_len(b: Bytes, len: u64, key: &str) -> Result<Bytes> {
     if (b.len() as u64) < len {
-        return Err(errno(libc::EIO, format!("short read of {key}: {} < {len}", b.len())));
+        return Err(errno(
+            libc::EIO,
+            format!("short read of {key}: {} < {len}", b.len()),
+        ));
     }
     Ok(b.slice(..len as usize))
 }
@@ -146,7 +168,11 @@ mod tests {
     #[test]
     fn key_from_fid() {
         let c = pb::FileChunk {
-            fid: Some(pb::FileId { volume_id: 2, file_key: 1, cookie: 0x3728e3cc }),
+            fid: Some(pb::FileId {
+                volume_id: 2,
+                file_key: 1,
+                cookie: 0x3728e3cc,
+            }),
             ..Default::default()
         };
         assert_eq!(chunk_key(&c), "2,013728e3cc");
