@@ -102,7 +102,19 @@ pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
             f.flush_dir_times().await;
         }
     });
-    vec![sub, events, flusher]
+    let f = fs.clone();
+    let health = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            let ok = tokio::time::timeout(Duration::from_secs(5), f.filer.configuration()).await;
+            f.set_healthy(matches!(ok, Ok(Ok(_))));
+            if f.quota() > 0 {
+                f.refresh_usage().await;
+            }
+        }
+    });
+    vec![sub, events, flusher, health]
 }
 
 /// Checks that `dir` can be mounted on: exists (or is created), is a directory, is empty
