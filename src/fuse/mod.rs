@@ -1,1 +1,4 @@
 //! Thin fuser adapter, session lifecycle and live-connection takeover.
+pub mod adapter;
+pub mod mount_cmd;
+pub mod session;
