@@ -54,10 +54,6 @@ fn is_dead_errno(e: Errno) -> bool {
     matches!(e, Errno::ENOTCONN | Errno::EIO | Errno::ECONNABORTED)
 }
 
-fn cpath(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| MountError::sys("path", path, Errno::EINVAL))
-}
-
 /// One `statx` that forces a round trip to the filesystem (FUSE honours
 /// `AT_STATX_FORCE_SYNC` with a GETATTR), so a dead daemon shows up as `ENOTCONN` even while the
 /// kernel still caches the root's attributes.
