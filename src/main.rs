@@ -39,7 +39,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {
             addresses: plan.filers.clone(),
-            security,
+            security: security.clone(),
             ..Default::default()
         })
         .await?;
@@ -56,11 +56,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
             Some(Arc::new(FakeStager::new(dir.clone())?))
         } else {
-            // TODO(lead): the real FUSE stager:
-            //     Some(Arc::new(seaweedfs_csi_driver::fuse::stager::FuseStager::new(
-            //         plan.node.defaults.base.clone(),
-            //     )))
-            anyhow::bail!("the node component needs the FUSE stager, which is not wired yet (tests: --fakeStager=<dir>)");
+            Some(Arc::new(seaweedfs_csi_driver::fuse::stager::FuseStager::new(security.clone())))
         };
         cli::run_driver(plan, filer, stager).await?;
         Ok(())

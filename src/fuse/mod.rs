@@ -2,3 +2,4 @@
 pub mod adapter;
 pub mod mount_cmd;
 pub mod session;
+pub mod stager;
