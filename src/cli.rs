@@ -39,10 +39,11 @@ pub struct Cli {
 pub enum Command {
     /// Mount a filer path in the foreground (like `weed mount`).
     Mount(crate::fuse::mount_cmd::MountArgs),
-    // TODO(lead): add the fd-keeper once `crate::keeper::{KeeperArgs, run}` exists:
-    //     /// Hold /dev/fuse descriptors across plugin restarts.
-    //     Keeper(crate::keeper::KeeperArgs),
-    // and dispatch it in src/main.rs (see the TODO there).
+    /// Hold /dev/fuse descriptors so FUSE sessions survive plugin restarts (sidecar role).
+    Keeper(crate::keeper::KeeperArgs),
+    /// A trivial in-memory FUSE filesystem (tests and the benchmark ceiling).
+    #[command(hide = true)]
+    Memfs(crate::fuse::memfs::MemfsArgs),
 }
 
 /// Flags of the driver (default mode). Names and defaults follow the Go driver.

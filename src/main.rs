@@ -18,8 +18,8 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(args),
-        // TODO(lead): `Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),`
-        // once the Keeper variant is added to `cli::Command`.
+        Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),
+        Some(Command::Memfs(args)) => seaweedfs_csi_driver::fuse::memfs::run(args),
         None => run_driver(cli.driver),
     };
     match result {
