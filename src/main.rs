@@ -8,6 +8,7 @@ use seaweedfs_csi_driver::cli::{self, Cli, Command, DriverArgs};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::FilerApi;
+use seaweedfs_csi_driver::fuse::stager::FuseStager;
 use seaweedfs_csi_driver::security::SecurityConfig;
 
 fn main() -> ExitCode {
@@ -34,7 +35,9 @@ fn main() -> ExitCode {
 
 fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     let plan = args.plan()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {
@@ -50,15 +53,32 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             tracing::warn!(port, "--metricsPort is not served yet");
         }
 
+        let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {
             None
         } else if let Some(dir) = &plan.fake_stager_dir {
             tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
             Some(Arc::new(FakeStager::new(dir.clone())?))
         } else {
-            Some(Arc::new(seaweedfs_csi_driver::fuse::stager::FuseStager::new(security.clone())))
+            let s = Arc::new(match &plan.keeper_socket {
+                Some(sock) => FuseStager::with_keeper(security.clone(), sock)?,
+                None => {
+                    tracing::warn!("no --keeperSocket: FUSE sessions end when this process ends");
+                    FuseStager::new(security.clone())
+                }
+            });
+            let found = s.adopt_all();
+            if found > 0 {
+                tracing::info!(sessions = found, "adopting live FUSE sessions from the fd-keeper");
+            }
+            fuse_stager = Some(s.clone());
+            Some(s)
         };
-        cli::run_driver(plan, filer, stager).await?;
+        let served = cli::run_driver(plan, filer, stager).await;
+        if let Some(s) = fuse_stager {
+            s.shutdown().await;
+        }
+        served?;
         Ok(())
     })
 }

@@ -5,10 +5,10 @@
 
 use super::attr::Kind;
 use super::journal::{Journal, JournalOp};
-use std::sync::Arc;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub const ROOT_INO: u64 = 1;
 
@@ -57,7 +57,14 @@ impl InodeTable {
     pub fn set_journal(&self, j: Arc<Journal>) {
         for r in self.snapshot() {
             if r.ino != ROOT_INO {
-                self.log(&j, JournalOp::Remember { ino: r.ino, path: r.path, is_dir: r.is_dir });
+                self.log(
+                    &j,
+                    JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    },
+                );
             }
         }
         *self.journal.write() = Some(j);
@@ -76,7 +83,11 @@ impl InodeTable {
                 self.snapshot()
                     .into_iter()
                     .filter(|r| r.ino != ROOT_INO)
-                    .map(|r| JournalOp::Remember { ino: r.ino, path: r.path, is_dir: r.is_dir })
+                    .map(|r| JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    })
                     .collect()
             });
         }
@@ -109,7 +120,11 @@ impl InodeTable {
     /// Records that the kernel now knows `ino` as `path` (one more lookup when `counted`).
     pub fn remember(&self, ino: u64, path: &str, kind: Kind, counted: bool) {
         if self.remember_quiet(ino, path, kind, counted) {
-            self.journal(JournalOp::Remember { ino, path: path.to_string(), is_dir: kind == Kind::Dir });
+            self.journal(JournalOp::Remember {
+                ino,
+                path: path.to_string(),
+                is_dir: kind == Kind::Dir,
+            });
         }
     }
 
@@ -176,7 +191,10 @@ impl InodeTable {
     /// `old` (and everything below it) is now at `new`.
     pub fn rename(&self, old: &str, new: &str) {
         self.rename_quiet(old, new);
-        self.journal(JournalOp::Rename { from: old.to_string(), to: new.to_string() });
+        self.journal(JournalOp::Rename {
+            from: old.to_string(),
+            to: new.to_string(),
+        });
     }
 
     fn rename_quiet(&self, old: &str, new: &str) {

@@ -22,9 +22,18 @@ const COMPACT_AT: u64 = 32 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JournalOp {
-    Remember { ino: u64, path: String, is_dir: bool },
-    Forget { ino: u64 },
-    Rename { from: String, to: String },
+    Remember {
+        ino: u64,
+        path: String,
+        is_dir: bool,
+    },
+    Forget {
+        ino: u64,
+    },
+    Rename {
+        from: String,
+        to: String,
+    },
 }
 
 pub struct Journal {
@@ -35,8 +44,14 @@ pub struct Journal {
 impl Journal {
     /// A new, empty journal in a fresh memfd.
     pub fn create() -> io::Result<Self> {
-        let fd = nix::sys::memfd::memfd_create(c"seaweedfs-inodes", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)?;
-        let j = Journal { file: File::from(fd), state: parking_lot::Mutex::new((HEADER, HEADER)) };
+        let fd = nix::sys::memfd::memfd_create(
+            c"seaweedfs-inodes",
+            nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+        )?;
+        let j = Journal {
+            file: File::from(fd),
+            state: parking_lot::Mutex::new((HEADER, HEADER)),
+        };
         j.write_header(HEADER, HEADER)?;
         Ok(j)
     }
@@ -49,9 +64,15 @@ impl Journal {
         let start = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
         let end = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
         if start < HEADER || end < start {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "corrupt inode journal header"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "corrupt inode journal header",
+            ));
         }
-        Ok(Journal { file, state: parking_lot::Mutex::new((start, end)) })
+        Ok(Journal {
+            file,
+            state: parking_lot::Mutex::new((start, end)),
+        })
     }
 
     pub fn fd(&self) -> BorrowedFd<'_> {
@@ -120,7 +141,8 @@ impl Journal {
         // give the old range's pages back
         let _ = nix::fcntl::fallocate(
             std::os::fd::AsRawFd::as_raw_fd(&self.file),
-            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             old.0 as i64,
             (old.1 - old.0) as i64,
         );
@@ -136,19 +158,29 @@ impl Journal {
         let mut i = 0usize;
         let bad = || io::Error::new(io::ErrorKind::InvalidData, "corrupt inode journal record");
         let get_str = |i: &mut usize| -> io::Result<String> {
-            let l = u16::from_le_bytes(data.get(*i..*i + 2).ok_or_else(bad)?.try_into().expect("2")) as usize;
+            let l = u16::from_le_bytes(data.get(*i..*i + 2).ok_or_else(bad)?.try_into().expect("2"))
+                as usize;
             let s = data.get(*i + 2..*i + 2 + l).ok_or_else(bad)?;
             *i += 2 + l;
             Ok(String::from_utf8_lossy(s).into_owned())
         };
         while i < data.len() {
             let op = data[i];
-            let ino = u64::from_le_bytes(data.get(i + 1..i + 9).ok_or_else(bad)?.try_into().expect("8"));
+            let ino = u64::from_le_bytes(
+                data.get(i + 1..i + 9)
+                    .ok_or_else(bad)?
+                    .try_into()
+                    .expect("8"),
+            );
             i += 9;
             match op & 0x7f {
                 OP_REMEMBER => {
                     let path = get_str(&mut i)?;
-                    ops.push(JournalOp::Remember { ino, path, is_dir: op & 0x80 != 0 });
+                    ops.push(JournalOp::Remember {
+                        ino,
+                        path,
+                        is_dir: op & 0x80 != 0,
+                    });
                 }
                 OP_FORGET => {
                     get_str(&mut i)?;
@@ -173,16 +205,32 @@ mod tests {
     #[test]
     fn append_replay_and_reopen() {
         let j = Journal::create().unwrap();
-        j.append(&JournalOp::Remember { ino: 5, path: "/a".into(), is_dir: true }).unwrap();
-        j.append(&JournalOp::Rename { from: "/a".into(), to: "/b".into() }).unwrap();
+        j.append(&JournalOp::Remember {
+            ino: 5,
+            path: "/a".into(),
+            is_dir: true,
+        })
+        .unwrap();
+        j.append(&JournalOp::Rename {
+            from: "/a".into(),
+            to: "/b".into(),
+        })
+        .unwrap();
         j.append(&JournalOp::Forget { ino: 5 }).unwrap();
         let dup = j.fd().try_clone_to_owned().unwrap();
         let j2 = Journal::open(dup).unwrap();
         assert_eq!(
             j2.replay().unwrap(),
             vec![
-                JournalOp::Remember { ino: 5, path: "/a".into(), is_dir: true },
-                JournalOp::Rename { from: "/a".into(), to: "/b".into() },
+                JournalOp::Remember {
+                    ino: 5,
+                    path: "/a".into(),
+                    is_dir: true
+                },
+                JournalOp::Rename {
+                    from: "/a".into(),
+                    to: "/b".into()
+                },
                 JournalOp::Forget { ino: 5 },
             ]
         );
@@ -191,9 +239,16 @@ mod tests {
     #[test]
     fn torn_append_is_not_replayed() {
         let j = Journal::create().unwrap();
-        j.append(&JournalOp::Remember { ino: 7, path: "/x".into(), is_dir: false }).unwrap();
+        j.append(&JournalOp::Remember {
+            ino: 7,
+            path: "/x".into(),
+            is_dir: false,
+        })
+        .unwrap();
         // bytes written past `end` without a header update (a crash mid-append)
-        j.file.write_all_at(&[1, 2, 3, 4, 5], j.state.lock().1).unwrap();
+        j.file
+            .write_all_at(&[1, 2, 3, 4, 5], j.state.lock().1)
+            .unwrap();
         let j2 = Journal::open(j.fd().try_clone_to_owned().unwrap()).unwrap();
         assert_eq!(j2.replay().unwrap().len(), 1);
     }

@@ -65,7 +65,12 @@ impl Gate {
 
 impl FuseAdapter {
     pub fn new(fs: Arc<Fs>, rt: tokio::runtime::Handle, init_hook: Option<InitHook>) -> Self {
-        FuseAdapter { fs, rt, init_hook, gate: Arc::default() }
+        FuseAdapter {
+            fs,
+            rt,
+            init_hook,
+            gate: Arc::default(),
+        }
     }
 
     pub fn gate(&self) -> Arc<Gate> {

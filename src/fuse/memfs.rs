@@ -29,8 +29,8 @@ use anyhow::Context;
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request,
-    SessionACL, TimeOrNow, WriteFlags,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, SessionACL,
+    TimeOrNow, WriteFlags,
 };
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
@@ -180,7 +180,14 @@ impl MemState {
         })
     }
 
-    fn new_node(&mut self, req: &Request, parent: u64, name: &str, kind: Kind, mode: u32) -> R<u64> {
+    fn new_node(
+        &mut self,
+        req: &Request,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        mode: u32,
+    ) -> R<u64> {
         if self.dir(parent)?.children.contains_key(name) {
             return Err(Errno::EEXIST);
         }
@@ -278,7 +285,9 @@ impl Shared {
     /// The keeper blob for `st` (None without a keeper).
     fn blob(&self, st: &MemState) -> anyhow::Result<Option<Vec<u8>>> {
         let sink = self.sink.lock();
-        let Some(s) = sink.as_ref() else { return Ok(None) };
+        let Some(s) = sink.as_ref() else {
+            return Ok(None);
+        };
         let h = Handover::new(s.mountpoint.clone(), s.init.clone(), st);
         Ok(Some(h.to_bytes()?))
     }
@@ -330,7 +339,10 @@ impl MemFs {
     fn note(&self, req: &Request, op: &str) {
         let unique = req.unique().0;
         if !self.sh.first_seen.swap(true, Ordering::Relaxed) {
-            eprintln!("memfs-event: first-request unix_ns={} unique={unique:#x} op={op}", now_ns());
+            eprintln!(
+                "memfs-event: first-request unix_ns={} unique={unique:#x} op={op}",
+                now_ns()
+            );
         }
         if unique & RESEND_UNIQUE_BIT != 0 {
             eprintln!("memfs-event: resent unique={unique:#x} op={op}");
@@ -442,7 +454,9 @@ impl Filesystem for MemFs {
                 match mtime {
                     Some(TimeOrNow::Now) => n.mtime_ns = now_ns(),
                     Some(TimeOrNow::SpecificTime(t)) => {
-                        n.mtime_ns = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+                        n.mtime_ns = t
+                            .duration_since(UNIX_EPOCH)
+                            .map_or(0, |d| d.as_nanos() as u64)
                     }
                     None => {}
                 }
@@ -629,7 +643,9 @@ impl Filesystem for MemFs {
             },
             |st, out| match out {
                 Outcome::Created { ino, fh } => match st.attr(ino) {
-                    Ok(a) => reply.created(&ttl, &a, Generation(0), FileHandle(fh), FopenFlags::empty()),
+                    Ok(a) => {
+                        reply.created(&ttl, &a, Generation(0), FileHandle(fh), FopenFlags::empty())
+                    }
                     Err(e) => reply.error(e),
                 },
                 Outcome::Err(e) => reply.error(errno(e)),
@@ -651,9 +667,18 @@ impl Filesystem for MemFs {
     ) {
         self.note(req, "read");
         if let Some((name, delay)) = &self.sh.hold {
-            let held = self.sh.state.read().node(ino.0).is_ok_and(|n| &n.name == name);
+            let held = self
+                .sh
+                .state
+                .read()
+                .node(ino.0)
+                .is_ok_and(|n| &n.name == name);
             if held {
-                eprintln!("memfs-event: hold unique={:#x} ms={}", req.unique().0, delay.as_millis());
+                eprintln!(
+                    "memfs-event: hold unique={:#x} ms={}",
+                    req.unique().0,
+                    delay.as_millis()
+                );
                 std::thread::sleep(*delay);
             }
         }
@@ -706,7 +731,14 @@ impl Filesystem for MemFs {
         );
     }
 
-    fn flush(&self, req: &Request, _ino: INodeNo, _fh: FileHandle, _lo: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lo: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         self.note(req, "flush");
         reply.ok();
     }
@@ -764,7 +796,12 @@ impl Filesystem for MemFs {
             };
             (child, kind, name.as_str())
         });
-        for (i, (child, kind, name)) in dots.into_iter().chain(kids).enumerate().skip(offset as usize) {
+        for (i, (child, kind, name)) in dots
+            .into_iter()
+            .chain(kids)
+            .enumerate()
+            .skip(offset as usize)
+        {
             if reply.add(INodeNo(child), i as u64 + 1, kind, name) {
                 break;
             }
@@ -882,9 +919,11 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     mask.thread_block()?;
 
     let client = match &args.keeper {
-        Some(p) => Some(Arc::new(
-            KeeperClient::connect(p).with_context(|| format!("connect keeper {}", p.display()))?,
-        )),
+        Some(p) => {
+            Some(Arc::new(KeeperClient::connect(p).with_context(|| {
+                format!("connect keeper {}", p.display())
+            })?))
+        }
         None => None,
     };
     let id = match (&client, &args.id) {
@@ -920,7 +959,11 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             tracing::warn!(kept = %h.mountpoint.display(), given = %args.dir.display(),
                 "adopting a connection mounted elsewhere; --dir is ignored");
         }
-        let fd = entry.fds.into_iter().next().context("keeper entry has no fd")?;
+        let fd = entry
+            .fds
+            .into_iter()
+            .next()
+            .context("keeper entry has no fd")?;
         let fs = MemFs::new(h.state, opts);
         let handle = fs.clone_handle();
         *fs.sh.sink.lock() = Some(Sink {
@@ -992,7 +1035,11 @@ mod tests {
     #[test]
     fn state_roundtrips_through_json() {
         let mut st = MemState::default();
-        st.nodes.get_mut(&ROOT).unwrap().children.insert("f".into(), 2);
+        st.nodes
+            .get_mut(&ROOT)
+            .unwrap()
+            .children
+            .insert("f".into(), 2);
         st.nodes.insert(
             2,
             Node {
@@ -1033,7 +1080,11 @@ mod tests {
     #[test]
     fn unlinked_open_file_lives_until_release() {
         let mut st = MemState::default();
-        st.nodes.get_mut(&ROOT).unwrap().children.insert("f".into(), 2);
+        st.nodes
+            .get_mut(&ROOT)
+            .unwrap()
+            .children
+            .insert("f".into(), 2);
         st.nodes.insert(
             2,
             Node {
