@@ -54,7 +54,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             None
         } else if let Some(dir) = &plan.fake_stager_dir {
             tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
-            Some(Arc::new(FakeStager::new(dir.clone())?))
+            Some(Arc::new(FakeStager::new(dir.clone())?.leave_mounts_on_drop()))
         } else {
             // TODO(lead): the real FUSE stager:
             //     Some(Arc::new(seaweedfs_csi_driver::fuse::stager::FuseStager::new(
