@@ -49,7 +49,11 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct DriverArgs {
     /// CSI endpoint: unix:///path/csi.sock or tcp://host:port
-    #[arg(long, env = "WEED_ENDPOINT", default_value = "unix:///tmp/seaweedfs-csi.sock")]
+    #[arg(
+        long,
+        env = "WEED_ENDPOINT",
+        default_value = "unix:///tmp/seaweedfs-csi.sock"
+    )]
     pub endpoint: String,
 
     /// Filer address(es), comma-separated (host:port or host:port.grpcPort)
@@ -119,7 +123,11 @@ pub struct DriverArgs {
     pub topology_keys: String,
 
     /// Maximum volumes per node reported to Kubernetes (0 = unlimited)
-    #[arg(long = "maxVolumesPerNode", env = "WEED_MAXVOLUMESPERNODE", default_value_t = 0)]
+    #[arg(
+        long = "maxVolumesPerNode",
+        env = "WEED_MAXVOLUMESPERNODE",
+        default_value_t = 0
+    )]
     pub max_volumes_per_node: i64,
 
     /// Port for Prometheus metrics (0 or unset = off)
@@ -173,7 +181,10 @@ pub enum CliError {
 }
 
 fn invalid(flag: &'static str, reason: impl Into<String>) -> CliError {
-    CliError::Invalid { flag, reason: reason.into() }
+    CliError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
 }
 
 /// Rewrites Go-style `-flag` / `-flag=value` into `--flag...` for every long flag we know, so
@@ -218,7 +229,8 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
         }
         if let Some(rest) = s.strip_prefix('-').filter(|r| !r.starts_with('-')) {
             let name = rest.split('=').next().unwrap_or("");
-            let single_short = name.chars().count() == 1 && shorts.contains(&name.chars().next().unwrap_or(' '));
+            let single_short =
+                name.chars().count() == 1 && shorts.contains(&name.chars().next().unwrap_or(' '));
             if name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
                 && longs.iter().any(|l| l == name)
                 && !single_short
@@ -237,7 +249,8 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
 pub fn init_tracing(log: &LogArgs) -> Result<(), CliError> {
     use tracing_subscriber::EnvFilter;
     let filter = if let Some(l) = log.log_level.as_deref().filter(|l| !l.trim().is_empty()) {
-        EnvFilter::try_new(l.trim()).map_err(|e| CliError::Logging(format!("--logLevel {l:?}: {e}")))?
+        EnvFilter::try_new(l.trim())
+            .map_err(|e| CliError::Logging(format!("--logLevel {l:?}: {e}")))?
     } else if let Some(v) = log.v {
         EnvFilter::new(match v {
             0 | 1 => "info",
@@ -279,11 +292,21 @@ impl DriverArgs {
     /// `(controller, node)` from `--components`.
     pub fn components(&self) -> Result<(bool, bool), CliError> {
         let (mut controller, mut node) = (false, false);
-        for c in self.components.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+        for c in self
+            .components
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+        {
             match c {
                 "controller" => controller = true,
                 "node" => node = true,
-                other => return Err(invalid("components", format!("unknown component {other:?}"))),
+                other => {
+                    return Err(invalid(
+                        "components",
+                        format!("unknown component {other:?}"),
+                    ))
+                }
             }
         }
         if !controller && !node {
@@ -302,14 +325,21 @@ impl DriverArgs {
                 return id.trim().to_string();
             }
         }
-        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default()
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default()
     }
 
     /// `--topologyKeys` as segments. Bare label keys need the Kubernetes API, which this
     /// driver does not use; they are skipped with a warning.
     pub fn topology(&self) -> Result<HashMap<String, String>, CliError> {
         let mut out = HashMap::new();
-        for item in self.topology_keys.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in self
+            .topology_keys
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             match item.split_once('=') {
                 Some((k, v)) if !k.trim().is_empty() => {
                     out.insert(k.trim().to_string(), v.trim().to_string());
@@ -325,8 +355,13 @@ impl DriverArgs {
     }
 
     pub fn filers(&self) -> Result<Vec<String>, CliError> {
-        let list: Vec<String> =
-            self.filer.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        let list: Vec<String> = self
+            .filer
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
         if list.is_empty() {
             return Err(invalid("filer", "at least one filer address is required"));
         }
@@ -336,7 +371,11 @@ impl DriverArgs {
     /// Node-wide mount defaults. Like the Go driver, FUSE volumes use umask 000 (kubelet's
     /// fsGroup handling and pod security decide access, not the mount).
     pub fn volume_defaults(&self) -> Result<VolumeDefaults, CliError> {
-        let mut base = MountOptions { filers: self.filers()?, umask: 0, ..Default::default() };
+        let mut base = MountOptions {
+            filers: self.filers()?,
+            umask: 0,
+            ..Default::default()
+        };
         if let Some(v) = self.cache_capacity_mb {
             base.cache_capacity_mb = v;
         }
@@ -355,9 +394,15 @@ impl DriverArgs {
         }
         base.uid_map = parse_id_map(&self.map_uid).map_err(|r| invalid("map.uid", r))?;
         base.gid_map = parse_id_map(&self.map_gid).map_err(|r| invalid("map.gid", r))?;
-        let data_locality: DataLocality = self.data_locality.parse().map_err(|r: String| invalid("dataLocality", r))?;
+        let data_locality: DataLocality = self
+            .data_locality
+            .parse()
+            .map_err(|r: String| invalid("dataLocality", r))?;
         if data_locality != DataLocality::None && self.data_center.trim().is_empty() {
-            return Err(invalid("dataLocality", "write_preferLocalDc needs --dataCenter"));
+            return Err(invalid(
+                "dataLocality",
+                "write_preferLocalDc needs --dataCenter",
+            ));
         }
         Ok(VolumeDefaults {
             base,
@@ -368,7 +413,10 @@ impl DriverArgs {
     }
 
     pub fn plan(&self) -> Result<DriverPlan, CliError> {
-        let endpoint: Endpoint = self.endpoint.parse().map_err(|e: ServeError| invalid("endpoint", e.to_string()))?;
+        let endpoint: Endpoint = self
+            .endpoint
+            .parse()
+            .map_err(|e: ServeError| invalid("endpoint", e.to_string()))?;
         let (run_controller, run_node) = self.components()?;
         if self.mount_endpoint.is_some() {
             tracing::warn!("--mountEndpoint is ignored: FUSE runs inside this driver, no mount service is used");
@@ -386,7 +434,9 @@ impl DriverArgs {
             run_controller,
             run_node,
             filers: self.filers()?,
-            controller: ControllerConfig { attacher: self.attacher },
+            controller: ControllerConfig {
+                attacher: self.attacher,
+            },
             node: NodeConfig {
                 node_id,
                 max_volumes_per_node: self.max_volumes_per_node,
@@ -408,7 +458,9 @@ pub async fn run_driver(
 ) -> Result<(), ServeError> {
     let topology = !plan.node.topology.is_empty();
     let identity = IdentityService::new(plan.driver_name.clone(), filer.clone(), topology);
-    let controller = plan.run_controller.then(|| ControllerService::new(filer.clone(), plan.controller.clone()));
+    let controller = plan
+        .run_controller
+        .then(|| ControllerService::new(filer.clone(), plan.controller.clone()));
     let node = match (plan.run_node, stager) {
         (true, Some(s)) => Some(NodeService::new(s, plan.node.clone())),
         (true, None) => {
@@ -430,7 +482,16 @@ pub async fn run_driver(
         "starting CSI driver"
     );
     let listener = BoundListener::bind(&plan.endpoint).await?;
-    server::serve(listener, CsiServices { identity, controller, node }, server::shutdown_signal()).await
+    server::serve(
+        listener,
+        CsiServices {
+            identity,
+            controller,
+            node,
+        },
+        server::shutdown_signal(),
+    )
+    .await
 }
 
 #[cfg(test)]
@@ -438,7 +499,9 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Cli {
-        let argv = std::iter::once("seaweedfs-csi-driver").chain(args.iter().copied()).map(OsString::from);
+        let argv = std::iter::once("seaweedfs-csi-driver")
+            .chain(args.iter().copied())
+            .map(OsString::from);
         Cli::try_parse_from(normalize_args(argv)).unwrap()
     }
 
@@ -459,7 +522,10 @@ mod tests {
         assert!(cli.command.is_none());
         let d = &cli.driver;
         assert_eq!(d.endpoint, "unix:///csi/csi.sock");
-        assert_eq!(d.filers().unwrap(), vec!["f1:8888".to_string(), "f2:8888".to_string()]);
+        assert_eq!(
+            d.filers().unwrap(),
+            vec!["f1:8888".to_string(), "f2:8888".to_string()]
+        );
         assert_eq!(d.node_id(), "n1");
         assert_eq!(d.driver_name, "x.csi");
         assert_eq!(d.components().unwrap(), (false, true));
@@ -473,7 +539,12 @@ mod tests {
 
     #[test]
     fn double_dash_and_defaults() {
-        let cli = parse(&["--filer=a:1", "--attacher", "--logFormat=json", "--mountEndpoint=unix:///x"]);
+        let cli = parse(&[
+            "--filer=a:1",
+            "--attacher",
+            "--logFormat=json",
+            "--mountEndpoint=unix:///x",
+        ]);
         let d = &cli.driver;
         assert!(d.attacher);
         assert_eq!(d.endpoint, "unix:///tmp/seaweedfs-csi.sock");
@@ -481,16 +552,30 @@ mod tests {
         assert_eq!(d.components().unwrap(), (true, true));
         assert_eq!(cli.log.log_format, LogFormat::Json);
         let plan = d.plan().unwrap();
-        assert_eq!(plan.endpoint, Endpoint::Unix("/tmp/seaweedfs-csi.sock".into()));
+        assert_eq!(
+            plan.endpoint,
+            Endpoint::Unix("/tmp/seaweedfs-csi.sock".into())
+        );
         // Unset tuning flags keep the mount defaults.
-        assert_eq!(plan.node.defaults.base.cache_capacity_mb, MountOptions::default().cache_capacity_mb);
+        assert_eq!(
+            plan.node.defaults.base.cache_capacity_mb,
+            MountOptions::default().cache_capacity_mb
+        );
         let cli = parse(&[]);
-        assert!(cli.driver.attacher, "attacher defaults to true like the Go driver");
+        assert!(
+            cli.driver.attacher,
+            "attacher defaults to true like the Go driver"
+        );
     }
 
     #[test]
     fn mount_subcommand_and_its_go_style_flags() {
-        let cli = parse(&["mount", "-filer=a:1", "-filer.path=/buckets/b", "-dir=/mnt/x"]);
+        let cli = parse(&[
+            "mount",
+            "-filer=a:1",
+            "-filer.path=/buckets/b",
+            "-dir=/mnt/x",
+        ]);
         match cli.command {
             Some(Command::Mount(m)) => {
                 assert_eq!(m.filer, "a:1");
@@ -503,8 +588,14 @@ mod tests {
 
     #[test]
     fn normalization_leaves_values_and_short_flags_alone() {
-        let argv: Vec<OsString> = ["bin", "-h", "-filer", "-x", "--", "-filer"].iter().map(OsString::from).collect();
-        let out: Vec<String> = normalize_args(argv).into_iter().map(|s| s.into_string().unwrap()).collect();
+        let argv: Vec<OsString> = ["bin", "-h", "-filer", "-x", "--", "-filer"]
+            .iter()
+            .map(OsString::from)
+            .collect();
+        let out: Vec<String> = normalize_args(argv)
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
         assert_eq!(out, vec!["bin", "-h", "--filer", "-x", "--", "-filer"]);
     }
 
@@ -519,7 +610,10 @@ mod tests {
         assert!(bad(&["--map.gid=7"]).contains("map.gid"));
         assert!(bad(&["--concurrentWriters=0"]).contains("concurrentWriters"));
         assert!(bad(&["--topologyKeys==v"]).contains("topologyKeys"));
-        let plan = parse(&["--topologyKeys=zone=a,topology.kubernetes.io/region=r1,bare"]).driver.plan().unwrap();
+        let plan = parse(&["--topologyKeys=zone=a,topology.kubernetes.io/region=r1,bare"])
+            .driver
+            .plan()
+            .unwrap();
         assert_eq!(plan.node.topology.len(), 2);
         assert_eq!(plan.node.topology["zone"], "a");
     }

@@ -34,7 +34,9 @@ fn main() -> ExitCode {
 
 fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     let plan = args.plan()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {

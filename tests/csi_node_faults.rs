@@ -29,14 +29,20 @@ struct Harness {
 
 impl Harness {
     async fn start() -> Harness {
-        let dir = tempfile::Builder::new().prefix("csifaults").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("csifaults")
+            .tempdir()
+            .unwrap();
         let stager = Arc::new(FakeStager::new(dir.path().join("scratch")).unwrap());
         let config = NodeConfig {
             node_id: "n1".into(),
             max_volumes_per_node: 0,
             topology: [("zone".to_string(), "z1".to_string())].into(),
             defaults: VolumeDefaults {
-                base: seaweedfs_csi_driver::config::MountOptions { filers: vec!["f:8888".into()], ..Default::default() },
+                base: seaweedfs_csi_driver::config::MountOptions {
+                    filers: vec!["f:8888".into()],
+                    ..Default::default()
+                },
                 cache_root: Some(PathBuf::from("/var/cache/test")),
                 ..Default::default()
             },
@@ -47,7 +53,9 @@ impl Harness {
             node: Some(NodeService::new(stager.clone(), config)),
         };
         let socket = dir.path().join("csi.sock");
-        let listener = BoundListener::bind(&Endpoint::Unix(socket.clone())).await.unwrap();
+        let listener = BoundListener::bind(&Endpoint::Unix(socket.clone()))
+            .await
+            .unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let served = tokio::spawn(async move {
             server::serve(listener, services, async move {
@@ -57,7 +65,13 @@ impl Harness {
             .unwrap();
         });
         let clients = Clients::connect(&socket).await;
-        Harness { dir, stager, clients, stop: Some(tx), served: Some(served) }
+        Harness {
+            dir,
+            stager,
+            clients,
+            stop: Some(tx),
+            served: Some(served),
+        }
     }
 
     fn staging(&self, name: &str) -> PathBuf {
@@ -95,7 +109,10 @@ impl Drop for Harness {
 fn volume(id: &str, ctx: &[(&str, &str)]) -> Volume {
     Volume {
         volume_id: id.into(),
-        volume_context: ctx.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        volume_context: ctx
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         ..Default::default()
     }
 }
@@ -111,24 +128,38 @@ async fn failed_stage_leaves_nothing_mounted_and_can_be_retried() {
     let vol = volume("/buckets/faulty", &[]);
     let staging = h.staging("faulty");
 
-    h.stager.fail_next_stage(StageError::Unavailable("filer down (injected)".into()));
-    let err = node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await.unwrap_err();
+    h.stager
+        .fail_next_stage(StageError::Unavailable("filer down (injected)".into()));
+    let err = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert!(err.message().contains("injected"));
     assert!(h.mounts().is_empty(), "stray mounts: {:?}", h.mounts());
 
-    h.stager.fail_next_stage(StageError::InvalidOptions("bad filer address (injected)".into()));
-    let err = node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await.unwrap_err();
+    h.stager.fail_next_stage(StageError::InvalidOptions(
+        "bad filer address (injected)".into(),
+    ));
+    let err = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(h.mounts().is_empty());
 
-    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await.unwrap();
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
     assert!(is_mounted(&staging));
     assert_eq!(h.stager.stage_count(), 3);
 
     // Unstage still unmounts when the stager fails to end the session.
-    h.stager.fail_next_unstage(StageError::Unmount("stuck (injected)".into()));
-    node.node_unstage_volume(unstage_req(&vol, &staging)).await.unwrap();
+    h.stager
+        .fail_next_unstage(StageError::Unmount("stuck (injected)".into()));
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
     assert!(h.mounts().is_empty());
     assert!(!staging.exists(), "empty staging dir removed");
     h.shutdown().await;
@@ -140,10 +171,16 @@ async fn options_reach_the_stager() {
     let mut node = h.clients.node.clone();
     let vol = volume(
         "/buckets/opts",
-        &[("volumeCapacity", "1073741824"), ("collection", "c9"), ("csi.storage.k8s.io/pod.name", "p")],
+        &[
+            ("volumeCapacity", "1073741824"),
+            ("collection", "c9"),
+            ("csi.storage.k8s.io/pod.name", "p"),
+        ],
     );
     let staging = h.staging("opts");
-    node.node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeReaderOnly)).await.unwrap();
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeReaderOnly))
+        .await
+        .unwrap();
     let opts = h.stager.session_options("/buckets/opts").unwrap();
     assert!(opts.read_only, "reader-only mode stages read-only");
     assert_eq!(opts.quota_bytes, 1 << 30);
@@ -152,42 +189,89 @@ async fn options_reach_the_stager() {
     assert_eq!(opts.filers, vec!["f:8888".to_string()]);
     assert!(opts.cache_dir.unwrap().starts_with("/var/cache/test"));
     assert_eq!(
-        std::fs::write(staging.join("x"), b"x").unwrap_err().raw_os_error(),
+        std::fs::write(staging.join("x"), b"x")
+            .unwrap_err()
+            .raw_os_error(),
         Some(libc::EROFS),
         "read-only session"
     );
     // Same volume and path, now read-write: incompatible.
-    let r = node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await;
+    let r = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await;
     assert_eq!(code(r), Code::AlreadyExists);
     // The same volume at another staging path while the first is live.
-    let r = node.node_stage_volume(stage_req(&vol, &h.staging("elsewhere"), Mode::MultiNodeReaderOnly)).await;
+    let r = node
+        .node_stage_volume(stage_req(
+            &vol,
+            &h.staging("elsewhere"),
+            Mode::MultiNodeReaderOnly,
+        ))
+        .await;
     assert_eq!(code(r), Code::FailedPrecondition);
 
     // Reader-only publish binds read-only even without the readonly flag.
     let t = h.target("ro");
-    node.node_publish_volume(publish_req(&vol, &staging, &t, false, Mode::MultiNodeReaderOnly)).await.unwrap();
-    assert!(mounts::read_mountinfo().unwrap().iter().any(|m| m.mount_point == t && m.is_read_only()));
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t,
+        false,
+        Mode::MultiNodeReaderOnly,
+    ))
+    .await
+    .unwrap();
+    assert!(mounts::read_mountinfo()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_point == t && m.is_read_only()));
 
     // Expansion goes to the stager as a quota.
     let r = NodeExpandVolumeRequest {
         volume_id: vol.volume_id.clone(),
         volume_path: t.display().to_string(),
-        capacity_range: Some(CapacityRange { required_bytes: 3 << 30, limit_bytes: 0 }),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 3 << 30,
+            limit_bytes: 0,
+        }),
         ..Default::default()
     };
-    assert_eq!(node.node_expand_volume(r).await.unwrap().into_inner().capacity_bytes, 3 << 30);
-    assert_eq!(h.stager.session_options("/buckets/opts").unwrap().quota_bytes, 3 << 30);
-    assert!(h.stager.calls().iter().any(|c| matches!(c, StagerCall::SetQuota { bytes, .. } if *bytes == 3 << 30)));
+    assert_eq!(
+        node.node_expand_volume(r)
+            .await
+            .unwrap()
+            .into_inner()
+            .capacity_bytes,
+        3 << 30
+    );
+    assert_eq!(
+        h.stager
+            .session_options("/buckets/opts")
+            .unwrap()
+            .quota_bytes,
+        3 << 30
+    );
+    assert!(h
+        .stager
+        .calls()
+        .iter()
+        .any(|c| matches!(c, StagerCall::SetQuota { bytes, .. } if *bytes == 3 << 30)));
 
     // Bad parameters never reach the stager.
     let before = h.stager.stage_count();
     let bad = volume("/buckets/bad", &[("ttl", "forever")]);
-    let r = node.node_stage_volume(stage_req(&bad, &h.staging("bad"), Mode::SingleNodeWriter)).await;
+    let r = node
+        .node_stage_volume(stage_req(&bad, &h.staging("bad"), Mode::SingleNodeWriter))
+        .await;
     assert_eq!(code(r), Code::InvalidArgument);
     assert_eq!(h.stager.stage_count(), before);
 
-    node.node_unpublish_volume(unpublish_req(&vol, &t)).await.unwrap();
-    node.node_unstage_volume(unstage_req(&vol, &staging)).await.unwrap();
+    node.node_unpublish_volume(unpublish_req(&vol, &t))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
     assert!(h.mounts().is_empty());
     h.shutdown().await;
 }
@@ -199,8 +283,18 @@ async fn health_is_reported_in_volume_stats() {
     let vol = volume("/buckets/health", &[]);
     let staging = h.staging("health");
     let t = h.target("p");
-    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await.unwrap();
-    node.node_publish_volume(publish_req(&vol, &staging, &t, false, Mode::SingleNodeWriter)).await.unwrap();
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
     let stats = |node: &mut seaweedfs_csi_driver::pb::csi::node_client::NodeClient<_>| {
         let r = NodeGetVolumeStatsRequest {
             volume_id: vol.volume_id.clone(),
@@ -212,17 +306,28 @@ async fn health_is_reported_in_volume_stats() {
     };
     let s = stats(&mut node).await;
     assert!(!s.volume_condition.as_ref().unwrap().abnormal);
-    assert!(s.usage.iter().any(|u| u.unit == volume_usage::Unit::Bytes as i32 && u.total > 0));
+    assert!(s
+        .usage
+        .iter()
+        .any(|u| u.unit == volume_usage::Unit::Bytes as i32 && u.total > 0));
 
-    h.stager.set_unhealthy(&vol.volume_id, "filer unreachable for 30s (injected)");
+    h.stager
+        .set_unhealthy(&vol.volume_id, "filer unreachable for 30s (injected)");
     let s = stats(&mut node).await;
     let c = s.volume_condition.unwrap();
     assert!(c.abnormal);
     assert!(c.message.contains("filer unreachable"));
-    assert!(!s.usage.is_empty(), "usage still reported while the session is unhealthy");
+    assert!(
+        !s.usage.is_empty(),
+        "usage still reported while the session is unhealthy"
+    );
     h.stager.set_healthy(&vol.volume_id);
 
-    let info = node.node_get_info(NodeGetInfoRequest {}).await.unwrap().into_inner();
+    let info = node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(info.node_id, "n1");
     assert_eq!(info.accessible_topology.unwrap().segments["zone"], "z1");
     let caps = h
@@ -234,10 +339,18 @@ async fn health_is_reported_in_volume_stats() {
         .unwrap()
         .into_inner()
         .capabilities;
-    assert_eq!(caps.len(), 3, "topology adds VOLUME_ACCESSIBILITY_CONSTRAINTS");
+    assert_eq!(
+        caps.len(),
+        3,
+        "topology adds VOLUME_ACCESSIBILITY_CONSTRAINTS"
+    );
 
-    node.node_unpublish_volume(unpublish_req(&vol, &t)).await.unwrap();
-    node.node_unstage_volume(unstage_req(&vol, &staging)).await.unwrap();
+    node.node_unpublish_volume(unpublish_req(&vol, &t))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
     h.shutdown().await;
 }
 
@@ -253,7 +366,9 @@ async fn concurrent_calls_are_serialised_per_volume_only() {
     for _ in 0..10 {
         let mut node = h.clients.node.clone();
         let r = stage_req(&vol_a, &staging_a, Mode::SingleNodeWriter);
-        tasks.push(tokio::spawn(async move { node.node_stage_volume(r).await.map(|_| ()) }));
+        tasks.push(tokio::spawn(async move {
+            node.node_stage_volume(r).await.map(|_| ())
+        }));
     }
     for t in tasks {
         t.await.unwrap().unwrap();
@@ -269,7 +384,9 @@ async fn concurrent_calls_are_serialised_per_volume_only() {
         let v = volume(&format!("/buckets/v{i}"), &[]);
         let s = h.staging(&format!("v{i}"));
         tasks.push(tokio::spawn(async move {
-            node.node_stage_volume(stage_req(&v, &s, Mode::SingleNodeWriter)).await.map(|_| (v, s))
+            node.node_stage_volume(stage_req(&v, &s, Mode::SingleNodeWriter))
+                .await
+                .map(|_| (v, s))
         }));
     }
     let mut staged = Vec::new();
@@ -277,14 +394,19 @@ async fn concurrent_calls_are_serialised_per_volume_only() {
         staged.push(t.await.unwrap().unwrap());
     }
     let took = start.elapsed();
-    assert!(took < Duration::from_millis(1200), "different volumes waited for each other: {took:?}");
+    assert!(
+        took < Duration::from_millis(1200),
+        "different volumes waited for each other: {took:?}"
+    );
     assert_eq!(h.stager.stage_count(), 9);
 
     let mut node = h.clients.node.clone();
     for (v, s) in &staged {
         node.node_unstage_volume(unstage_req(v, s)).await.unwrap();
     }
-    node.node_unstage_volume(unstage_req(&vol_a, &staging_a)).await.unwrap();
+    node.node_unstage_volume(unstage_req(&vol_a, &staging_a))
+        .await
+        .unwrap();
     assert!(h.mounts().is_empty(), "{:?}", h.mounts());
     h.shutdown().await;
 }
@@ -296,8 +418,18 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
     let vol = volume("/buckets/dead", &[]);
     let staging = h.staging("dead");
     let t1 = h.target("one");
-    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter)).await.unwrap();
-    node.node_publish_volume(publish_req(&vol, &staging, &t1, false, Mode::SingleNodeWriter)).await.unwrap();
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t1,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
     std::fs::write(t1.join("keep"), b"k").unwrap();
 
     // The session dies: the staging mount and the pod's bind both answer ENOTCONN.
@@ -305,21 +437,40 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
     mounts::unmount_all(&staging).unwrap();
     mounts::mount_dead_fuse(&staging).unwrap();
     mounts::mount_dead_fuse(&t1).unwrap();
-    assert!(matches!(mounts::mount_state(&t1).unwrap(), MountState::Dead(_)));
+    assert!(matches!(
+        mounts::mount_state(&t1).unwrap(),
+        MountState::Dead(_)
+    ));
 
     // The next publish (another pod) re-stages and re-binds the known dead publication too.
     let t2 = h.target("two");
-    node.node_publish_volume(publish_req(&vol, &staging, &t2, false, Mode::SingleNodeWriter)).await.unwrap();
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t2,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
     assert_eq!(h.stager.stage_count(), 2);
     assert_eq!(mounts::mount_state(&staging).unwrap(), MountState::Healthy);
-    assert_eq!(mounts::mount_state(&t1).unwrap(), MountState::Healthy, "dead bind re-bound");
+    assert_eq!(
+        mounts::mount_state(&t1).unwrap(),
+        MountState::Healthy,
+        "dead bind re-bound"
+    );
     assert_eq!(std::fs::read(t1.join("keep")).unwrap(), b"k");
     assert_eq!(std::fs::read(t2.join("keep")).unwrap(), b"k");
 
     for t in [&t1, &t2] {
-        node.node_unpublish_volume(unpublish_req(&vol, t)).await.unwrap();
+        node.node_unpublish_volume(unpublish_req(&vol, t))
+            .await
+            .unwrap();
     }
-    node.node_unstage_volume(unstage_req(&vol, &staging)).await.unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
     assert!(h.mounts().is_empty(), "{:?}", h.mounts());
     h.shutdown().await;
 }

@@ -44,7 +44,10 @@ struct Ctx {
 }
 
 type CaseResult = Result<(), String>;
-type Case = (&'static str, fn(Ctx) -> Pin<Box<dyn Future<Output = CaseResult> + Send>>);
+type Case = (
+    &'static str,
+    fn(Ctx) -> Pin<Box<dyn Future<Output = CaseResult> + Send>>,
+);
 
 macro_rules! ensure {
     ($cond:expr, $($msg:tt)+) => {
@@ -54,7 +57,10 @@ macro_rules! ensure {
     };
 }
 
-fn expect_code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>, want: Code) -> CaseResult {
+fn expect_code<T: std::fmt::Debug>(
+    r: Result<tonic::Response<T>, tonic::Status>,
+    want: Code,
+) -> CaseResult {
     let got = code(r);
     ensure!(got == want, "expected {want:?}, got {got:?}");
     Ok(())
@@ -66,7 +72,9 @@ fn ok<T>(r: Result<T, tonic::Status>, what: &str) -> Result<T, String> {
 
 impl Ctx {
     fn unique(&self, prefix: &str) -> String {
-        let n = self.serial.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self
+            .serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         format!("{prefix}-{}-{n}", std::process::id())
     }
 
@@ -77,21 +85,43 @@ impl Ctx {
     async fn create(&self, name: &str, bytes: i64, mode: Mode) -> Result<Volume, String> {
         let mut req = create_req(name, bytes, &[]);
         req.volume_capabilities = vec![mount_cap(mode)];
-        let v = ok(self.c.controller.clone().create_volume(req).await, "CreateVolume")?.into_inner().volume.unwrap();
+        let v = ok(
+            self.c.controller.clone().create_volume(req).await,
+            "CreateVolume",
+        )?
+        .into_inner()
+        .volume
+        .unwrap();
         self.reg.lock().volumes.push(v.volume_id.clone());
         Ok(v)
     }
 
     async fn stage(&self, v: &Volume, mode: Mode) -> CaseResult {
-        ok(self.c.node.clone().node_stage_volume(stage_req(v, &self.staging, mode)).await, "NodeStageVolume")?;
-        self.reg.lock().stages.push((v.volume_id.clone(), self.staging.clone()));
+        ok(
+            self.c
+                .node
+                .clone()
+                .node_stage_volume(stage_req(v, &self.staging, mode))
+                .await,
+            "NodeStageVolume",
+        )?;
+        self.reg
+            .lock()
+            .stages
+            .push((v.volume_id.clone(), self.staging.clone()));
         Ok(())
     }
 
     async fn publish(&self, v: &Volume, target: &PathBuf, mode: Mode) -> CaseResult {
         let req = publish_req(v, &self.staging, target, false, mode);
-        ok(self.c.node.clone().node_publish_volume(req).await, "NodePublishVolume")?;
-        self.reg.lock().publishes.push((v.volume_id.clone(), target.clone()));
+        ok(
+            self.c.node.clone().node_publish_volume(req).await,
+            "NodePublishVolume",
+        )?;
+        self.reg
+            .lock()
+            .publishes
+            .push((v.volume_id.clone(), target.clone()));
         Ok(())
     }
 
@@ -101,15 +131,30 @@ impl Ctx {
         let mut node = self.c.node.clone();
         let mut ctrl = self.c.controller.clone();
         for (id, t) in reg.publishes.iter().rev() {
-            let r = NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: t.display().to_string() };
-            ok(node.node_unpublish_volume(r).await, "cleanup NodeUnpublishVolume")?;
+            let r = NodeUnpublishVolumeRequest {
+                volume_id: id.clone(),
+                target_path: t.display().to_string(),
+            };
+            ok(
+                node.node_unpublish_volume(r).await,
+                "cleanup NodeUnpublishVolume",
+            )?;
         }
         for (id, s) in reg.stages.iter().rev() {
-            let r = NodeUnstageVolumeRequest { volume_id: id.clone(), staging_target_path: s.display().to_string() };
-            ok(node.node_unstage_volume(r).await, "cleanup NodeUnstageVolume")?;
+            let r = NodeUnstageVolumeRequest {
+                volume_id: id.clone(),
+                staging_target_path: s.display().to_string(),
+            };
+            ok(
+                node.node_unstage_volume(r).await,
+                "cleanup NodeUnstageVolume",
+            )?;
         }
         for id in reg.volumes.iter().rev() {
-            let r = DeleteVolumeRequest { volume_id: id.clone(), ..Default::default() };
+            let r = DeleteVolumeRequest {
+                volume_id: id.clone(),
+                ..Default::default()
+            };
             ok(ctrl.delete_volume(r).await, "cleanup DeleteVolume")?;
         }
         Ok(())
@@ -123,7 +168,12 @@ async fn run_lifecycle(ctx: &Ctx, n: usize) -> CaseResult {
     let v = ctx.create(&name, TEST_SIZE, Mode::SingleNodeWriter).await?;
     let mut ctrl = ctx.c.controller.clone();
     let mut node = ctx.c.node.clone();
-    let node_id = ok(node.node_get_info(NodeGetInfoRequest {}).await, "NodeGetInfo")?.into_inner().node_id;
+    let node_id = ok(
+        node.node_get_info(NodeGetInfoRequest {}).await,
+        "NodeGetInfo",
+    )?
+    .into_inner()
+    .node_id;
     let cp = ControllerPublishVolumeRequest {
         volume_id: v.volume_id.clone(),
         node_id: node_id.clone(),
@@ -131,9 +181,16 @@ async fn run_lifecycle(ctx: &Ctx, n: usize) -> CaseResult {
         volume_context: v.volume_context.clone(),
         ..Default::default()
     };
-    ok(ctrl.controller_publish_volume(cp).await, "ControllerPublishVolume")?;
+    ok(
+        ctrl.controller_publish_volume(cp).await,
+        "ControllerPublishVolume",
+    )?;
     for _ in 0..n {
-        ok(node.node_stage_volume(stage_req(&v, &ctx.staging, Mode::SingleNodeWriter)).await, "NodeStageVolume")?;
+        ok(
+            node.node_stage_volume(stage_req(&v, &ctx.staging, Mode::SingleNodeWriter))
+                .await,
+            "NodeStageVolume",
+        )?;
     }
     let target = ctx.target();
     for _ in 0..n {
@@ -152,18 +209,35 @@ async fn run_lifecycle(ctx: &Ctx, n: usize) -> CaseResult {
     .into_inner();
     ensure!(!stats.usage.is_empty(), "stats without usage");
     for _ in 0..n {
-        ok(node.node_unpublish_volume(unpublish_req(&v, &target)).await, "NodeUnpublishVolume")?;
+        ok(
+            node.node_unpublish_volume(unpublish_req(&v, &target)).await,
+            "NodeUnpublishVolume",
+        )?;
     }
     ensure!(!target.exists(), "target path not removed");
     for _ in 0..n {
-        ok(node.node_unstage_volume(unstage_req(&v, &ctx.staging)).await, "NodeUnstageVolume")?;
+        ok(
+            node.node_unstage_volume(unstage_req(&v, &ctx.staging))
+                .await,
+            "NodeUnstageVolume",
+        )?;
     }
     for _ in 0..n {
-        let r = ControllerUnpublishVolumeRequest { volume_id: v.volume_id.clone(), node_id: node_id.clone(), ..Default::default() };
-        ok(ctrl.controller_unpublish_volume(r).await, "ControllerUnpublishVolume")?;
+        let r = ControllerUnpublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: node_id.clone(),
+            ..Default::default()
+        };
+        ok(
+            ctrl.controller_unpublish_volume(r).await,
+            "ControllerUnpublishVolume",
+        )?;
     }
     for _ in 0..n {
-        let r = DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() };
+        let r = DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        };
         ok(ctrl.delete_volume(r).await, "DeleteVolume")?;
     }
     ctx.reg.lock().volumes.retain(|id| *id != v.volume_id);
@@ -573,7 +647,8 @@ async fn csi_sanity_cases() {
         };
         std::fs::create_dir_all(&ctx.staging).unwrap();
         std::fs::create_dir_all(&ctx.target_dir).unwrap();
-        let outcome = tokio::time::timeout(std::time::Duration::from_secs(120), run(ctx.clone())).await;
+        let outcome =
+            tokio::time::timeout(std::time::Duration::from_secs(120), run(ctx.clone())).await;
         let outcome = match outcome {
             Ok(r) => r,
             Err(_) => Err("timed out".into()),
@@ -593,7 +668,10 @@ async fn csi_sanity_cases() {
             }
         }
     }
-    eprintln!("csi sanity: {} of {total} cases passed", total - failed.len());
+    eprintln!(
+        "csi sanity: {} of {total} cases passed",
+        total - failed.len()
+    );
 
     // Probe tracks the filer: not ready while it is down, ready again after.
     let mut identity = c.identity.clone();
@@ -605,7 +683,14 @@ async fn csi_sanity_cases() {
     weed.start_filer();
     let mut ready = false;
     for _ in 0..50 {
-        if identity.probe(ProbeRequest {}).await.unwrap().into_inner().ready == Some(true) {
+        if identity
+            .probe(ProbeRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+            == Some(true)
+        {
             ready = true;
             break;
         }
@@ -614,6 +699,15 @@ async fn csi_sanity_cases() {
     if !ready {
         failed.push("Probe not ready after the filer came back".into());
     }
-    assert!(driver.mounts().is_empty(), "mounts left: {:?}", driver.mounts());
-    assert!(failed.is_empty(), "{} failed:\n{}", failed.len(), failed.join("\n"));
+    assert!(
+        driver.mounts().is_empty(),
+        "mounts left: {:?}",
+        driver.mounts()
+    );
+    assert!(
+        failed.is_empty(),
+        "{} failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }

@@ -51,36 +51,54 @@ fn filer_status(op: &str, e: FilerError) -> Status {
     match e {
         FilerError::NotFound(_) => Status::not_found(msg),
         FilerError::AlreadyExists(_) => Status::already_exists(msg),
-        FilerError::InvalidArgument(_) | FilerError::NameTooLong(_) => Status::invalid_argument(msg),
+        FilerError::InvalidArgument(_) | FilerError::NameTooLong(_) => {
+            Status::invalid_argument(msg)
+        }
         FilerError::Unavailable(_) => Status::unavailable(msg),
         FilerError::Timeout(_) => Status::deadline_exceeded(msg),
         _ => Status::internal(msg),
     }
 }
 
-async fn call<T>(op: &str, fut: impl Future<Output = Result<T, FilerError>>) -> Result<T, FilerError> {
+async fn call<T>(
+    op: &str,
+    fut: impl Future<Output = Result<T, FilerError>>,
+) -> Result<T, FilerError> {
     match tokio::time::timeout(FILER_TIMEOUT, fut).await {
         Ok(r) => r,
-        Err(_) => Err(FilerError::Timeout(format!("{op} took longer than {FILER_TIMEOUT:?}"))),
+        Err(_) => Err(FilerError::Timeout(format!(
+            "{op} took longer than {FILER_TIMEOUT:?}"
+        ))),
     }
 }
 
 fn now_secs() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 fn stored_capacity(entry: &fpb::Entry) -> Option<i64> {
-    entry.extended.get(CAPACITY_XATTR).and_then(|v| std::str::from_utf8(v).ok()).and_then(|s| s.parse().ok())
+    entry
+        .extended
+        .get(CAPACITY_XATTR)
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|s| s.parse().ok())
 }
 
 /// Validated capacity range: (required, limit), 0 = unset.
 fn capacity_range(r: Option<&CapacityRange>) -> Result<(i64, i64), Status> {
     let Some(r) = r else { return Ok((0, 0)) };
     if r.required_bytes < 0 || r.limit_bytes < 0 {
-        return Err(Status::invalid_argument("capacity_range values must not be negative"));
+        return Err(Status::invalid_argument(
+            "capacity_range values must not be negative",
+        ));
     }
     if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes {
-        return Err(Status::invalid_argument("capacity_range.required_bytes exceeds limit_bytes"));
+        return Err(Status::invalid_argument(
+            "capacity_range.required_bytes exceeds limit_bytes",
+        ));
     }
     Ok((r.required_bytes, r.limit_bytes))
 }
@@ -96,19 +114,29 @@ fn volume_dir(volume_id: &str) -> String {
 
 impl ControllerService {
     pub fn new(filer: Arc<dyn FilerApi>, config: ControllerConfig) -> Self {
-        ControllerService { filer, config, locks: KeyedLocks::new() }
+        ControllerService {
+            filer,
+            config,
+            locks: KeyedLocks::new(),
+        }
     }
 
     /// The directory entry of a volume, or NOT_FOUND.
     async fn lookup_dir(&self, path: &str) -> Result<fpb::Entry, Status> {
         let (dir, name) = params::split_path(path);
         if name.is_empty() {
-            return Err(Status::invalid_argument(format!("volume path {path:?} names the filer root")));
+            return Err(Status::invalid_argument(format!(
+                "volume path {path:?} names the filer root"
+            )));
         }
         match call("lookup", self.filer.lookup_entry(&dir, &name)).await {
             Ok(e) if e.is_directory => Ok(e),
-            Ok(_) => Err(Status::not_found(format!("{path} exists but is not a directory"))),
-            Err(FilerError::NotFound(_)) => Err(Status::not_found(format!("volume {path} does not exist"))),
+            Ok(_) => Err(Status::not_found(format!(
+                "{path} exists but is not a directory"
+            ))),
+            Err(FilerError::NotFound(_)) => {
+                Err(Status::not_found(format!("volume {path} does not exist")))
+            }
             Err(e) => Err(filer_status("lookup volume", e)),
         }
     }
@@ -117,7 +145,10 @@ impl ControllerService {
         let now = now_secs();
         let mut extended = HashMap::new();
         if capacity > 0 {
-            extended.insert(CAPACITY_XATTR.to_string(), capacity.to_string().into_bytes());
+            extended.insert(
+                CAPACITY_XATTR.to_string(),
+                capacity.to_string().into_bytes(),
+            );
         }
         let entry = fpb::Entry {
             name: loc.name.clone(),
@@ -138,19 +169,31 @@ impl ControllerService {
             signatures: vec![self.filer.signature()],
             ..Default::default()
         };
-        call("create", self.filer.create_entry(req)).await.map(|_| ())
+        call("create", self.filer.create_entry(req))
+            .await
+            .map(|_| ())
     }
 
-    async fn set_capacity(&self, path: &str, mut entry: fpb::Entry, capacity: i64) -> Result<(), FilerError> {
+    async fn set_capacity(
+        &self,
+        path: &str,
+        mut entry: fpb::Entry,
+        capacity: i64,
+    ) -> Result<(), FilerError> {
         let (dir, _) = params::split_path(path);
-        entry.extended.insert(CAPACITY_XATTR.to_string(), capacity.to_string().into_bytes());
+        entry.extended.insert(
+            CAPACITY_XATTR.to_string(),
+            capacity.to_string().into_bytes(),
+        );
         let req = fpb::UpdateEntryRequest {
             directory: dir,
             entry: Some(entry),
             signatures: vec![self.filer.signature()],
             ..Default::default()
         };
-        call("update", self.filer.update_entry(req)).await.map(|_| ())
+        call("update", self.filer.update_entry(req))
+            .await
+            .map(|_| ())
     }
 
     /// Deletes a directory's children one page at a time, then the directory. Children first
@@ -161,9 +204,13 @@ impl ControllerService {
         let mut previous_first: Option<String> = None;
         loop {
             let page = call("list", self.filer.list_page(path, "", false, PAGE)).await?;
-            let Some(first) = page.first().map(|e| e.name.clone()) else { break };
+            let Some(first) = page.first().map(|e| e.name.clone()) else {
+                break;
+            };
             if previous_first.as_deref() == Some(first.as_str()) {
-                return Err(FilerError::Other(format!("deleting {path}/{first} makes no progress")));
+                return Err(FilerError::Other(format!(
+                    "deleting {path}/{first} makes no progress"
+                )));
             }
             previous_first = Some(first);
             for child in page {
@@ -189,15 +236,17 @@ impl ControllerService {
             signatures: vec![self.filer.signature()],
             ..Default::default()
         };
-        call("delete", self.filer.delete_entry(req)).await.map(|_| ())
+        call("delete", self.filer.delete_entry(req))
+            .await
+            .map(|_| ())
     }
 }
 
 fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
     ControllerServiceCapability {
-        r#type: Some(controller_service_capability::Type::Rpc(controller_service_capability::Rpc {
-            r#type: t as i32,
-        })),
+        r#type: Some(controller_service_capability::Type::Rpc(
+            controller_service_capability::Rpc { r#type: t as i32 },
+        )),
     }
 }
 
@@ -216,13 +265,16 @@ impl Controller for ControllerService {
             check_capability(cap).map_err(Status::invalid_argument)?;
         }
         if req.volume_content_source.is_some() {
-            return Err(Status::invalid_argument("volume content sources (snapshots, clones) are not supported"));
+            return Err(Status::invalid_argument(
+                "volume content sources (snapshots, clones) are not supported",
+            ));
         }
         let (required, limit) = capacity_range(req.capacity_range.as_ref())?;
         let capacity = if required > 0 { required } else { limit };
 
         let mut ctx = req.parameters.clone();
-        let loc = params::new_volume_location(&req.name, &ctx).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let loc = params::new_volume_location(&req.name, &ctx)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         ctx.insert(KEY_PARENT_DIR.to_string(), loc.parent_dir.clone());
         ctx.insert(KEY_VOLUME_NAME.to_string(), loc.name.clone());
         if capacity > 0 {
@@ -230,10 +282,18 @@ impl Controller for ControllerService {
         }
 
         let _guard = self.locks.lock(&loc.path).await;
-        let capacity_bytes = match call("lookup", self.filer.lookup_entry(&loc.parent_dir, &loc.name)).await {
+        let capacity_bytes = match call(
+            "lookup",
+            self.filer.lookup_entry(&loc.parent_dir, &loc.name),
+        )
+        .await
+        {
             Ok(existing) => {
                 if !existing.is_directory {
-                    return Err(Status::already_exists(format!("{} exists and is not a directory", loc.path)));
+                    return Err(Status::already_exists(format!(
+                        "{} exists and is not a directory",
+                        loc.path
+                    )));
                 }
                 match stored_capacity(&existing) {
                     Some(have) if have < required || (limit > 0 && have > limit) => {
@@ -262,7 +322,13 @@ impl Controller for ControllerService {
 
         let accessible_topology = req
             .accessibility_requirements
-            .map(|t| if !t.requisite.is_empty() { t.requisite } else { t.preferred })
+            .map(|t| {
+                if !t.requisite.is_empty() {
+                    t.requisite
+                } else {
+                    t.preferred
+                }
+            })
             .unwrap_or_default();
         Ok(Response::new(CreateVolumeResponse {
             volume: Some(Volume {
@@ -283,7 +349,9 @@ impl Controller for ControllerService {
         require_field(&req.volume_id, "volume_id")?;
         let path = volume_dir(&req.volume_id);
         if PROTECTED_PATHS.contains(&path.as_str()) {
-            return Err(Status::invalid_argument(format!("refusing to delete the filer directory {path}")));
+            return Err(Status::invalid_argument(format!(
+                "refusing to delete the filer directory {path}"
+            )));
         }
         let _guard = self.locks.lock(&path).await;
         let (dir, name) = params::split_path(&path);
@@ -294,11 +362,15 @@ impl Controller for ControllerService {
             }
             Err(e) => return Err(filer_status("look up volume directory", e)),
             Ok(e) if !e.is_directory => {
-                return Err(Status::failed_precondition(format!("{path} is not a volume directory")));
+                return Err(Status::failed_precondition(format!(
+                    "{path} is not a volume directory"
+                )));
             }
             Ok(_) => {}
         }
-        self.delete_tree(&path).await.map_err(|e| filer_status("delete volume", e))?;
+        self.delete_tree(&path)
+            .await
+            .map_err(|e| filer_status("delete volume", e))?;
         tracing::info!(volume_id = %req.volume_id, path = %path, "volume deleted");
         Ok(Response::new(DeleteVolumeResponse {}))
     }
@@ -314,7 +386,9 @@ impl Controller for ControllerService {
         require_capability(req.volume_capability.as_ref())?;
         let path = params::filer_path_for(&req.volume_id, &req.volume_context);
         self.lookup_dir(&path).await?;
-        Ok(Response::new(ControllerPublishVolumeResponse { publish_context: HashMap::new() }))
+        Ok(Response::new(ControllerPublishVolumeResponse {
+            publish_context: HashMap::new(),
+        }))
     }
 
     async fn controller_unpublish_volume(
@@ -339,7 +413,10 @@ impl Controller for ControllerService {
         self.lookup_dir(&path).await?;
         for cap in &req.volume_capabilities {
             if let Err(reason) = check_capability(cap) {
-                return Ok(Response::new(ValidateVolumeCapabilitiesResponse { confirmed: None, message: reason }));
+                return Ok(Response::new(ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message: reason,
+                }));
             }
         }
         Ok(Response::new(ValidateVolumeCapabilitiesResponse {
@@ -379,7 +456,9 @@ impl Controller for ControllerService {
         if self.config.attacher {
             capabilities.push(rpc_cap(rpc::Type::PublishUnpublishVolume));
         }
-        Ok(Response::new(ControllerGetCapabilitiesResponse { capabilities }))
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities,
+        }))
     }
 
     /// Records the new capacity; the node applies it as the quota (NodeExpandVolume).
@@ -389,7 +468,10 @@ impl Controller for ControllerService {
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         let req = request.into_inner();
         require_field(&req.volume_id, "volume_id")?;
-        let range = req.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
         let (required, limit) = capacity_range(Some(range))?;
         if let Some(cap) = req.volume_capability.as_ref() {
             check_capability(cap).map_err(Status::invalid_argument)?;
@@ -410,10 +492,15 @@ impl Controller for ControllerService {
             Err(s) => return Err(s),
         };
         if capacity > 0 && stored_capacity(&entry) != Some(capacity) {
-            self.set_capacity(&path, entry, capacity).await.map_err(|e| filer_status("record capacity", e))?;
+            self.set_capacity(&path, entry, capacity)
+                .await
+                .map_err(|e| filer_status("record capacity", e))?;
         }
         tracing::info!(volume_id = %req.volume_id, capacity, "volume expanded");
-        Ok(Response::new(ControllerExpandVolumeResponse { capacity_bytes: capacity, node_expansion_required: true }))
+        Ok(Response::new(ControllerExpandVolumeResponse {
+            capacity_bytes: capacity,
+            node_expansion_required: true,
+        }))
     }
 }
 
@@ -432,21 +519,37 @@ mod tests {
     }
 
     fn service(filer: &MockFiler) -> ControllerService {
-        ControllerService::new(Arc::new(filer.clone()), ControllerConfig { attacher: false })
+        ControllerService::new(
+            Arc::new(filer.clone()),
+            ControllerConfig { attacher: false },
+        )
     }
 
-    fn create_req(name: &str, required: i64, limit: i64, params: &[(&str, &str)]) -> CreateVolumeRequest {
+    fn create_req(
+        name: &str,
+        required: i64,
+        limit: i64,
+        params: &[(&str, &str)],
+    ) -> CreateVolumeRequest {
         CreateVolumeRequest {
             name: name.into(),
-            capacity_range: Some(CapacityRange { required_bytes: required, limit_bytes: limit }),
+            capacity_range: Some(CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            }),
             volume_capabilities: vec![mount_cap(Mode::MultiNodeMultiWriter)],
-            parameters: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             ..Default::default()
         }
     }
 
     async fn create(svc: &ControllerService, req: CreateVolumeRequest) -> Result<Volume, Status> {
-        svc.create_volume(Request::new(req)).await.map(|r| r.into_inner().volume.unwrap())
+        svc.create_volume(Request::new(req))
+            .await
+            .map(|r| r.into_inner().volume.unwrap())
     }
 
     fn put_file(filer: &MockFiler, dir: &str, name: &str) {
@@ -454,7 +557,10 @@ mod tests {
             directory: dir.into(),
             entry: Some(fpb::Entry {
                 name: name.into(),
-                attributes: Some(fpb::FuseAttributes { file_mode: 0o644, ..Default::default() }),
+                attributes: Some(fpb::FuseAttributes {
+                    file_mode: 0o644,
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             ..Default::default()
@@ -466,7 +572,12 @@ mod tests {
     async fn create_is_idempotent_and_checks_capacity() {
         let filer = MockFiler::new();
         let svc = service(&filer);
-        let v = create(&svc, create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")])).await.unwrap();
+        let v = create(
+            &svc,
+            create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")]),
+        )
+        .await
+        .unwrap();
         assert_eq!(v.volume_id, "/buckets/pvc-a");
         assert_eq!(v.capacity_bytes, 1 << 30);
         assert_eq!(v.volume_context["collection"], "c1");
@@ -476,77 +587,145 @@ mod tests {
         let e = filer.get("/buckets/pvc-a").expect("directory created");
         assert!(e.is_directory);
         assert_eq!(e.attributes.unwrap().file_mode, GO_MODE_DIR | 0o777);
-        assert_eq!(stored_capacity(&filer.get("/buckets/pvc-a").unwrap()), Some(1 << 30));
+        assert_eq!(
+            stored_capacity(&filer.get("/buckets/pvc-a").unwrap()),
+            Some(1 << 30)
+        );
 
-        let again = create(&svc, create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")])).await.unwrap();
+        let again = create(
+            &svc,
+            create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")]),
+        )
+        .await
+        .unwrap();
         assert_eq!(again.volume_id, v.volume_id);
-        let err = create(&svc, create_req("PVC-A", 2 << 30, 0, &[])).await.unwrap_err();
+        let err = create(&svc, create_req("PVC-A", 2 << 30, 0, &[]))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::AlreadyExists);
-        let err = create(&svc, create_req("PVC-A", 1, 1 << 20, &[])).await.unwrap_err();
-        assert_eq!(err.code(), tonic::Code::AlreadyExists, "existing volume larger than the limit");
+        let err = create(&svc, create_req("PVC-A", 1, 1 << 20, &[]))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            tonic::Code::AlreadyExists,
+            "existing volume larger than the limit"
+        );
         // A smaller request fits in the existing volume.
-        assert_eq!(create(&svc, create_req("PVC-A", 1 << 20, 0, &[])).await.unwrap().capacity_bytes, 1 << 30);
+        assert_eq!(
+            create(&svc, create_req("PVC-A", 1 << 20, 0, &[]))
+                .await
+                .unwrap()
+                .capacity_bytes,
+            1 << 30
+        );
     }
 
     #[tokio::test]
     async fn create_names_and_argument_checks() {
         let filer = MockFiler::new();
         let svc = service(&filer);
-        let v = create(&svc, create_req("n", 0, 0, &[("path", "/data/team/x")])).await.unwrap();
+        let v = create(&svc, create_req("n", 0, 0, &[("path", "/data/team/x")]))
+            .await
+            .unwrap();
         assert_eq!(v.volume_id, "/data/team/x");
         assert_eq!(v.capacity_bytes, 0);
         assert!(!v.volume_context.contains_key("volumeCapacity"));
         assert!(filer.get("/data/team/x").is_some());
-        let v = create(&svc, create_req("Keep_Case", 0, 0, &[("parentDir", "/vols")])).await.unwrap();
+        let v = create(
+            &svc,
+            create_req("Keep_Case", 0, 0, &[("parentDir", "/vols")]),
+        )
+        .await
+        .unwrap();
         assert_eq!(v.volume_id, "/vols/Keep_Case");
 
         let code = |r: Result<Volume, Status>| r.unwrap_err().code();
-        assert_eq!(code(create(&svc, create_req("", 0, 0, &[])).await), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(create(&svc, create_req("", 0, 0, &[])).await),
+            tonic::Code::InvalidArgument
+        );
         let mut no_caps = create_req("x", 0, 0, &[]);
         no_caps.volume_capabilities.clear();
-        assert_eq!(code(create(&svc, no_caps).await), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(create(&svc, no_caps).await),
+            tonic::Code::InvalidArgument
+        );
         let mut block = create_req("x", 0, 0, &[]);
         block.volume_capabilities[0].access_type = Some(AccessType::Block(BlockVolume {}));
         let err = create(&svc, block).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("block"));
-        assert_eq!(code(create(&svc, create_req("x", 10, 5, &[])).await), tonic::Code::InvalidArgument);
-        assert_eq!(code(create(&svc, create_req("x", 0, 0, &[("path", "rel")])).await), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(create(&svc, create_req("x", 10, 5, &[])).await),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            code(create(&svc, create_req("x", 0, 0, &[("path", "rel")])).await),
+            tonic::Code::InvalidArgument
+        );
         // A file where the volume should be.
         put_file(&filer, "/buckets", "taken");
-        assert_eq!(code(create(&svc, create_req("taken", 0, 0, &[])).await), tonic::Code::AlreadyExists);
+        assert_eq!(
+            code(create(&svc, create_req("taken", 0, 0, &[])).await),
+            tonic::Code::AlreadyExists
+        );
         filer.fail_next(1);
-        assert_eq!(code(create(&svc, create_req("later", 0, 0, &[])).await), tonic::Code::Unavailable);
+        assert_eq!(
+            code(create(&svc, create_req("later", 0, 0, &[])).await),
+            tonic::Code::Unavailable
+        );
     }
 
     #[tokio::test]
     async fn delete_removes_children_first_then_the_directory() {
         let filer = MockFiler::new();
         let svc = service(&filer);
-        let v = create(&svc, create_req("pvc-del", 0, 0, &[])).await.unwrap();
+        let v = create(&svc, create_req("pvc-del", 0, 0, &[]))
+            .await
+            .unwrap();
         for i in 0..5 {
             put_file(&filer, &v.volume_id, &format!("f{i}"));
         }
         put_file(&filer, &format!("{}/sub/deeper", v.volume_id), "g");
         let before = filer.calls("delete_entry");
-        svc.delete_volume(Request::new(DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() }))
-            .await
-            .unwrap();
-        assert!(filer.paths().iter().all(|p| !p.starts_with("/buckets/pvc-del")), "{:?}", filer.paths());
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+        assert!(
+            filer
+                .paths()
+                .iter()
+                .all(|p| !p.starts_with("/buckets/pvc-del")),
+            "{:?}",
+            filer.paths()
+        );
         // 6 children (5 files + sub) one by one, then the directory itself.
         assert_eq!(filer.calls("delete_entry") - before, 7);
         // Idempotent; legacy (relative) ids live under /buckets.
-        svc.delete_volume(Request::new(DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() }))
-            .await
-            .unwrap();
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
         create(&svc, create_req("legacy", 0, 0, &[])).await.unwrap();
-        svc.delete_volume(Request::new(DeleteVolumeRequest { volume_id: "legacy".into(), ..Default::default() }))
-            .await
-            .unwrap();
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: "legacy".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
         assert!(filer.get("/buckets/legacy").is_none());
         for bad in ["", "/", "/buckets", "/etc/", "/topics"] {
             let err = svc
-                .delete_volume(Request::new(DeleteVolumeRequest { volume_id: bad.into(), ..Default::default() }))
+                .delete_volume(Request::new(DeleteVolumeRequest {
+                    volume_id: bad.into(),
+                    ..Default::default()
+                }))
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{bad:?}");
@@ -556,9 +735,15 @@ mod tests {
     #[tokio::test]
     async fn validate_publish_expand() {
         let filer = MockFiler::new();
-        let svc = ControllerService::new(Arc::new(filer.clone()), ControllerConfig { attacher: true });
-        let v = create(&svc, create_req("pvc-v", 1000, 0, &[])).await.unwrap();
-        let all: Vec<VolumeCapability> = super::super::SUPPORTED_ACCESS_MODES.iter().map(|m| mount_cap(*m)).collect();
+        let svc =
+            ControllerService::new(Arc::new(filer.clone()), ControllerConfig { attacher: true });
+        let v = create(&svc, create_req("pvc-v", 1000, 0, &[]))
+            .await
+            .unwrap();
+        let all: Vec<VolumeCapability> = super::super::SUPPORTED_ACCESS_MODES
+            .iter()
+            .map(|m| mount_cap(*m))
+            .collect();
         let r = svc
             .validate_volume_capabilities(Request::new(ValidateVolumeCapabilitiesRequest {
                 volume_id: v.volume_id.clone(),
@@ -598,23 +783,49 @@ mod tests {
             volume_capability: Some(mount_cap(Mode::SingleNodeWriter)),
             ..Default::default()
         };
-        svc.controller_publish_volume(Request::new(publish(&v.volume_id))).await.unwrap();
-        let err = svc.controller_publish_volume(Request::new(publish("/buckets/nope"))).await.unwrap_err();
+        svc.controller_publish_volume(Request::new(publish(&v.volume_id)))
+            .await
+            .unwrap();
+        let err = svc
+            .controller_publish_volume(Request::new(publish("/buckets/nope")))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::NotFound);
 
         let expand = |id: &str, bytes: i64| ControllerExpandVolumeRequest {
             volume_id: id.into(),
-            capacity_range: Some(CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+            capacity_range: Some(CapacityRange {
+                required_bytes: bytes,
+                limit_bytes: 0,
+            }),
             ..Default::default()
         };
-        let r = svc.controller_expand_volume(Request::new(expand(&v.volume_id, 5000))).await.unwrap().into_inner();
+        let r = svc
+            .controller_expand_volume(Request::new(expand(&v.volume_id, 5000)))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!((r.capacity_bytes, r.node_expansion_required), (5000, true));
-        assert_eq!(stored_capacity(&filer.get(&v.volume_id).unwrap()), Some(5000));
+        assert_eq!(
+            stored_capacity(&filer.get(&v.volume_id).unwrap()),
+            Some(5000)
+        );
         // The new size is what a repeated CreateVolume now compares against.
-        assert_eq!(create(&svc, create_req("pvc-v", 5000, 0, &[])).await.unwrap().capacity_bytes, 5000);
-        let err = svc.controller_expand_volume(Request::new(expand("/buckets/nope", 1))).await.unwrap_err();
+        assert_eq!(
+            create(&svc, create_req("pvc-v", 5000, 0, &[]))
+                .await
+                .unwrap()
+                .capacity_bytes,
+            5000
+        );
+        let err = svc
+            .controller_expand_volume(Request::new(expand("/buckets/nope", 1)))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::NotFound);
-        svc.controller_expand_volume(Request::new(expand("static-handle", 1))).await.unwrap();
+        svc.controller_expand_volume(Request::new(expand("static-handle", 1)))
+            .await
+            .unwrap();
         let err = svc
             .controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
                 volume_id: v.volume_id.clone(),

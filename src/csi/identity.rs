@@ -10,8 +10,8 @@ use crate::filer::FilerApi;
 use crate::pb::csi::identity_server::Identity;
 use crate::pb::csi::plugin_capability::{self, service, volume_expansion};
 use crate::pb::csi::{
-    GetPluginCapabilitiesRequest, GetPluginCapabilitiesResponse, GetPluginInfoRequest, GetPluginInfoResponse,
-    PluginCapability, ProbeRequest, ProbeResponse,
+    GetPluginCapabilitiesRequest, GetPluginCapabilitiesResponse, GetPluginInfoRequest,
+    GetPluginInfoResponse, PluginCapability, ProbeRequest, ProbeResponse,
 };
 
 /// How long Probe waits for the filer before answering "not ready".
@@ -27,7 +27,12 @@ pub struct IdentityService {
 impl IdentityService {
     /// `topology`: advertise VOLUME_ACCESSIBILITY_CONSTRAINTS (only when topology is configured).
     pub fn new(name: impl Into<String>, filer: Arc<dyn FilerApi>, topology: bool) -> Self {
-        IdentityService { name: name.into(), filer, probe_timeout: DEFAULT_PROBE_TIMEOUT, topology }
+        IdentityService {
+            name: name.into(),
+            filer,
+            probe_timeout: DEFAULT_PROBE_TIMEOUT,
+            topology,
+        }
     }
 
     pub fn with_probe_timeout(mut self, t: Duration) -> Self {
@@ -37,7 +42,11 @@ impl IdentityService {
 }
 
 fn service_cap(t: service::Type) -> PluginCapability {
-    PluginCapability { r#type: Some(plugin_capability::Type::Service(plugin_capability::Service { r#type: t as i32 })) }
+    PluginCapability {
+        r#type: Some(plugin_capability::Type::Service(
+            plugin_capability::Service { r#type: t as i32 },
+        )),
+    }
 }
 
 #[tonic::async_trait]
@@ -62,20 +71,25 @@ impl Identity for IdentityService {
         let mut capabilities = vec![
             service_cap(service::Type::ControllerService),
             PluginCapability {
-                r#type: Some(plugin_capability::Type::VolumeExpansion(plugin_capability::VolumeExpansion {
-                    r#type: volume_expansion::Type::Online as i32,
-                })),
+                r#type: Some(plugin_capability::Type::VolumeExpansion(
+                    plugin_capability::VolumeExpansion {
+                        r#type: volume_expansion::Type::Online as i32,
+                    },
+                )),
             },
         ];
         if self.topology {
             capabilities.push(service_cap(service::Type::VolumeAccessibilityConstraints));
         }
-        Ok(Response::new(GetPluginCapabilitiesResponse { capabilities }))
+        Ok(Response::new(GetPluginCapabilitiesResponse {
+            capabilities,
+        }))
     }
 
     /// Ready when the filer answers `GetFilerConfiguration` within the probe timeout.
     async fn probe(&self, _req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        let ready = match tokio::time::timeout(self.probe_timeout, self.filer.configuration()).await {
+        let ready = match tokio::time::timeout(self.probe_timeout, self.filer.configuration()).await
+        {
             Ok(Ok(_)) => true,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "probe: filer not reachable");

@@ -46,7 +46,10 @@ pub struct CapabilityRequest {
 impl CapabilityRequest {
     /// Reader-only modes get a read-only FUSE session.
     pub fn read_only_mode(&self) -> bool {
-        matches!(self.mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
+        matches!(
+            self.mode,
+            Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
+        )
     }
 
     /// `ro` among the CSI mount flags (PV `mountOptions`).
@@ -72,13 +75,18 @@ pub fn check_capability(cap: &VolumeCapability) -> Result<CapabilityRequest, Str
         return Err("volume capability has no access mode".to_string());
     }
     if !SUPPORTED_ACCESS_MODES.contains(&mode) {
-        return Err(format!("access mode {} is not supported", mode.as_str_name()));
+        return Err(format!(
+            "access mode {} is not supported",
+            mode.as_str_name()
+        ));
     }
     Ok(CapabilityRequest { mode, mount_flags })
 }
 
 /// [`check_capability`] for RPCs where a bad capability is the caller's error.
-pub(crate) fn require_capability(cap: Option<&VolumeCapability>) -> Result<CapabilityRequest, Status> {
+pub(crate) fn require_capability(
+    cap: Option<&VolumeCapability>,
+) -> Result<CapabilityRequest, Status> {
     let cap = cap.ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
     check_capability(cap).map_err(Status::invalid_argument)
 }
@@ -138,23 +146,37 @@ mod tests {
     use crate::pb::csi::volume_capability::{AccessMode, BlockVolume, MountVolume};
 
     fn cap(access: Option<AccessType>, mode: Mode) -> VolumeCapability {
-        VolumeCapability { access_type: access, access_mode: Some(AccessMode { mode: mode as i32 }) }
+        VolumeCapability {
+            access_type: access,
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
     }
 
     #[test]
     fn capabilities() {
-        let mount = || Some(AccessType::Mount(MountVolume { mount_flags: vec!["ro".into()], ..Default::default() }));
+        let mount = || {
+            Some(AccessType::Mount(MountVolume {
+                mount_flags: vec!["ro".into()],
+                ..Default::default()
+            }))
+        };
         for m in SUPPORTED_ACCESS_MODES {
             assert!(check_capability(&cap(mount(), *m)).is_ok());
         }
         let r = check_capability(&cap(mount(), Mode::MultiNodeReaderOnly)).unwrap();
         assert!(r.read_only_mode() && r.ro_flag());
-        assert!(check_capability(&cap(Some(AccessType::Block(BlockVolume {})), Mode::SingleNodeWriter))
-            .unwrap_err()
-            .contains("block"));
+        assert!(check_capability(&cap(
+            Some(AccessType::Block(BlockVolume {})),
+            Mode::SingleNodeWriter
+        ))
+        .unwrap_err()
+        .contains("block"));
         assert!(check_capability(&cap(None, Mode::SingleNodeWriter)).is_err());
         assert!(check_capability(&cap(mount(), Mode::Unknown)).is_err());
-        let bogus = VolumeCapability { access_type: mount(), access_mode: Some(AccessMode { mode: 99 }) };
+        let bogus = VolumeCapability {
+            access_type: mount(),
+            access_mode: Some(AccessMode { mode: 99 }),
+        };
         assert!(check_capability(&bogus).is_err());
     }
 
@@ -166,7 +188,8 @@ mod tests {
         let b = tokio::time::timeout(std::time::Duration::from_millis(100), locks.lock("b")).await;
         assert!(b.is_ok());
         // The same key waits.
-        let again = tokio::time::timeout(std::time::Duration::from_millis(100), locks.lock("a")).await;
+        let again =
+            tokio::time::timeout(std::time::Duration::from_millis(100), locks.lock("a")).await;
         assert!(again.is_err());
         drop(a);
         drop(b);

@@ -14,16 +14,27 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error("{op} {path}: {errno}")]
-    Sys { op: &'static str, path: PathBuf, errno: Errno },
+    Sys {
+        op: &'static str,
+        path: PathBuf,
+        errno: Errno,
+    },
     #[error("{path} is still mounted after unmounting it {attempts} times")]
     StillMounted { path: PathBuf, attempts: usize },
     #[error("reading {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 impl MountError {
     fn sys(op: &'static str, path: &Path, errno: Errno) -> Self {
-        MountError::Sys { op, path: path.to_path_buf(), errno }
+        MountError::Sys {
+            op,
+            path: path.to_path_buf(),
+            errno,
+        }
     }
 
     /// The errno behind a syscall failure, if any.
@@ -113,7 +124,11 @@ pub fn mount_state(path: &Path) -> Result<MountState> {
             } else {
                 in_mount_table(path)?
             };
-            Ok(if mounted { MountState::Healthy } else { MountState::NotMounted })
+            Ok(if mounted {
+                MountState::Healthy
+            } else {
+                MountState::NotMounted
+            })
         }
         Err(Errno::ENOENT) | Err(Errno::ENOTDIR) => Ok(MountState::NotMounted),
         Err(e) if is_dead_errno(e) => {
@@ -131,8 +146,14 @@ pub fn mount_state(path: &Path) -> Result<MountState> {
 
 /// Bind-mounts `source` onto `target` (both must exist).
 pub fn bind_mount(source: &Path, target: &Path) -> Result<()> {
-    mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-        .map_err(|e| MountError::sys("bind mount", target, e))
+    mount(
+        Some(source),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(|e| MountError::sys("bind mount", target, e))
 }
 
 /// Read-only bind mount. `MS_RDONLY` is ignored on the initial bind, so it is a bind followed by
@@ -179,7 +200,8 @@ pub fn unmount(path: &Path) -> Result<Unmounted> {
 fn detach_if_dead(path: &Path, first: Errno) -> Result<Unmounted> {
     match mount_state(path) {
         Ok(MountState::Dead(_)) => {
-            umount2(path, MntFlags::MNT_DETACH).map_err(|e| MountError::sys("lazy unmount", path, e))?;
+            umount2(path, MntFlags::MNT_DETACH)
+                .map_err(|e| MountError::sys("lazy unmount", path, e))?;
             Ok(Unmounted::Detached)
         }
         Ok(MountState::NotMounted) => Ok(Unmounted::NotMounted),
@@ -202,7 +224,10 @@ pub fn unmount_all(path: &Path) -> Result<Unmounted> {
         }
     }
     if is_mount_point(path)? {
-        return Err(MountError::StillMounted { path: path.to_path_buf(), attempts: MAX });
+        return Err(MountError::StillMounted {
+            path: path.to_path_buf(),
+            attempts: MAX,
+        });
     }
     Ok(outcome)
 }
@@ -238,7 +263,9 @@ pub fn unescape_octal(field: &[u8]) -> Vec<u8> {
         if field[i] == b'\\' && i + 4 <= field.len() {
             let digits = &field[i + 1..i + 4];
             if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
-                let v = (digits[0] - b'0') as u32 * 64 + (digits[1] - b'0') as u32 * 8 + (digits[2] - b'0') as u32;
+                let v = (digits[0] - b'0') as u32 * 64
+                    + (digits[1] - b'0') as u32 * 8
+                    + (digits[2] - b'0') as u32;
                 if v <= 255 {
                     out.push(v as u8);
                     i += 4;
@@ -258,7 +285,10 @@ fn parse_u32(s: &[u8]) -> Option<u32> {
 
 /// Parses one mountinfo line; `None` for a malformed line.
 pub fn parse_mountinfo_line(line: &[u8]) -> Option<MountInfo> {
-    let fields: Vec<&[u8]> = line.split(|b| *b == b' ').filter(|f| !f.is_empty()).collect();
+    let fields: Vec<&[u8]> = line
+        .split(|b| *b == b' ')
+        .filter(|f| !f.is_empty())
+        .collect();
     let sep = fields.iter().position(|f| *f == b"-")?;
     if sep < 6 || fields.len() < sep + 3 {
         return None;
@@ -286,19 +316,28 @@ pub fn parse_mountinfo_line(line: &[u8]) -> Option<MountInfo> {
 
 /// Parses a whole mountinfo text, skipping malformed lines.
 pub fn parse_mountinfo(text: &[u8]) -> Vec<MountInfo> {
-    text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(parse_mountinfo_line).collect()
+    text.split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .filter_map(parse_mountinfo_line)
+        .collect()
 }
 
 /// The current mount table of this process's mount namespace.
 pub fn read_mountinfo() -> Result<Vec<MountInfo>> {
     let p = Path::new("/proc/self/mountinfo");
-    let text = std::fs::read(p).map_err(|source| MountError::Io { path: p.to_path_buf(), source })?;
+    let text = std::fs::read(p).map_err(|source| MountError::Io {
+        path: p.to_path_buf(),
+        source,
+    })?;
     Ok(parse_mountinfo(&text))
 }
 
 /// Mounts whose mount point is `dir` or below it.
 pub fn mounts_under(dir: &Path) -> Result<Vec<MountInfo>> {
-    Ok(read_mountinfo()?.into_iter().filter(|m| m.mount_point.starts_with(dir)).collect())
+    Ok(read_mountinfo()?
+        .into_iter()
+        .filter(|m| m.mount_point.starts_with(dir))
+        .collect())
 }
 
 /// `mkdir -p` that tolerates an existing directory, including one that is a dead mount point
@@ -331,7 +370,10 @@ pub fn mount_dead_fuse(path: &Path) -> Result<()> {
         .read(true)
         .write(true)
         .open("/dev/fuse")
-        .map_err(|source| MountError::Io { path: PathBuf::from("/dev/fuse"), source })?;
+        .map_err(|source| MountError::Io {
+            path: PathBuf::from("/dev/fuse"),
+            source,
+        })?;
     let data = format!("fd={},rootmode=40000,user_id=0,group_id=0", dev.as_raw_fd());
     mount(
         Some(OsStr::new("csi-test-dead")),
@@ -365,7 +407,10 @@ garbage line
         assert_eq!(m[1].mount_point, PathBuf::from("/mnt/with space"));
         assert_eq!(m[1].root, PathBuf::from("/sub dir"));
         assert_eq!((m[1].major, m[1].minor), (0, 32));
-        assert_eq!(m[1].optional_fields, vec!["master:7".to_string(), "shared:9".to_string()]);
+        assert_eq!(
+            m[1].optional_fields,
+            vec!["master:7".to_string(), "shared:9".to_string()]
+        );
         assert_eq!(m[1].source, OsString::from("127.0.0.1:8888:/buckets/a"));
         assert!(!m[1].is_read_only());
         assert_eq!(
@@ -430,14 +475,20 @@ garbage line
         assert!(!is_mount_point(&dst).unwrap());
         bind_mount(&src, &dst).unwrap();
         assert!(is_mount_point(&dst).unwrap());
-        assert!(in_mount_table(&dst).unwrap(), "the statx answer agrees with the table");
+        assert!(
+            in_mount_table(&dst).unwrap(),
+            "the statx answer agrees with the table"
+        );
         assert_eq!(mount_state(&dst).unwrap(), MountState::Healthy);
         std::fs::write(dst.join("f"), b"x").unwrap();
         assert_eq!(std::fs::read(src.join("f")).unwrap(), b"x");
         assert_eq!(unmount(&dst).unwrap(), Unmounted::Unmounted);
         assert_eq!(unmount(&dst).unwrap(), Unmounted::NotMounted);
         assert!(!dst.join("f").exists());
-        assert_eq!(mount_state(&dst.join("missing")).unwrap(), MountState::NotMounted);
+        assert_eq!(
+            mount_state(&dst.join("missing")).unwrap(),
+            MountState::NotMounted
+        );
     }
 
     #[test]
@@ -446,7 +497,11 @@ garbage line
         bind_mount_readonly(&src, &dst).unwrap();
         let err = std::fs::write(dst.join("f"), b"x").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EROFS));
-        let info = read_mountinfo().unwrap().into_iter().find(|m| m.mount_point == dst).unwrap();
+        let info = read_mountinfo()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_point == dst)
+            .unwrap();
         assert!(info.is_read_only());
         // The source stays writable.
         std::fs::write(src.join("g"), b"y").unwrap();
@@ -475,7 +530,10 @@ garbage line
         bind_mount(&src, &sub).unwrap();
         let err = unmount(&dst).unwrap_err();
         assert_eq!(err.errno(), Some(Errno::EBUSY));
-        assert!(is_mount_point(&dst).unwrap(), "a live busy mount stays mounted");
+        assert!(
+            is_mount_point(&dst).unwrap(),
+            "a live busy mount stays mounted"
+        );
     }
 
     #[test]
@@ -490,7 +548,12 @@ garbage line
         ensure_dir(&dst).unwrap();
         // An O_PATH descriptor needs no answer from the filesystem but pins the mount, so a
         // plain unmount fails with EBUSY and only the lazy detach can remove it.
-        let pin = nix::fcntl::open(&dst, nix::fcntl::OFlag::O_PATH, nix::sys::stat::Mode::empty()).unwrap();
+        let pin = nix::fcntl::open(
+            &dst,
+            nix::fcntl::OFlag::O_PATH,
+            nix::sys::stat::Mode::empty(),
+        )
+        .unwrap();
         assert_eq!(umount2(&dst, MntFlags::empty()), Err(Errno::EBUSY));
         assert_eq!(unmount(&dst).unwrap(), Unmounted::Detached);
         assert_eq!(mount_state(&dst).unwrap(), MountState::NotMounted);

@@ -50,7 +50,11 @@ pub struct NodeTimeouts {
 
 impl Default for NodeTimeouts {
     fn default() -> Self {
-        NodeTimeouts { syscall: Duration::from_secs(30), stage: Duration::from_secs(60), stats: Duration::from_secs(10) }
+        NodeTimeouts {
+            syscall: Duration::from_secs(30),
+            stage: Duration::from_secs(60),
+            stats: Duration::from_secs(10),
+        }
     }
 }
 
@@ -97,17 +101,23 @@ fn abs_path(value: &str, name: &str) -> Result<PathBuf, Status> {
     require_field(value, name)?;
     let p = Path::new(value);
     if !p.is_absolute() {
-        return Err(Status::invalid_argument(format!("{name} must be an absolute path, got {value:?}")));
+        return Err(Status::invalid_argument(format!(
+            "{name} must be an absolute path, got {value:?}"
+        )));
     }
     if p.components().any(|c| c == Component::ParentDir) {
-        return Err(Status::invalid_argument(format!("{name} must not contain '..', got {value:?}")));
+        return Err(Status::invalid_argument(format!(
+            "{name} must not contain '..', got {value:?}"
+        )));
     }
     Ok(p.to_path_buf())
 }
 
 fn rpc_cap(t: rpc::Type) -> NodeServiceCapability {
     NodeServiceCapability {
-        r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc { r#type: t as i32 })),
+        r#type: Some(node_service_capability::Type::Rpc(
+            node_service_capability::Rpc { r#type: t as i32 },
+        )),
     }
 }
 
@@ -120,8 +130,18 @@ impl NodeService {
         Self::with_timeouts(stager, config, NodeTimeouts::default())
     }
 
-    pub fn with_timeouts(stager: Arc<dyn Stager>, config: NodeConfig, timeouts: NodeTimeouts) -> Self {
-        NodeService { stager, config, timeouts, locks: KeyedLocks::new(), volumes: Mutex::new(HashMap::new()) }
+    pub fn with_timeouts(
+        stager: Arc<dyn Stager>,
+        config: NodeConfig,
+        timeouts: NodeTimeouts,
+    ) -> Self {
+        NodeService {
+            stager,
+            config,
+            timeouts,
+            locks: KeyedLocks::new(),
+            volumes: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Runs a blocking filesystem call off the async workers, bounded in time: a hung FUSE
@@ -135,15 +155,19 @@ impl NodeService {
         match tokio::time::timeout(limit, tokio::task::spawn_blocking(f)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(join)) => Err(Status::internal(format!("{what}: {join}"))),
-            Err(_) => Err(Status::unavailable(format!("{what}: no answer within {limit:?} (hung filesystem?)"))),
+            Err(_) => Err(Status::unavailable(format!(
+                "{what}: no answer within {limit:?} (hung filesystem?)"
+            ))),
         }
     }
 
     async fn state(&self, path: &Path) -> Result<MountState, Status> {
         let p = path.to_path_buf();
-        self.blocking("mount state", self.timeouts.syscall, move || mounts::mount_state(&p))
-            .await?
-            .map_err(|e| mount_status("mount state", e))
+        self.blocking("mount state", self.timeouts.syscall, move || {
+            mounts::mount_state(&p)
+        })
+        .await?
+        .map_err(|e| mount_status("mount state", e))
     }
 
     async fn sys<T: Send + 'static>(
@@ -151,7 +175,9 @@ impl NodeService {
         what: &'static str,
         f: impl FnOnce() -> Result<T, MountError> + Send + 'static,
     ) -> Result<T, Status> {
-        self.blocking(what, self.timeouts.syscall, f).await?.map_err(|e| mount_status(what, e))
+        self.blocking(what, self.timeouts.syscall, f)
+            .await?
+            .map_err(|e| mount_status(what, e))
     }
 
     async fn unmount_all(&self, path: &Path) -> Result<(), Status> {
@@ -165,16 +191,27 @@ impl NodeService {
 
     async fn ensure_dir(&self, path: &Path) -> Result<(), Status> {
         let p = path.to_path_buf();
-        self.blocking("mkdir", self.timeouts.syscall, move || mounts::ensure_dir(&p))
-            .await?
-            .map_err(|e| Status::internal(format!("create {}: {e}", path.display())))
+        self.blocking("mkdir", self.timeouts.syscall, move || {
+            mounts::ensure_dir(&p)
+        })
+        .await?
+        .map_err(|e| Status::internal(format!("create {}: {e}", path.display())))
     }
 
     /// Stages a volume at a path where nothing (alive) is mounted; leaves nothing mounted on
     /// failure, whatever the stager did.
-    async fn stage_fresh(&self, volume_id: &str, opts: MountOptions, staging: &Path) -> Result<(), Status> {
+    async fn stage_fresh(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging: &Path,
+    ) -> Result<(), Status> {
         self.ensure_dir(staging).await?;
-        let res = with_timeout(self.timeouts.stage, self.stager.stage(volume_id, opts, staging)).await;
+        let res = with_timeout(
+            self.timeouts.stage,
+            self.stager.stage(volume_id, opts, staging),
+        )
+        .await;
         if let Err(e) = res {
             tracing::warn!(volume_id, staging = %staging.display(), error = %e, "stage failed; cleaning up");
             if let Err(ce) = self.unmount_all(staging).await {
@@ -222,7 +259,12 @@ impl NodeService {
         }
         self.volumes.lock().insert(
             volume_id.to_string(),
-            StagedVolume { staging: staging.to_path_buf(), read_only, opts: Some(opts), publications },
+            StagedVolume {
+                staging: staging.to_path_buf(),
+                read_only,
+                opts: Some(opts),
+                publications,
+            },
         );
         Ok(())
     }
@@ -249,7 +291,11 @@ impl NodeService {
     async fn mounted_read_only(&self, path: &Path) -> Result<Option<bool>, Status> {
         let p = path.to_path_buf();
         let table = self.sys("read mountinfo", mounts::read_mountinfo).await?;
-        Ok(table.iter().rev().find(|m| m.mount_point == p).map(|m| m.is_read_only()))
+        Ok(table
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == p)
+            .map(|m| m.is_read_only()))
     }
 }
 
@@ -275,8 +321,13 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         let volume_id = req.volume_id.as_str();
         let read_only = cap.read_only_mode() || cap.ro_flag();
-        let opts = params::resolve_mount_options(volume_id, &req.volume_context, &self.config.defaults, read_only)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let opts = params::resolve_mount_options(
+            volume_id,
+            &req.volume_context,
+            &self.config.defaults,
+            read_only,
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
 
         let _guard = self.locks.lock(volume_id).await;
         let known = self.volumes.lock().get(volume_id).cloned();
@@ -292,7 +343,11 @@ impl Node for NodeService {
             } else if k.read_only != read_only {
                 return Err(Status::already_exists(format!(
                     "volume {volume_id} is staged {} at {}; the request asks for {}",
-                    if k.read_only { "read-only" } else { "read-write" },
+                    if k.read_only {
+                        "read-only"
+                    } else {
+                        "read-write"
+                    },
                     staging.display(),
                     if read_only { "read-only" } else { "read-write" },
                 )));
@@ -302,12 +357,15 @@ impl Node for NodeService {
         match self.state(&staging).await? {
             MountState::Healthy => {
                 tracing::info!(volume_id, staging = %staging.display(), "already staged");
-                self.volumes.lock().entry(volume_id.to_string()).or_insert_with(|| StagedVolume {
-                    staging: staging.clone(),
-                    read_only,
-                    opts: Some(opts),
-                    publications: HashMap::new(),
-                });
+                self.volumes
+                    .lock()
+                    .entry(volume_id.to_string())
+                    .or_insert_with(|| StagedVolume {
+                        staging: staging.clone(),
+                        read_only,
+                        opts: Some(opts),
+                        publications: HashMap::new(),
+                    });
                 return Ok(Response::new(NodeStageVolumeResponse {}));
             }
             MountState::Dead(errno) => {
@@ -331,10 +389,19 @@ impl Node for NodeService {
             quota_bytes = opts.quota_bytes,
             "volume staged"
         );
-        let publications = known.filter(|k| k.staging == staging).map(|k| k.publications).unwrap_or_default();
-        self.volumes
-            .lock()
-            .insert(volume_id.to_string(), StagedVolume { staging, read_only, opts: Some(opts), publications });
+        let publications = known
+            .filter(|k| k.staging == staging)
+            .map(|k| k.publications)
+            .unwrap_or_default();
+        self.volumes.lock().insert(
+            volume_id.to_string(),
+            StagedVolume {
+                staging,
+                read_only,
+                opts: Some(opts),
+                publications,
+            },
+        );
         Ok(Response::new(NodeStageVolumeResponse {}))
     }
 
@@ -349,7 +416,12 @@ impl Node for NodeService {
 
         let _guard = self.locks.lock(volume_id).await;
         if self.stager.health(volume_id).is_some() {
-            if let Err(e) = with_timeout(self.timeouts.stage, self.stager.unstage(volume_id, &staging)).await {
+            if let Err(e) = with_timeout(
+                self.timeouts.stage,
+                self.stager.unstage(volume_id, &staging),
+            )
+            .await
+            {
                 // Still unmount below: a session that cannot end cleanly must not keep the path.
                 tracing::warn!(volume_id, error = %e, "ending the session failed");
             }
@@ -358,9 +430,16 @@ impl Node for NodeService {
             self.unmount_all(&staging).await?;
         }
         let p = staging.clone();
-        match self.blocking("remove staging dir", self.timeouts.syscall, move || mounts::remove_mount_dir(&p)).await? {
+        match self
+            .blocking("remove staging dir", self.timeouts.syscall, move || {
+                mounts::remove_mount_dir(&p)
+            })
+            .await?
+        {
             Ok(()) => {}
-            Err(e) => tracing::warn!(volume_id, staging = %staging.display(), error = %e, "staging dir left in place"),
+            Err(e) => {
+                tracing::warn!(volume_id, staging = %staging.display(), error = %e, "staging dir left in place")
+            }
         }
         self.volumes.lock().remove(volume_id);
         tracing::info!(volume_id, staging = %staging.display(), "volume unstaged");
@@ -377,11 +456,15 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         if req.staging_target_path.trim().is_empty() {
             // The spec's code for a missing staging path when STAGE_UNSTAGE_VOLUME is advertised.
-            return Err(Status::failed_precondition("staging_target_path is required: stage the volume first"));
+            return Err(Status::failed_precondition(
+                "staging_target_path is required: stage the volume first",
+            ));
         }
         let staging = abs_path(&req.staging_target_path, "staging_target_path")?;
         if target == staging {
-            return Err(Status::invalid_argument("target_path must differ from staging_target_path"));
+            return Err(Status::invalid_argument(
+                "target_path must differ from staging_target_path",
+            ));
         }
         let volume_id = req.volume_id.as_str();
         let read_only = req.readonly || cap.ro_flag() || cap.read_only_mode();
@@ -389,7 +472,10 @@ impl Node for NodeService {
         let _guard = self.locks.lock(volume_id).await;
         match self.state(&staging).await? {
             MountState::Healthy => {}
-            MountState::Dead(_) => self.repair_staging(volume_id, &staging, &req.volume_context, &cap).await?,
+            MountState::Dead(_) => {
+                self.repair_staging(volume_id, &staging, &req.volume_context, &cap)
+                    .await?
+            }
             MountState::NotMounted => {
                 return Err(Status::failed_precondition(format!(
                     "volume {volume_id} is not staged at {}",
@@ -403,7 +489,13 @@ impl Node for NodeService {
                 .volumes
                 .lock()
                 .get(volume_id)
-                .map(|k| k.publications.keys().filter(|t| **t != target).cloned().collect())
+                .map(|k| {
+                    k.publications
+                        .keys()
+                        .filter(|t| **t != target)
+                        .cloned()
+                        .collect()
+                })
                 .unwrap_or_default();
             for other in others {
                 if !matches!(self.state(&other).await, Ok(MountState::NotMounted)) {
@@ -440,12 +532,14 @@ impl Node for NodeService {
         }
 
         let mut vols = self.volumes.lock();
-        let rec = vols.entry(volume_id.to_string()).or_insert_with(|| StagedVolume {
-            staging: staging.clone(),
-            read_only: cap.read_only_mode() || cap.ro_flag(),
-            opts: None,
-            publications: HashMap::new(),
-        });
+        let rec = vols
+            .entry(volume_id.to_string())
+            .or_insert_with(|| StagedVolume {
+                staging: staging.clone(),
+                read_only: cap.read_only_mode() || cap.ro_flag(),
+                opts: None,
+                publications: HashMap::new(),
+            });
         rec.publications.insert(target, Publication { read_only });
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
@@ -464,10 +558,14 @@ impl Node for NodeService {
             self.unmount_all(&target).await?;
         }
         let p = target.clone();
-        self.blocking("remove target", self.timeouts.syscall, move || match mounts::remove_mount_dir(&p) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => std::fs::remove_file(&p),
-            other => other,
-        })
+        self.blocking(
+            "remove target",
+            self.timeouts.syscall,
+            move || match mounts::remove_mount_dir(&p) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => std::fs::remove_file(&p),
+                other => other,
+            },
+        )
         .await?
         .map_err(|e| Status::internal(format!("remove {}: {e}", target.display())))?;
         if let Some(rec) = self.volumes.lock().get_mut(volume_id) {
@@ -486,18 +584,31 @@ impl Node for NodeService {
         require_field(&req.volume_path, "volume_path")?;
         let volume_id = req.volume_id.as_str();
         let path = PathBuf::from(&req.volume_path);
-        let not_found = || Status::not_found(format!("volume {volume_id} is not mounted at {}", req.volume_path));
+        let not_found = || {
+            Status::not_found(format!(
+                "volume {volume_id} is not mounted at {}",
+                req.volume_path
+            ))
+        };
         if !path.is_absolute() {
             return Err(not_found());
         }
         let abnormal = |message: String| {
             Response::new(NodeGetVolumeStatsResponse {
                 usage: vec![],
-                volume_condition: Some(VolumeCondition { abnormal: true, message }),
+                volume_condition: Some(VolumeCondition {
+                    abnormal: true,
+                    message,
+                }),
             })
         };
         let p = path.clone();
-        let state = match self.blocking("mount state", self.timeouts.stats, move || mounts::mount_state(&p)).await {
+        let state = match self
+            .blocking("mount state", self.timeouts.stats, move || {
+                mounts::mount_state(&p)
+            })
+            .await
+        {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => match e.errno() {
                 Some(nix::errno::Errno::ENOENT) => return Err(not_found()),
@@ -508,12 +619,19 @@ impl Node for NodeService {
         match state {
             MountState::NotMounted => return Err(not_found()),
             MountState::Dead(errno) => {
-                return Ok(abnormal(format!("the FUSE session is gone ({errno}); the volume needs to be staged again")))
+                return Ok(abnormal(format!(
+                    "the FUSE session is gone ({errno}); the volume needs to be staged again"
+                )))
             }
             MountState::Healthy => {}
         }
         let p = path.clone();
-        let st = match self.blocking("statfs", self.timeouts.stats, move || nix::sys::statvfs::statvfs(&p)).await {
+        let st = match self
+            .blocking("statfs", self.timeouts.stats, move || {
+                nix::sys::statvfs::statvfs(&p)
+            })
+            .await
+        {
             Ok(Ok(st)) => st,
             Ok(Err(errno)) => return Ok(abnormal(format!("statfs failed: {errno}"))),
             Err(s) => return Ok(abnormal(s.message().to_string())),
@@ -540,10 +658,19 @@ impl Node for NodeService {
             });
         }
         let volume_condition = match self.stager.health(volume_id) {
-            Some(h) => VolumeCondition { abnormal: !h.healthy, message: h.message },
-            None => VolumeCondition { abnormal: false, message: String::new() },
+            Some(h) => VolumeCondition {
+                abnormal: !h.healthy,
+                message: h.message,
+            },
+            None => VolumeCondition {
+                abnormal: false,
+                message: String::new(),
+            },
         };
-        Ok(Response::new(NodeGetVolumeStatsResponse { usage, volume_condition: Some(volume_condition) }))
+        Ok(Response::new(NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(volume_condition),
+        }))
     }
 
     async fn node_expand_volume(
@@ -557,10 +684,15 @@ impl Node for NodeService {
             super::check_capability(cap).map_err(Status::invalid_argument)?;
         }
         let volume_id = req.volume_id.as_str();
-        let (required, limit) =
-            req.capacity_range.as_ref().map(|r| (r.required_bytes, r.limit_bytes)).unwrap_or((0, 0));
+        let (required, limit) = req
+            .capacity_range
+            .as_ref()
+            .map(|r| (r.required_bytes, r.limit_bytes))
+            .unwrap_or((0, 0));
         if required < 0 || limit < 0 {
-            return Err(Status::invalid_argument("capacity_range values must not be negative"));
+            return Err(Status::invalid_argument(
+                "capacity_range values must not be negative",
+            ));
         }
         let bytes = if required > 0 { required } else { limit };
         // 1 byte or less means "no quota", as in the Go driver.
@@ -568,26 +700,47 @@ impl Node for NodeService {
 
         let _guard = self.locks.lock(volume_id).await;
         if self.stager.health(volume_id).is_some() {
-            with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota)).await.map_err(stage_status)?;
-            if let Some(o) = self.volumes.lock().get_mut(volume_id).and_then(|v| v.opts.as_mut()) {
+            with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
+                .await
+                .map_err(stage_status)?;
+            if let Some(o) = self
+                .volumes
+                .lock()
+                .get_mut(volume_id)
+                .and_then(|v| v.opts.as_mut())
+            {
                 o.quota_bytes = quota;
             }
             tracing::info!(volume_id, quota, "quota applied");
-            return Ok(Response::new(NodeExpandVolumeResponse { capacity_bytes: bytes }));
+            return Ok(Response::new(NodeExpandVolumeResponse {
+                capacity_bytes: bytes,
+            }));
         }
         let path = PathBuf::from(&req.volume_path);
-        let not_found = || Status::not_found(format!("volume {volume_id} is not staged on this node"));
+        let not_found =
+            || Status::not_found(format!("volume {volume_id} is not staged on this node"));
         if !path.is_absolute() {
             return Err(not_found());
         }
         match self.state(&path).await {
             Ok(MountState::Healthy) => {
                 // Mounted but not served by this process: the quota applies at the next stage.
-                if let Some(o) = self.volumes.lock().get_mut(volume_id).and_then(|v| v.opts.as_mut()) {
+                if let Some(o) = self
+                    .volumes
+                    .lock()
+                    .get_mut(volume_id)
+                    .and_then(|v| v.opts.as_mut())
+                {
                     o.quota_bytes = quota;
                 }
-                tracing::warn!(volume_id, quota, "volume not served by this process; quota applies when staged again");
-                Ok(Response::new(NodeExpandVolumeResponse { capacity_bytes: bytes }))
+                tracing::warn!(
+                    volume_id,
+                    quota,
+                    "volume not served by this process; quota applies when staged again"
+                );
+                Ok(Response::new(NodeExpandVolumeResponse {
+                    capacity_bytes: bytes,
+                }))
             }
             _ => Err(not_found()),
         }
@@ -612,8 +765,9 @@ impl Node for NodeService {
         &self,
         _request: Request<NodeGetInfoRequest>,
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        let accessible_topology = (!self.config.topology.is_empty())
-            .then(|| Topology { segments: self.config.topology.clone() });
+        let accessible_topology = (!self.config.topology.is_empty()).then(|| Topology {
+            segments: self.config.topology.clone(),
+        });
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.config.node_id.clone(),
             max_volumes_per_node: self.config.max_volumes_per_node.max(0),

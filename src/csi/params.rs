@@ -21,7 +21,11 @@ pub const KEY_PATH: &str = "path";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ParamError {
     #[error("invalid value {value:?} for parameter {key:?}: {reason}")]
-    Invalid { key: String, value: String, reason: String },
+    Invalid {
+        key: String,
+        value: String,
+        reason: String,
+    },
     #[error(
         "dataLocality {0} needs a data center: set --dataCenter on the node plugin or dataCenter in the StorageClass"
     )]
@@ -31,7 +35,11 @@ pub enum ParamError {
 }
 
 fn invalid(key: &str, value: &str, reason: impl Into<String>) -> ParamError {
-    ParamError::Invalid { key: key.to_string(), value: value.to_string(), reason: reason.into() }
+    ParamError::Invalid {
+        key: key.to_string(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// `dataLocality` (`none` | `write_preferLocalDc`, case-insensitive).
@@ -48,7 +56,9 @@ impl std::str::FromStr for DataLocality {
         match s.to_ascii_lowercase().as_str() {
             "" | "none" => Ok(DataLocality::None),
             "write_preferlocaldc" => Ok(DataLocality::WritePreferLocalDc),
-            _ => Err(format!("unknown dataLocality {s:?}: expected none or write_preferLocalDc")),
+            _ => Err(format!(
+                "unknown dataLocality {s:?}: expected none or write_preferLocalDc"
+            )),
         }
     }
 }
@@ -111,7 +121,11 @@ pub fn filer_path_for(volume_id: &str, ctx: &HashMap<String, String>) -> String 
     if volume_id.starts_with('/') {
         return clean_path(volume_id);
     }
-    match ctx.get(KEY_PATH).map(|s| s.trim()).filter(|s| !s.is_empty()) {
+    match ctx
+        .get(KEY_PATH)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+    {
         Some(p) => clean_path(p),
         None => format!("{BUCKETS_DIR}/{volume_id}"),
     }
@@ -128,8 +142,15 @@ pub struct VolumeLocation {
 
 /// CreateVolume naming: `path` wins (its dir/base become parent/name); else `parentDir`
 /// (default `/buckets`) plus the request name, made a valid bucket name under `/buckets`.
-pub fn new_volume_location(req_name: &str, params: &HashMap<String, String>) -> Result<VolumeLocation, ParamError> {
-    if let Some(p) = params.get(KEY_PATH).map(|s| s.trim()).filter(|s| !s.is_empty()) {
+pub fn new_volume_location(
+    req_name: &str,
+    params: &HashMap<String, String>,
+) -> Result<VolumeLocation, ParamError> {
+    if let Some(p) = params
+        .get(KEY_PATH)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+    {
         if !p.starts_with('/') {
             return Err(invalid(KEY_PATH, p, "must be an absolute filer path"));
         }
@@ -138,19 +159,46 @@ pub fn new_volume_location(req_name: &str, params: &HashMap<String, String>) -> 
             return Err(invalid(KEY_PATH, p, "cannot be the filer root"));
         }
         let (parent_dir, name) = split_path(&path);
-        return Ok(VolumeLocation { parent_dir, name, path });
+        return Ok(VolumeLocation {
+            parent_dir,
+            name,
+            path,
+        });
     }
-    let parent_raw = params.get(KEY_PARENT_DIR).map(|s| s.trim()).filter(|s| !s.is_empty()).unwrap_or(BUCKETS_DIR);
+    let parent_raw = params
+        .get(KEY_PARENT_DIR)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .unwrap_or(BUCKETS_DIR);
     if !parent_raw.starts_with('/') {
-        return Err(invalid(KEY_PARENT_DIR, parent_raw, "must be an absolute filer path"));
+        return Err(invalid(
+            KEY_PARENT_DIR,
+            parent_raw,
+            "must be an absolute filer path",
+        ));
     }
     let parent_dir = clean_path(parent_raw);
-    let name = if parent_dir == BUCKETS_DIR { bucket_safe_name(req_name) } else { req_name.to_string() };
+    let name = if parent_dir == BUCKETS_DIR {
+        bucket_safe_name(req_name)
+    } else {
+        req_name.to_string()
+    };
     if name.is_empty() || name == "." || name == ".." || name.contains('/') {
-        return Err(ParamError::InvalidName(req_name.to_string(), "must be one path component".into()));
+        return Err(ParamError::InvalidName(
+            req_name.to_string(),
+            "must be one path component".into(),
+        ));
     }
-    let path = if parent_dir == "/" { format!("/{name}") } else { format!("{parent_dir}/{name}") };
-    Ok(VolumeLocation { parent_dir, name, path })
+    let path = if parent_dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{parent_dir}/{name}")
+    };
+    Ok(VolumeLocation {
+        parent_dir,
+        name,
+        path,
+    })
 }
 
 fn sha1_hex(s: &str) -> String {
@@ -204,8 +252,16 @@ pub fn bucket_safe_name(req_name: &str) -> String {
     }
     if verify_bucket_name(&id).is_err() {
         let hash = sha1_hex(&id);
-        let mut sanitized: String =
-            id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '-' }).collect();
+        let mut sanitized: String = id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
         sanitized.truncate(21);
         id = format!("{sanitized}.{hash}");
     }
@@ -242,7 +298,9 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
         if num.is_empty() || num == "." {
             return Err(format!("invalid duration {s:?}"));
         }
-        let value: f64 = num.parse().map_err(|_| format!("invalid number in duration {s:?}"))?;
+        let value: f64 = num
+            .parse()
+            .map_err(|_| format!("invalid number in duration {s:?}"))?;
         let ustart = end;
         let mut uend = end;
         while let Some((i, c)) = chars.peek().copied() {
@@ -281,7 +339,9 @@ fn parse_ttl_secs(v: &str) -> Result<i32, String> {
         Some((i, 'w')) => (&v[..i], 7 * 86400),
         _ => (v, 1),
     };
-    let n: i64 = num.parse().map_err(|_| "expected seconds (e.g. 3600) or a number with s/m/h/d/w".to_string())?;
+    let n: i64 = num
+        .parse()
+        .map_err(|_| "expected seconds (e.g. 3600) or a number with s/m/h/d/w".to_string())?;
     if n < 0 {
         return Err("must not be negative".into());
     }
@@ -289,13 +349,24 @@ fn parse_ttl_secs(v: &str) -> Result<i32, String> {
 }
 
 fn parse_num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, ParamError> {
-    v.trim().parse::<T>().map_err(|_| invalid(key, v, "expected a non-negative integer"))
+    v.trim()
+        .parse::<T>()
+        .map_err(|_| invalid(key, v, "expected a non-negative integer"))
 }
 
 fn parse_filers(key: &str, v: &str) -> Result<Vec<String>, ParamError> {
-    let list: Vec<String> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+    let list: Vec<String> = v
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
     if list.is_empty() {
-        return Err(invalid(key, v, "expected a comma-separated list of filer addresses"));
+        return Err(invalid(
+            key,
+            v,
+            "expected a comma-separated list of filer addresses",
+        ));
     }
     Ok(list)
 }
@@ -309,10 +380,16 @@ pub fn cache_dir_for(root: &std::path::Path, volume_id: &str) -> PathBuf {
 /// Requested capacity from the context (`volumeCapacity`, bytes); 0 = none. Like the Go
 /// driver, 1 byte or less means no quota.
 pub fn capacity_from_context(ctx: &HashMap<String, String>) -> Result<u64, ParamError> {
-    match ctx.get(KEY_VOLUME_CAPACITY).map(|s| s.trim()).filter(|s| !s.is_empty()) {
+    match ctx
+        .get(KEY_VOLUME_CAPACITY)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+    {
         None => Ok(0),
         Some(v) => {
-            let n: i64 = v.parse().map_err(|_| invalid(KEY_VOLUME_CAPACITY, v, "expected bytes as an integer"))?;
+            let n: i64 = v
+                .parse()
+                .map_err(|_| invalid(KEY_VOLUME_CAPACITY, v, "expected bytes as an integer"))?;
             if n < 0 {
                 return Err(invalid(KEY_VOLUME_CAPACITY, v, "must not be negative"));
             }
@@ -330,16 +407,29 @@ pub fn resolve_mount_options(
 ) -> Result<MountOptions, ParamError> {
     let mut o = defaults.base.clone();
     let filer_path = filer_path_for(volume_id, ctx);
-    o.collection = if filer_path == "/" { String::new() } else { base_name(&filer_path) };
+    o.collection = if filer_path == "/" {
+        String::new()
+    } else {
+        base_name(&filer_path)
+    };
     o.filer_path = filer_path;
     o.read_only = read_only;
     o.quota_bytes = capacity_from_context(ctx)?;
-    o.cache_dir = defaults.cache_root.as_deref().map(|r| cache_dir_for(r, volume_id));
+    o.cache_dir = defaults
+        .cache_root
+        .as_deref()
+        .map(|r| cache_dir_for(r, volume_id));
     o.data_center = String::new();
 
     // Aliases: the first name of each pair wins when both are set.
-    let get = |k: &str| ctx.get(k).map(|s| s.as_str()).filter(|s| !s.trim().is_empty());
-    let pick = |a: &'static str, b: &'static str| get(a).map(|v| (a, v)).or_else(|| get(b).map(|v| (b, v)));
+    let get = |k: &str| {
+        ctx.get(k)
+            .map(|s| s.as_str())
+            .filter(|s| !s.trim().is_empty())
+    };
+    let pick = |a: &'static str, b: &'static str| {
+        get(a).map(|v| (a, v)).or_else(|| get(b).map(|v| (b, v)))
+    };
 
     if let Some(v) = get("collection") {
         o.collection = v.trim().to_string();
@@ -365,8 +455,10 @@ pub fn resolve_mount_options(
         o.chunk_size_limit_mb = n;
     }
     if let Some(v) = get("volumeServerAccess") {
-        o.volume_server_access =
-            v.trim().parse::<VolumeServerAccess>().map_err(|r| invalid("volumeServerAccess", v, r))?;
+        o.volume_server_access = v
+            .trim()
+            .parse::<VolumeServerAccess>()
+            .map_err(|r| invalid("volumeServerAccess", v, r))?;
     }
     if let Some(v) = get("readRetryTime") {
         let d = parse_go_duration(v).map_err(|r| invalid("readRetryTime", v, r))?;
@@ -384,8 +476,10 @@ pub fn resolve_mount_options(
     if let Some(v) = get("cacheMetaTtlSec") {
         o.cache_meta_ttl_sec = parse_num("cacheMetaTtlSec", v)?;
     }
-    for (key, field) in [("concurrentReaders", &mut o.concurrent_readers), ("concurrentWriters", &mut o.concurrent_writers)]
-    {
+    for (key, field) in [
+        ("concurrentReaders", &mut o.concurrent_readers),
+        ("concurrentWriters", &mut o.concurrent_writers),
+    ] {
         if let Some(v) = get(key) {
             let n: usize = parse_num(key, v)?;
             // 0 meant "unlimited" to weed mount (and crashed it, Go issue #165); keep the default.
@@ -409,12 +503,16 @@ pub fn resolve_mount_options(
 
     // Data locality: driver < StorageClass/PV; an explicit dataCenter always wins.
     let locality = match get("dataLocality") {
-        Some(v) => v.parse::<DataLocality>().map_err(|r| invalid("dataLocality", v, r))?,
+        Some(v) => v
+            .parse::<DataLocality>()
+            .map_err(|r| invalid("dataLocality", v, r))?,
         None => defaults.data_locality,
     };
     let explicit_dc = get("dataCenter").map(|s| s.trim().to_string());
     if locality != DataLocality::None && explicit_dc.is_none() && defaults.data_center.is_empty() {
-        return Err(ParamError::LocalityWithoutDataCenter("write_preferLocalDc".into()));
+        return Err(ParamError::LocalityWithoutDataCenter(
+            "write_preferLocalDc".into(),
+        ));
     }
     if let Some(dc) = explicit_dc {
         o.data_center = dc;
@@ -464,13 +562,20 @@ mod tests {
     use super::*;
 
     fn ctx(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn filer_path_resolution_order() {
         let c = ctx(&[("path", "/data/static")]);
-        assert_eq!(filer_path_for("/buckets/pvc-1", &c), "/buckets/pvc-1", "absolute id wins over path");
+        assert_eq!(
+            filer_path_for("/buckets/pvc-1", &c),
+            "/buckets/pvc-1",
+            "absolute id wins over path"
+        );
         assert_eq!(filer_path_for("static-handle", &c), "/data/static");
         assert_eq!(filer_path_for("legacy", &HashMap::new()), "/buckets/legacy");
         assert_eq!(filer_path_for("/a//b/", &HashMap::new()), "/a/b");
@@ -489,7 +594,10 @@ mod tests {
     #[test]
     fn bucket_names_match_the_go_driver() {
         // Already valid: only lowercased.
-        assert_eq!(bucket_safe_name("pvc-0b3f6e1c-aaaa-bbbb-cccc-1234567890ab"), "pvc-0b3f6e1c-aaaa-bbbb-cccc-1234567890ab");
+        assert_eq!(
+            bucket_safe_name("pvc-0b3f6e1c-aaaa-bbbb-cccc-1234567890ab"),
+            "pvc-0b3f6e1c-aaaa-bbbb-cccc-1234567890ab"
+        );
         assert_eq!(bucket_safe_name("PVC-Upper"), "pvc-upper");
         // Longer than 63 bytes: sha1 hex of the lowercased name (40 chars, a valid bucket name).
         let long = "a".repeat(64);
@@ -507,7 +615,17 @@ mod tests {
     fn bucket_rules() {
         assert!(verify_bucket_name("abc").is_ok());
         assert!(verify_bucket_name("a.b-c9").is_ok());
-        for bad in ["ab", "a..b", ".ab", "ab-", "xn--abc", "abc-s3alias", "192.168.1.1", "a_b", "ABC"] {
+        for bad in [
+            "ab",
+            "a..b",
+            ".ab",
+            "ab-",
+            "xn--abc",
+            "abc-s3alias",
+            "192.168.1.1",
+            "a_b",
+            "ABC",
+        ] {
             assert!(verify_bucket_name(bad).is_err(), "{bad} should be rejected");
         }
         assert!(verify_bucket_name(&"a".repeat(64)).is_err());
@@ -516,7 +634,14 @@ mod tests {
     #[test]
     fn create_locations() {
         let loc = new_volume_location("PVC-1", &HashMap::new()).unwrap();
-        assert_eq!(loc, VolumeLocation { parent_dir: "/buckets".into(), name: "pvc-1".into(), path: "/buckets/pvc-1".into() });
+        assert_eq!(
+            loc,
+            VolumeLocation {
+                parent_dir: "/buckets".into(),
+                name: "pvc-1".into(),
+                path: "/buckets/pvc-1".into()
+            }
+        );
         let loc = new_volume_location("PVC-1", &ctx(&[("parentDir", "/vols/")])).unwrap();
         assert_eq!(loc.path, "/vols/PVC-1", "outside /buckets the name is kept");
         let loc = new_volume_location("ignored", &ctx(&[("path", "/x/y/../z")])).unwrap();
@@ -533,8 +658,14 @@ mod tests {
     fn go_durations() {
         assert_eq!(parse_go_duration("6s").unwrap(), Duration::from_secs(6));
         assert_eq!(parse_go_duration("1m30s").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_go_duration("1.5h").unwrap(), Duration::from_secs(5400));
-        assert_eq!(parse_go_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(
+            parse_go_duration("1.5h").unwrap(),
+            Duration::from_secs(5400)
+        );
+        assert_eq!(
+            parse_go_duration("250ms").unwrap(),
+            Duration::from_millis(250)
+        );
         assert_eq!(parse_go_duration("0").unwrap(), Duration::ZERO);
         for bad in ["", "5", "-1s", "1x", "s", "1.2.3s"] {
             assert!(parse_go_duration(bad).is_err(), "{bad:?} should fail");
@@ -543,7 +674,11 @@ mod tests {
 
     fn defaults() -> VolumeDefaults {
         VolumeDefaults {
-            base: MountOptions { filers: vec!["f1:8888".into()], umask: 0, ..Default::default() },
+            base: MountOptions {
+                filers: vec!["f1:8888".into()],
+                umask: 0,
+                ..Default::default()
+            },
             cache_root: Some(PathBuf::from("/var/cache/seaweedfs")),
             data_center: String::new(),
             data_locality: DataLocality::None,
@@ -552,14 +687,21 @@ mod tests {
 
     #[test]
     fn defaults_apply_for_an_empty_context() {
-        let o = resolve_mount_options("/buckets/pvc-1", &HashMap::new(), &defaults(), false).unwrap();
+        let o =
+            resolve_mount_options("/buckets/pvc-1", &HashMap::new(), &defaults(), false).unwrap();
         assert_eq!(o.filer_path, "/buckets/pvc-1");
         assert_eq!(o.collection, "pvc-1");
         assert_eq!(o.filers, vec!["f1:8888".to_string()]);
         assert_eq!(o.quota_bytes, 0);
         assert!(!o.read_only);
         assert_eq!(o.umask, 0);
-        assert_eq!(o.cache_dir.unwrap(), cache_dir_for(std::path::Path::new("/var/cache/seaweedfs"), "/buckets/pvc-1"));
+        assert_eq!(
+            o.cache_dir.unwrap(),
+            cache_dir_for(
+                std::path::Path::new("/var/cache/seaweedfs"),
+                "/buckets/pvc-1"
+            )
+        );
     }
 
     #[test]
@@ -599,7 +741,11 @@ mod tests {
         assert_eq!(o.cache_capacity_mb, 64);
         assert_eq!(o.cache_meta_ttl_sec, 5);
         assert_eq!(o.concurrent_readers, 7);
-        assert_eq!(o.concurrent_writers, MountOptions::default().concurrent_writers, "0 keeps the default");
+        assert_eq!(
+            o.concurrent_writers,
+            MountOptions::default().concurrent_writers,
+            "0 keeps the default"
+        );
         assert_eq!(o.filers, vec!["a:1".to_string(), "b:2".to_string()]);
         assert_eq!(o.filer_path, "/override");
         assert_eq!(o.quota_bytes, 1 << 30);
@@ -609,10 +755,22 @@ mod tests {
 
     #[test]
     fn static_pv_collection_defaults_to_path_basename() {
-        let o = resolve_mount_options("handle", &ctx(&[("path", "/data/team-a")]), &defaults(), false).unwrap();
-        assert_eq!((o.filer_path.as_str(), o.collection.as_str()), ("/data/team-a", "team-a"));
+        let o = resolve_mount_options(
+            "handle",
+            &ctx(&[("path", "/data/team-a")]),
+            &defaults(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            (o.filer_path.as_str(), o.collection.as_str()),
+            ("/data/team-a", "team-a")
+        );
         let o = resolve_mount_options("legacy-id", &HashMap::new(), &defaults(), false).unwrap();
-        assert_eq!((o.filer_path.as_str(), o.collection.as_str()), ("/buckets/legacy-id", "legacy-id"));
+        assert_eq!(
+            (o.filer_path.as_str(), o.collection.as_str()),
+            ("/buckets/legacy-id", "legacy-id")
+        );
     }
 
     #[test]
@@ -624,14 +782,36 @@ mod tests {
             ParamError::LocalityWithoutDataCenter("write_preferLocalDc".into())
         );
         d.data_center = "node-dc".into();
-        assert_eq!(resolve_mount_options("/b/v", &c, &d, false).unwrap().data_center, "node-dc");
+        assert_eq!(
+            resolve_mount_options("/b/v", &c, &d, false)
+                .unwrap()
+                .data_center,
+            "node-dc"
+        );
         // Without locality the node's data center is not used.
-        assert_eq!(resolve_mount_options("/b/v", &HashMap::new(), &d, false).unwrap().data_center, "");
+        assert_eq!(
+            resolve_mount_options("/b/v", &HashMap::new(), &d, false)
+                .unwrap()
+                .data_center,
+            ""
+        );
         d.data_locality = DataLocality::WritePreferLocalDc;
-        assert_eq!(resolve_mount_options("/b/v", &HashMap::new(), &d, false).unwrap().data_center, "node-dc");
+        assert_eq!(
+            resolve_mount_options("/b/v", &HashMap::new(), &d, false)
+                .unwrap()
+                .data_center,
+            "node-dc"
+        );
         let none = ctx(&[("dataLocality", "none")]);
-        assert_eq!(resolve_mount_options("/b/v", &none, &d, false).unwrap().data_center, "");
-        assert!(resolve_mount_options("/b/v", &ctx(&[("dataLocality", "bogus")]), &d, false).is_err());
+        assert_eq!(
+            resolve_mount_options("/b/v", &none, &d, false)
+                .unwrap()
+                .data_center,
+            ""
+        );
+        assert!(
+            resolve_mount_options("/b/v", &ctx(&[("dataLocality", "bogus")]), &d, false).is_err()
+        );
     }
 
     #[test]
@@ -652,14 +832,21 @@ mod tests {
             ("volumeCapacity", "-5"),
             ("volumeCapacity", "1Gi"),
         ] {
-            let err = resolve_mount_options("/b/v", &ctx(&[(k, v)]), &defaults(), false).unwrap_err();
+            let err =
+                resolve_mount_options("/b/v", &ctx(&[(k, v)]), &defaults(), false).unwrap_err();
             assert!(err.to_string().contains(k), "{k}={v}: {err}");
         }
     }
 
     #[test]
     fn tiny_capacity_means_no_quota() {
-        assert_eq!(capacity_from_context(&ctx(&[("volumeCapacity", "1")])).unwrap(), 0);
-        assert_eq!(capacity_from_context(&ctx(&[("volumeCapacity", "2")])).unwrap(), 2);
+        assert_eq!(
+            capacity_from_context(&ctx(&[("volumeCapacity", "1")])).unwrap(),
+            0
+        );
+        assert_eq!(
+            capacity_from_context(&ctx(&[("volumeCapacity", "2")])).unwrap(),
+            2
+        );
     }
 }

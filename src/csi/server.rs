@@ -27,7 +27,10 @@ pub enum ServeError {
     #[error("another process is serving on {0}")]
     InUse(PathBuf),
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -109,7 +112,14 @@ pub struct RpcLog<S> {
 
 /// Frequent polling calls are logged at debug so they do not drown the interesting ones.
 fn is_chatty(method: &str) -> bool {
-    matches!(method, "Probe" | "GetPluginInfo" | "GetPluginCapabilities" | "NodeGetCapabilities" | "NodeGetVolumeStats")
+    matches!(
+        method,
+        "Probe"
+            | "GetPluginInfo"
+            | "GetPluginCapabilities"
+            | "NodeGetCapabilities"
+            | "NodeGetVolumeStats"
+    )
 }
 
 impl<S, B, RB> Service<http::Request<B>> for RpcLog<S>
@@ -161,7 +171,9 @@ where
                         tracing::warn!(rpc = %method, duration_ms = ms, code = ?code, message = %message, "rpc failed");
                     }
                 }
-                Err(e) => tracing::error!(rpc = %method, duration_ms = ms, error = %e, "rpc transport error"),
+                Err(e) => {
+                    tracing::error!(rpc = %method, duration_ms = ms, error = %e, "rpc transport error")
+                }
             }
             res
         })
@@ -219,7 +231,8 @@ fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
                 return Err(ServeError::InUse(path.to_path_buf()));
             }
             tracing::info!(socket = %path.display(), "removing stale socket");
-            std::fs::remove_file(path).map_err(io(format!("remove stale socket {}", path.display())))
+            std::fs::remove_file(path)
+                .map_err(io(format!("remove stale socket {}", path.display())))
         }
         Ok(_) => Err(ServeError::Io {
             context: format!("{} exists and is not a socket", path.display()),
@@ -239,11 +252,14 @@ impl BoundListener {
         match endpoint {
             Endpoint::Unix(path) => {
                 prepare_socket_path(path)?;
-                let l = tokio::net::UnixListener::bind(path).map_err(io(format!("listen on {}", path.display())))?;
+                let l = tokio::net::UnixListener::bind(path)
+                    .map_err(io(format!("listen on {}", path.display())))?;
                 Ok(BoundListener::Unix(l, path.clone()))
             }
             Endpoint::Tcp(addr) => {
-                let l = tokio::net::TcpListener::bind(addr.as_str()).await.map_err(io(format!("listen on {addr}")))?;
+                let l = tokio::net::TcpListener::bind(addr.as_str())
+                    .await
+                    .map_err(io(format!("listen on {addr}")))?;
                 Ok(BoundListener::Tcp(l))
             }
         }
@@ -258,7 +274,11 @@ pub async fn serve(
     services: CsiServices,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let CsiServices { identity, controller, node } = services;
+    let CsiServices {
+        identity,
+        controller,
+        node,
+    } = services;
     let router = Server::builder()
         .layer(RpcLogLayer)
         .add_service(IdentityServer::new(identity))
@@ -323,15 +343,34 @@ mod tests {
 
     #[test]
     fn endpoints_parse() {
-        assert_eq!("unix:///csi/csi.sock".parse::<Endpoint>().unwrap(), Endpoint::Unix("/csi/csi.sock".into()));
+        assert_eq!(
+            "unix:///csi/csi.sock".parse::<Endpoint>().unwrap(),
+            Endpoint::Unix("/csi/csi.sock".into())
+        );
         assert_eq!(
             "unix://tmp/seaweedfs-csi.sock".parse::<Endpoint>().unwrap(),
             Endpoint::Unix("/tmp/seaweedfs-csi.sock".into())
         );
-        assert_eq!("unix:/a.sock".parse::<Endpoint>().unwrap(), Endpoint::Unix("/a.sock".into()));
-        assert_eq!("/a.sock".parse::<Endpoint>().unwrap(), Endpoint::Unix("/a.sock".into()));
-        assert_eq!("tcp://127.0.0.1:10000".parse::<Endpoint>().unwrap(), Endpoint::Tcp("127.0.0.1:10000".into()));
-        for bad in ["", "unix://", "tcp://", "tcp://nohost", "http://x:1", "relative.sock"] {
+        assert_eq!(
+            "unix:/a.sock".parse::<Endpoint>().unwrap(),
+            Endpoint::Unix("/a.sock".into())
+        );
+        assert_eq!(
+            "/a.sock".parse::<Endpoint>().unwrap(),
+            Endpoint::Unix("/a.sock".into())
+        );
+        assert_eq!(
+            "tcp://127.0.0.1:10000".parse::<Endpoint>().unwrap(),
+            Endpoint::Tcp("127.0.0.1:10000".into())
+        );
+        for bad in [
+            "",
+            "unix://",
+            "tcp://",
+            "tcp://nohost",
+            "http://x:1",
+            "relative.sock",
+        ] {
             assert!(bad.parse::<Endpoint>().is_err(), "{bad:?}");
         }
     }
@@ -349,14 +388,19 @@ mod tests {
         let path = dir.path().join("sub/csi.sock");
         let ep = Endpoint::Unix(path.clone());
         let first = BoundListener::bind(&ep).await.unwrap();
-        assert!(matches!(BoundListener::bind(&ep).await, Err(ServeError::InUse(_))));
+        assert!(matches!(
+            BoundListener::bind(&ep).await,
+            Err(ServeError::InUse(_))
+        ));
         drop(first);
         // The file stays behind after the listener is gone: stale.
         assert!(path.exists());
         let _second = BoundListener::bind(&ep).await.unwrap();
         let plain = dir.path().join("plain");
         std::fs::write(&plain, b"x").unwrap();
-        assert!(BoundListener::bind(&Endpoint::Unix(plain.clone())).await.is_err());
+        assert!(BoundListener::bind(&Endpoint::Unix(plain.clone()))
+            .await
+            .is_err());
         assert!(plain.exists(), "a regular file is never removed");
     }
 }

@@ -24,10 +24,16 @@ pub struct VolumeHealth {
 
 impl VolumeHealth {
     pub fn healthy() -> Self {
-        VolumeHealth { healthy: true, message: String::new() }
+        VolumeHealth {
+            healthy: true,
+            message: String::new(),
+        }
     }
     pub fn unhealthy(message: impl Into<String>) -> Self {
-        VolumeHealth { healthy: false, message: message.into() }
+        VolumeHealth {
+            healthy: false,
+            message: message.into(),
+        }
     }
 }
 
@@ -76,7 +82,12 @@ pub enum StageError {
 pub trait Stager: Send + Sync + 'static {
     /// Mounts ONE FUSE session for the volume at `staging_path` (already created dir).
     /// Idempotency is the caller's job.
-    async fn stage(&self, volume_id: &str, opts: MountOptions, staging_path: &Path) -> Result<(), StageError>;
+    async fn stage(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging_path: &Path,
+    ) -> Result<(), StageError>;
 
     /// Ends the session and unmounts `staging_path`.
     async fn unstage(&self, volume_id: &str, staging_path: &Path) -> Result<(), StageError>;
@@ -92,9 +103,19 @@ pub trait Stager: Send + Sync + 'static {
 /// One call recorded by [`FakeStager`].
 #[derive(Debug, Clone)]
 pub enum StagerCall {
-    Stage { volume_id: String, staging_path: PathBuf, opts: MountOptions },
-    Unstage { volume_id: String, staging_path: PathBuf },
-    SetQuota { volume_id: String, bytes: u64 },
+    Stage {
+        volume_id: String,
+        staging_path: PathBuf,
+        opts: MountOptions,
+    },
+    Unstage {
+        volume_id: String,
+        staging_path: PathBuf,
+    },
+    SetQuota {
+        volume_id: String,
+        bytes: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -130,7 +151,11 @@ impl FakeStager {
     pub fn new(root: impl Into<PathBuf>) -> std::io::Result<Self> {
         let root = root.into();
         std::fs::create_dir_all(&root)?;
-        Ok(FakeStager { root, state: Mutex::new(FakeState::default()), unmount_on_drop: true })
+        Ok(FakeStager {
+            root,
+            state: Mutex::new(FakeState::default()),
+            unmount_on_drop: true,
+        })
     }
 
     /// Keeps the binds when dropped, like a real plugin whose volumes outlive its process
@@ -143,7 +168,8 @@ impl FakeStager {
     /// The scratch directory that backs a volume.
     pub fn scratch_dir(&self, volume_id: &str) -> PathBuf {
         use sha2::Digest;
-        self.root.join(hex::encode(sha2::Sha256::digest(volume_id.as_bytes())))
+        self.root
+            .join(hex::encode(sha2::Sha256::digest(volume_id.as_bytes())))
     }
 
     /// Every call so far, in order.
@@ -153,12 +179,21 @@ impl FakeStager {
 
     /// Number of `stage` calls so far.
     pub fn stage_count(&self) -> usize {
-        self.state.lock().calls.iter().filter(|c| matches!(c, StagerCall::Stage { .. })).count()
+        self.state
+            .lock()
+            .calls
+            .iter()
+            .filter(|c| matches!(c, StagerCall::Stage { .. }))
+            .count()
     }
 
     /// The options of the live session of a volume.
     pub fn session_options(&self, volume_id: &str) -> Option<MountOptions> {
-        self.state.lock().sessions.get(volume_id).map(|s| s.opts.clone())
+        self.state
+            .lock()
+            .sessions
+            .get(volume_id)
+            .map(|s| s.opts.clone())
     }
 
     /// Makes the next `stage` fail with `err` (after mounting, to check the caller's cleanup
@@ -174,7 +209,10 @@ impl FakeStager {
 
     /// Reports a served volume as unhealthy until [`FakeStager::set_healthy`].
     pub fn set_unhealthy(&self, volume_id: &str, message: &str) {
-        self.state.lock().unhealthy.insert(volume_id.to_string(), message.to_string());
+        self.state
+            .lock()
+            .unhealthy
+            .insert(volume_id.to_string(), message.to_string());
     }
 
     pub fn set_healthy(&self, volume_id: &str) {
@@ -203,7 +241,12 @@ impl FakeStager {
         self.state.lock().in_flight.remove(volume_id);
     }
 
-    async fn stage_inner(&self, volume_id: &str, opts: MountOptions, staging_path: &Path) -> Result<(), StageError> {
+    async fn stage_inner(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging_path: &Path,
+    ) -> Result<(), StageError> {
         let (delay, fail) = {
             let mut st = self.state.lock();
             st.calls.push(StagerCall::Stage {
@@ -217,7 +260,8 @@ impl FakeStager {
             tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
         let scratch = self.scratch_dir(volume_id);
-        std::fs::create_dir_all(&scratch).map_err(|e| StageError::Mount(format!("scratch dir: {e}")))?;
+        std::fs::create_dir_all(&scratch)
+            .map_err(|e| StageError::Mount(format!("scratch dir: {e}")))?;
         let res = if opts.read_only {
             mounts::bind_mount_readonly(&scratch, staging_path)
         } else {
@@ -229,17 +273,25 @@ impl FakeStager {
             let _ = mounts::unmount(staging_path);
             return Err(err);
         }
-        self.state
-            .lock()
-            .sessions
-            .insert(volume_id.to_string(), FakeSession { staging_path: staging_path.to_path_buf(), opts });
+        self.state.lock().sessions.insert(
+            volume_id.to_string(),
+            FakeSession {
+                staging_path: staging_path.to_path_buf(),
+                opts,
+            },
+        );
         Ok(())
     }
 }
 
 #[async_trait]
 impl Stager for FakeStager {
-    async fn stage(&self, volume_id: &str, opts: MountOptions, staging_path: &Path) -> Result<(), StageError> {
+    async fn stage(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging_path: &Path,
+    ) -> Result<(), StageError> {
         self.enter(volume_id);
         let r = self.stage_inner(volume_id, opts, staging_path).await;
         self.leave(volume_id);
@@ -283,8 +335,14 @@ impl Stager for FakeStager {
 
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
         let mut st = self.state.lock();
-        st.calls.push(StagerCall::SetQuota { volume_id: volume_id.to_string(), bytes });
-        let sess = st.sessions.get_mut(volume_id).ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
+        st.calls.push(StagerCall::SetQuota {
+            volume_id: volume_id.to_string(),
+            bytes,
+        });
+        let sess = st
+            .sessions
+            .get_mut(volume_id)
+            .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
         sess.opts.quota_bytes = bytes;
         Ok(())
     }
@@ -297,7 +355,8 @@ impl Drop for FakeStager {
         if !self.unmount_on_drop {
             return;
         }
-        let sessions: Vec<FakeSession> = self.state.lock().sessions.drain().map(|(_, s)| s).collect();
+        let sessions: Vec<FakeSession> =
+            self.state.lock().sessions.drain().map(|(_, s)| s).collect();
         for s in sessions {
             let _ = mounts::unmount_all(&s.staging_path);
         }
@@ -315,16 +374,25 @@ mod tests {
         let staging = tmp.path().join("staging");
         std::fs::create_dir(&staging).unwrap();
 
-        stager.stage("vol-1", MountOptions::default(), &staging).await.unwrap();
+        stager
+            .stage("vol-1", MountOptions::default(), &staging)
+            .await
+            .unwrap();
         assert!(mounts::is_mount_point(&staging).unwrap());
         assert_eq!(stager.health("vol-1"), Some(VolumeHealth::healthy()));
         assert_eq!(stager.health("other"), None);
         std::fs::write(staging.join("f"), b"data").unwrap();
-        assert_eq!(std::fs::read(stager.scratch_dir("vol-1").join("f")).unwrap(), b"data");
+        assert_eq!(
+            std::fs::read(stager.scratch_dir("vol-1").join("f")).unwrap(),
+            b"data"
+        );
 
         stager.set_quota("vol-1", 42).await.unwrap();
         assert_eq!(stager.session_options("vol-1").unwrap().quota_bytes, 42);
-        assert!(matches!(stager.set_quota("nope", 1).await, Err(StageError::NotStaged(_))));
+        assert!(matches!(
+            stager.set_quota("nope", 1).await,
+            Err(StageError::NotStaged(_))
+        ));
 
         stager.set_unhealthy("vol-1", "filer gone");
         assert!(!stager.health("vol-1").unwrap().healthy);
@@ -335,17 +403,29 @@ mod tests {
         stager.unstage("vol-1", &staging).await.unwrap();
 
         stager.fail_next_stage(StageError::Unavailable("injected".into()));
-        let err = stager.stage("vol-2", MountOptions::default(), &staging).await.unwrap_err();
+        let err = stager
+            .stage("vol-2", MountOptions::default(), &staging)
+            .await
+            .unwrap_err();
         assert!(matches!(err, StageError::Unavailable(_)));
-        assert!(!mounts::is_mount_point(&staging).unwrap(), "failed stage leaves nothing mounted");
+        assert!(
+            !mounts::is_mount_point(&staging).unwrap(),
+            "failed stage leaves nothing mounted"
+        );
 
-        let ro = MountOptions { read_only: true, ..Default::default() };
+        let ro = MountOptions {
+            read_only: true,
+            ..Default::default()
+        };
         stager.stage("vol-3", ro, &staging).await.unwrap();
         let err = std::fs::write(staging.join("x"), b"x").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EROFS));
         assert_eq!(stager.stage_count(), 3);
         assert!(!stager.overlap_seen());
         drop(stager);
-        assert!(!mounts::is_mount_point(&staging).unwrap(), "drop unmounts live sessions");
+        assert!(
+            !mounts::is_mount_point(&staging).unwrap(),
+            "drop unmounts live sessions"
+        );
     }
 }

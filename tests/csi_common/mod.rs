@@ -18,7 +18,9 @@ use seaweedfs_csi_driver::pb::csi::controller_client::ControllerClient;
 use seaweedfs_csi_driver::pb::csi::identity_client::IdentityClient;
 use seaweedfs_csi_driver::pb::csi::node_client::NodeClient;
 use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
-use seaweedfs_csi_driver::pb::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use seaweedfs_csi_driver::pb::csi::volume_capability::{
+    AccessMode, AccessType, BlockVolume, MountVolume,
+};
 use seaweedfs_csi_driver::pb::csi::*;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -47,7 +49,9 @@ pub async fn uds_channel(socket: &Path) -> Result<Channel, tonic::transport::Err
         .timeout(Duration::from_secs(120))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let p = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+            }
         }))
         .await
 }
@@ -62,7 +66,9 @@ pub struct Clients {
 
 impl Clients {
     pub async fn connect(socket: &Path) -> Self {
-        let ch = uds_channel(socket).await.expect("connect to the CSI socket");
+        let ch = uds_channel(socket)
+            .await
+            .expect("connect to the CSI socket");
         Clients {
             identity: IdentityClient::new(ch.clone()),
             controller: ControllerClient::new(ch.clone()),
@@ -87,7 +93,11 @@ pub fn unmount_below(dir: &Path) {
 
 /// Mount points below `dir` right now.
 pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {
-    mounts::mounts_under(dir).unwrap().into_iter().map(|m| m.mount_point).collect()
+    mounts::mounts_under(dir)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect()
 }
 
 /// The driver binary on a temp unix socket, with kubelet-like directories under the same temp
@@ -110,7 +120,10 @@ pub fn driver_bin() -> &'static str {
 impl Driver {
     /// Starts the driver with both components against `filer` (host:port).
     pub fn start(filer: &str, extra: &[&str]) -> Driver {
-        let dir = tempfile::Builder::new().prefix("csitest").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("csitest")
+            .tempdir()
+            .unwrap();
         let socket = dir.path().join("plugin/csi.sock");
         let stager = Stager::from_env();
         let mut args = vec![
@@ -120,7 +133,10 @@ impl Driver {
             "--logLevel=info,seaweedfs_csi_driver=debug".to_string(),
         ];
         if stager == Stager::Fake {
-            args.push(format!("--fakeStager={}", dir.path().join("scratch").display()));
+            args.push(format!(
+                "--fakeStager={}",
+                dir.path().join("scratch").display()
+            ));
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         Self::start_raw(dir, socket, stager, args, vec![])
@@ -135,15 +151,30 @@ impl Driver {
         env: Vec<(String, String)>,
     ) -> Driver {
         let log_path = dir.path().join("driver.log");
-        let mut d = Driver { child: None, dir, socket, stager, args, env, log_path };
+        let mut d = Driver {
+            child: None,
+            dir,
+            socket,
+            stager,
+            args,
+            env,
+            log_path,
+        };
         d.spawn();
         d
     }
 
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log_path).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .unwrap();
         let mut cmd = Command::new(driver_bin());
-        cmd.args(&self.args).stdout(Stdio::null()).stderr(log).env_remove("RUST_LOG");
+        cmd.args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .env_remove("RUST_LOG");
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -161,10 +192,15 @@ impl Driver {
                     panic!("driver exited early ({status}):\n{}", self.log());
                 }
             }
-            if self.socket.exists() && std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+            if self.socket.exists() && std::os::unix::net::UnixStream::connect(&self.socket).is_ok()
+            {
                 return;
             }
-            assert!(Instant::now() < deadline, "driver socket never came up:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "driver socket never came up:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -219,14 +255,18 @@ impl Driver {
 
     /// Like kubelet: `plugins/kubernetes.io/csi/<driver>/<hash>/globalmount`, created.
     pub fn staging_path(&self, name: &str) -> PathBuf {
-        let p = self.path(&format!("kubelet/plugins/kubernetes.io/csi/seaweedfs-csi-driver/{name}/globalmount"));
+        let p = self.path(&format!(
+            "kubelet/plugins/kubernetes.io/csi/seaweedfs-csi-driver/{name}/globalmount"
+        ));
         std::fs::create_dir_all(&p).unwrap();
         p
     }
 
     /// Like kubelet: `pods/<uid>/volumes/kubernetes.io~csi/<pv>/mount`, parent created only.
     pub fn target_path(&self, pod: &str) -> PathBuf {
-        let p = self.path(&format!("kubelet/pods/{pod}/volumes/kubernetes.io~csi/pv/mount"));
+        let p = self.path(&format!(
+            "kubelet/pods/{pod}/volumes/kubernetes.io~csi/pv/mount"
+        ));
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         p
     }
@@ -265,9 +305,15 @@ pub fn block_cap(mode: Mode) -> VolumeCapability {
 pub fn create_req(name: &str, bytes: i64, params: &[(&str, &str)]) -> CreateVolumeRequest {
     CreateVolumeRequest {
         name: name.into(),
-        capacity_range: (bytes > 0).then_some(CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        capacity_range: (bytes > 0).then_some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
         volume_capabilities: vec![mount_cap(Mode::MultiNodeMultiWriter)],
-        parameters: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         secrets: HashMap::from([("secret-key".to_string(), "do-not-log-me".to_string())]),
         ..Default::default()
     }
@@ -284,7 +330,13 @@ pub fn stage_req(vol: &Volume, staging: &Path, mode: Mode) -> NodeStageVolumeReq
     }
 }
 
-pub fn publish_req(vol: &Volume, staging: &Path, target: &Path, readonly: bool, mode: Mode) -> NodePublishVolumeRequest {
+pub fn publish_req(
+    vol: &Volume,
+    staging: &Path,
+    target: &Path,
+    readonly: bool,
+    mode: Mode,
+) -> NodePublishVolumeRequest {
     NodePublishVolumeRequest {
         volume_id: vol.volume_id.clone(),
         staging_target_path: staging.display().to_string(),
@@ -297,11 +349,17 @@ pub fn publish_req(vol: &Volume, staging: &Path, target: &Path, readonly: bool, 
 }
 
 pub fn unpublish_req(vol: &Volume, target: &Path) -> NodeUnpublishVolumeRequest {
-    NodeUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), target_path: target.display().to_string() }
+    NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    }
 }
 
 pub fn unstage_req(vol: &Volume, staging: &Path) -> NodeUnstageVolumeRequest {
-    NodeUnstageVolumeRequest { volume_id: vol.volume_id.clone(), staging_target_path: staging.display().to_string() }
+    NodeUnstageVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+    }
 }
 
 /// The gRPC code of a result.
@@ -315,7 +373,15 @@ pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) ->
 /// Whether the filer has an entry at `path` (its HTTP API answers 2xx).
 pub fn filer_has(filer_http: &str, path: &str) -> bool {
     let out = Command::new("curl")
-        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "-H", "Accept: application/json"])
+        .args([
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-H",
+            "Accept: application/json",
+        ])
         .arg(format!("http://{filer_http}{path}"))
         .output()
         .expect("curl");
