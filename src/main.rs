@@ -58,7 +58,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             None
         } else if let Some(dir) = &plan.fake_stager_dir {
             tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
-            Some(Arc::new(FakeStager::new(dir.clone())?))
+            Some(Arc::new(FakeStager::new(dir.clone())?.leave_mounts_on_drop()))
         } else {
             let s = Arc::new(match &plan.keeper_socket {
                 Some(sock) => FuseStager::with_keeper(security.clone(), sock)?,

@@ -503,3 +503,351 @@ impl Controller for ControllerService {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::filer::mock::MockFiler;
+    use crate::pb::csi::volume_capability::access_mode::Mode;
+    use crate::pb::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+
+    fn mount_cap(mode: Mode) -> VolumeCapability {
+        VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
+    }
+
+    fn service(filer: &MockFiler) -> ControllerService {
+        ControllerService::new(
+            Arc::new(filer.clone()),
+            ControllerConfig { attacher: false },
+        )
+    }
+
+    fn create_req(
+        name: &str,
+        required: i64,
+        limit: i64,
+        params: &[(&str, &str)],
+    ) -> CreateVolumeRequest {
+        CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            }),
+            volume_capabilities: vec![mount_cap(Mode::MultiNodeMultiWriter)],
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    async fn create(svc: &ControllerService, req: CreateVolumeRequest) -> Result<Volume, Status> {
+        svc.create_volume(Request::new(req))
+            .await
+            .map(|r| r.into_inner().volume.unwrap())
+    }
+
+    fn put_file(filer: &MockFiler, dir: &str, name: &str) {
+        let req = fpb::CreateEntryRequest {
+            directory: dir.into(),
+            entry: Some(fpb::Entry {
+                name: name.into(),
+                attributes: Some(fpb::FuseAttributes {
+                    file_mode: 0o644,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        futures::executor::block_on(filer.create_entry(req)).unwrap();
+    }
+
+    #[tokio::test]
+    async fn create_is_idempotent_and_checks_capacity() {
+        let filer = MockFiler::new();
+        let svc = service(&filer);
+        let v = create(
+            &svc,
+            create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")]),
+        )
+        .await
+        .unwrap();
+        assert_eq!(v.volume_id, "/buckets/pvc-a");
+        assert_eq!(v.capacity_bytes, 1 << 30);
+        assert_eq!(v.volume_context["collection"], "c1");
+        assert_eq!(v.volume_context["parentDir"], "/buckets");
+        assert_eq!(v.volume_context["volumeName"], "pvc-a");
+        assert_eq!(v.volume_context["volumeCapacity"], (1i64 << 30).to_string());
+        let e = filer.get("/buckets/pvc-a").expect("directory created");
+        assert!(e.is_directory);
+        assert_eq!(e.attributes.unwrap().file_mode, GO_MODE_DIR | 0o777);
+        assert_eq!(
+            stored_capacity(&filer.get("/buckets/pvc-a").unwrap()),
+            Some(1 << 30)
+        );
+
+        let again = create(
+            &svc,
+            create_req("PVC-A", 1 << 30, 0, &[("collection", "c1")]),
+        )
+        .await
+        .unwrap();
+        assert_eq!(again.volume_id, v.volume_id);
+        let err = create(&svc, create_req("PVC-A", 2 << 30, 0, &[]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::AlreadyExists);
+        let err = create(&svc, create_req("PVC-A", 1, 1 << 20, &[]))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            tonic::Code::AlreadyExists,
+            "existing volume larger than the limit"
+        );
+        // A smaller request fits in the existing volume.
+        assert_eq!(
+            create(&svc, create_req("PVC-A", 1 << 20, 0, &[]))
+                .await
+                .unwrap()
+                .capacity_bytes,
+            1 << 30
+        );
+    }
+
+    #[tokio::test]
+    async fn create_names_and_argument_checks() {
+        let filer = MockFiler::new();
+        let svc = service(&filer);
+        let v = create(&svc, create_req("n", 0, 0, &[("path", "/data/team/x")]))
+            .await
+            .unwrap();
+        assert_eq!(v.volume_id, "/data/team/x");
+        assert_eq!(v.capacity_bytes, 0);
+        assert!(!v.volume_context.contains_key("volumeCapacity"));
+        assert!(filer.get("/data/team/x").is_some());
+        let v = create(
+            &svc,
+            create_req("Keep_Case", 0, 0, &[("parentDir", "/vols")]),
+        )
+        .await
+        .unwrap();
+        assert_eq!(v.volume_id, "/vols/Keep_Case");
+
+        let code = |r: Result<Volume, Status>| r.unwrap_err().code();
+        assert_eq!(
+            code(create(&svc, create_req("", 0, 0, &[])).await),
+            tonic::Code::InvalidArgument
+        );
+        let mut no_caps = create_req("x", 0, 0, &[]);
+        no_caps.volume_capabilities.clear();
+        assert_eq!(
+            code(create(&svc, no_caps).await),
+            tonic::Code::InvalidArgument
+        );
+        let mut block = create_req("x", 0, 0, &[]);
+        block.volume_capabilities[0].access_type = Some(AccessType::Block(BlockVolume {}));
+        let err = create(&svc, block).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("block"));
+        assert_eq!(
+            code(create(&svc, create_req("x", 10, 5, &[])).await),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            code(create(&svc, create_req("x", 0, 0, &[("path", "rel")])).await),
+            tonic::Code::InvalidArgument
+        );
+        // A file where the volume should be.
+        put_file(&filer, "/buckets", "taken");
+        assert_eq!(
+            code(create(&svc, create_req("taken", 0, 0, &[])).await),
+            tonic::Code::AlreadyExists
+        );
+        filer.fail_next(1);
+        assert_eq!(
+            code(create(&svc, create_req("later", 0, 0, &[])).await),
+            tonic::Code::Unavailable
+        );
+    }
+
+    #[tokio::test]
+    async fn delete_removes_children_first_then_the_directory() {
+        let filer = MockFiler::new();
+        let svc = service(&filer);
+        let v = create(&svc, create_req("pvc-del", 0, 0, &[]))
+            .await
+            .unwrap();
+        for i in 0..5 {
+            put_file(&filer, &v.volume_id, &format!("f{i}"));
+        }
+        put_file(&filer, &format!("{}/sub/deeper", v.volume_id), "g");
+        let before = filer.calls("delete_entry");
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+        assert!(
+            filer
+                .paths()
+                .iter()
+                .all(|p| !p.starts_with("/buckets/pvc-del")),
+            "{:?}",
+            filer.paths()
+        );
+        // 6 children (5 files + sub) one by one, then the directory itself.
+        assert_eq!(filer.calls("delete_entry") - before, 7);
+        // Idempotent; legacy (relative) ids live under /buckets.
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+        create(&svc, create_req("legacy", 0, 0, &[])).await.unwrap();
+        svc.delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: "legacy".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+        assert!(filer.get("/buckets/legacy").is_none());
+        for bad in ["", "/", "/buckets", "/etc/", "/topics"] {
+            let err = svc
+                .delete_volume(Request::new(DeleteVolumeRequest {
+                    volume_id: bad.into(),
+                    ..Default::default()
+                }))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn validate_publish_expand() {
+        let filer = MockFiler::new();
+        let svc =
+            ControllerService::new(Arc::new(filer.clone()), ControllerConfig { attacher: true });
+        let v = create(&svc, create_req("pvc-v", 1000, 0, &[]))
+            .await
+            .unwrap();
+        let all: Vec<VolumeCapability> = super::super::SUPPORTED_ACCESS_MODES
+            .iter()
+            .map(|m| mount_cap(*m))
+            .collect();
+        let r = svc
+            .validate_volume_capabilities(Request::new(ValidateVolumeCapabilitiesRequest {
+                volume_id: v.volume_id.clone(),
+                volume_capabilities: all.clone(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.confirmed.unwrap().volume_capabilities.len(), 7);
+        let mut block = mount_cap(Mode::SingleNodeWriter);
+        block.access_type = Some(AccessType::Block(BlockVolume {}));
+        let r = svc
+            .validate_volume_capabilities(Request::new(ValidateVolumeCapabilitiesRequest {
+                volume_id: v.volume_id.clone(),
+                volume_capabilities: vec![mount_cap(Mode::SingleNodeWriter), block],
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.confirmed.is_none());
+        assert!(r.message.contains("block"), "{}", r.message);
+        let err = svc
+            .validate_volume_capabilities(Request::new(ValidateVolumeCapabilitiesRequest {
+                volume_id: "/buckets/missing".into(),
+                volume_capabilities: all.clone(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+
+        let publish = |id: &str| ControllerPublishVolumeRequest {
+            volume_id: id.into(),
+            node_id: "n1".into(),
+            volume_capability: Some(mount_cap(Mode::SingleNodeWriter)),
+            ..Default::default()
+        };
+        svc.controller_publish_volume(Request::new(publish(&v.volume_id)))
+            .await
+            .unwrap();
+        let err = svc
+            .controller_publish_volume(Request::new(publish("/buckets/nope")))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+
+        let expand = |id: &str, bytes: i64| ControllerExpandVolumeRequest {
+            volume_id: id.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: bytes,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        };
+        let r = svc
+            .controller_expand_volume(Request::new(expand(&v.volume_id, 5000)))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.capacity_bytes, r.node_expansion_required), (5000, true));
+        assert_eq!(
+            stored_capacity(&filer.get(&v.volume_id).unwrap()),
+            Some(5000)
+        );
+        // The new size is what a repeated CreateVolume now compares against.
+        assert_eq!(
+            create(&svc, create_req("pvc-v", 5000, 0, &[]))
+                .await
+                .unwrap()
+                .capacity_bytes,
+            5000
+        );
+        let err = svc
+            .controller_expand_volume(Request::new(expand("/buckets/nope", 1)))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        svc.controller_expand_volume(Request::new(expand("static-handle", 1)))
+            .await
+            .unwrap();
+        let err = svc
+            .controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
+                volume_id: v.volume_id.clone(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+        let caps = svc
+            .controller_get_capabilities(Request::new(ControllerGetCapabilitiesRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities;
+        assert_eq!(caps.len(), 4, "attacher adds PUBLISH_UNPUBLISH_VOLUME");
+        let caps = service(&filer)
+            .controller_get_capabilities(Request::new(ControllerGetCapabilitiesRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities;
+        assert_eq!(caps.len(), 3);
+    }
+}

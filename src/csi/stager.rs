@@ -143,6 +143,7 @@ struct FakeState {
 pub struct FakeStager {
     root: PathBuf,
     state: Mutex<FakeState>,
+    unmount_on_drop: bool,
 }
 
 impl FakeStager {
@@ -153,7 +154,15 @@ impl FakeStager {
         Ok(FakeStager {
             root,
             state: Mutex::new(FakeState::default()),
+            unmount_on_drop: true,
         })
+    }
+
+    /// Keeps the binds when dropped, like a real plugin whose volumes outlive its process
+    /// (used by the driver binary's `--fakeStager`).
+    pub fn leave_mounts_on_drop(mut self) -> Self {
+        self.unmount_on_drop = false;
+        self
     }
 
     /// The scratch directory that backs a volume.
@@ -343,6 +352,9 @@ impl Drop for FakeStager {
     /// Unmounts what this instance still serves, so a test that forgot to unstage leaves no
     /// mount behind. (A driver process that is killed leaves its binds; its tests clean up.)
     fn drop(&mut self) {
+        if !self.unmount_on_drop {
+            return;
+        }
         let sessions: Vec<FakeSession> =
             self.state.lock().sessions.drain().map(|(_, s)| s).collect();
         for s in sessions {
