@@ -229,6 +229,8 @@ enum Serving {
 pub struct MountedVolume {
     pub fs: Arc<Fs>,
     pub mountpoint: PathBuf,
+    /// The FUSE connection id (minor of the mount's st_dev), for aborting it.
+    conn: Option<u32>,
     serving: Option<Serving>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -283,10 +285,12 @@ impl MountedVolume {
         }
         raise_readahead(mountpoint, 4096);
         let tasks = spawn_background(&fs);
-        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, "serving");
+        let conn = connection_id(mountpoint);
+        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
         MountedVolume {
             fs,
             mountpoint: mountpoint.to_path_buf(),
+            conn,
             serving: Some(serving),
             tasks,
         }
@@ -484,41 +488,29 @@ impl MountedVolume {
             t.abort();
         }
         let mp = self.mountpoint.clone();
-        match self.serving.take() {
-            Some(Serving::Plain(bg)) => {
-                tokio::task::spawn_blocking(move || bg.umount_and_join())
-                    .await
-                    .map_err(|e| mount_err(&mp, e.to_string()))?
-                    .map_err(|e| MountError::Mount {
-                        path: mp.clone(),
-                        source: e,
-                    })?;
+        let (bg, keeper) = match self.serving.take() {
+            Some(Serving::Plain(bg)) => (Some(bg), None),
+            Some(Serving::Kept { bg, keeper, volume_id, .. }) => (bg, Some((keeper, volume_id))),
+            None => (None, None),
+        };
+        let conn = self.conn;
+        let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let r = super::takeover::unmount(&mp);
+            if let Some((keeper, volume_id)) = keeper {
+                if let Err(e) = keeper.drop_entry(&volume_id) {
+                    tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
+                }
             }
-            Some(Serving::Kept {
-                bg,
-                keeper,
-                volume_id,
-                ..
-            }) => {
-                let mp2 = mp.clone();
-                tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                    super::takeover::unmount(&mp2)?;
-                    if let Some(bg) = bg {
-                        let _ = bg.join();
-                    }
-                    if let Err(e) = keeper.drop_entry(&volume_id) {
-                        tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
-                    }
-                    Ok(())
-                })
-                .await
-                .map_err(|e| mount_err(&mp, e.to_string()))?
-                .map_err(|e| MountError::Mount {
-                    path: mp.clone(),
-                    source: e,
-                })?;
+            if let Some(bg) = bg {
+                join_or_abort(bg, conn);
             }
-            None => {}
+            r
+        })
+        .await
+        .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
+        if let Err(e) = unmounted {
+            // already gone (e.g. replaced by the node service): not an error for us
+            tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
@@ -538,4 +530,41 @@ impl Drop for MountedVolume {
             None => {}
         }
     }
+}
+
+/// The FUSE connection id of a mount: the minor number of its device.
+fn connection_id(mountpoint: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(mountpoint).ok().map(|m| libc::minor(m.dev()))
+}
+
+/// Waits for the session threads; if the connection is still referenced elsewhere (a bind
+/// mount that outlived the staging mount), aborts it so they end and nothing hangs.
+fn join_or_abort(bg: fuser::BackgroundSession, conn: Option<u32>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(bg.join());
+    });
+    if rx.recv_timeout(Duration::from_secs(3)).is_ok() {
+        return;
+    }
+    if let Some(id) = conn {
+        match abort_connection(id) {
+            Ok(()) => tracing::warn!(conn = id, "aborted a FUSE connection still referenced after unmount"),
+            Err(e) => tracing::warn!(conn = id, error = %e, "cannot abort FUSE connection"),
+        }
+    }
+    if rx.recv_timeout(Duration::from_secs(3)).is_err() {
+        tracing::warn!(?conn, "FUSE session threads did not end; leaving them");
+    }
+}
+
+/// Aborts a FUSE connection through fusectl (mounting it if needed).
+pub fn abort_connection(id: u32) -> std::io::Result<()> {
+    let dir = Path::new("/sys/fs/fuse/connections");
+    let abort = dir.join(id.to_string()).join("abort");
+    if !abort.exists() {
+        let _ = nix::mount::mount(Some("fusectl"), dir, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+    }
+    std::fs::write(&abort, b"1")
 }
