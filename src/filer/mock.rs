@@ -3,9 +3,10 @@
 //! - entries keyed by full path; `/` always exists;
 //! - `CreateEntry` is an upsert keeping the old `crtime` and `inode`; `o_excl` refuses existing
 //!   entries; a file over a directory is `IsADirectory`, a directory over a file `AlreadyExists`;
-//!   a parent that is a file is `NotADirectory`; names over 255 bytes are `NameTooLong`; missing
-//!   parents are created unless `skip_check_parent_directory` (then orphans are allowed, like the
-//!   real filer);
+//!   names over 255 bytes are `NameTooLong`; missing parents are created unless
+//!   `skip_check_parent_directory` (then orphans are allowed). Like filer 4.48, a child under a
+//!   regular file is accepted and turns that file into a directory (mode `ModeDir|0755`, content
+//!   kept): callers must check parents themselves;
 //! - inode 0 is assigned as `u64::from_be_bytes(md5(path)[0..8]) + crtime * 37` (wrapping);
 //! - `DeleteEntry` of a missing entry succeeds, a non-empty directory needs `is_recursive`;
 //! - rename moves whole subtrees and returns one event per moved entry;
@@ -434,6 +435,17 @@ impl FilerApi for MockFiler {
                 st.entries.insert(m.clone(), e.clone());
                 st.log_event(tx, &pd, None, Some(e), &pd, &sigs, false);
             }
+        }
+        if let Some(parent) = st.entries.get(&dir).filter(|p| !p.is_directory).cloned() {
+            let mut promoted = parent.clone();
+            promoted.is_directory = true;
+            promoted
+                .attributes
+                .get_or_insert_with(Default::default)
+                .file_mode = MODE_DIR | 0o755;
+            st.entries.insert(dir.clone(), promoted.clone());
+            let (pd, _) = split(&dir);
+            st.log_event(tx, &pd, Some(parent), Some(promoted), &pd, &sigs, false);
         }
         let attrs = entry.attributes.get_or_insert_with(Default::default);
         if let Some(o) = old.as_ref().and_then(|o| o.attributes.as_ref()) {
