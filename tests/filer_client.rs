@@ -676,3 +676,124 @@ async fn failover_from_dead_to_live_filer() {
     .await;
     assert_eq!(g.lookup_entry("/fo", "x").await.unwrap().content, b"ok");
 }
+
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// A CA, one server cert (used by master, volume and filer) whose only name is
+/// `filer.invalid` (so a host name check against 127.0.0.1 would fail), one client cert, and a
+/// second unrelated CA.
+fn make_pki() -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let dir = tempfile::Builder::new().prefix("pki").tempdir().unwrap();
+    let write = |name: &str, data: String| std::fs::write(dir.path().join(name), data).unwrap();
+    let mk_ca = |cn: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        let cert = p.self_signed(&key).unwrap();
+        (cert, key)
+    };
+    let (ca, ca_key) = mk_ca("test ca");
+    write("ca.crt", ca.pem());
+    let (other_ca, _) = mk_ca("other ca");
+    write("other-ca.crt", other_ca.pem());
+    for (name, sans) in [
+        ("server", vec!["filer.invalid".to_string()]),
+        ("client", vec!["client".to_string()]),
+    ] {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(sans).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, name);
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+        write(&format!("{name}.crt"), cert.pem());
+        write(&format!("{name}.key"), key.serialize_pem());
+    }
+    Pki { dir }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls() {
+    let pki = make_pki();
+    let p = |n: &str| pki.path(n).display().to_string();
+    let mut toml = format!("[grpc]\nca = \"{}\"\n", p("ca.crt"));
+    for section in ["master", "volume", "filer"] {
+        toml += &format!(
+            "[grpc.{section}]\ncert = \"{}\"\nkey = \"{}\"\n",
+            p("server.crt"),
+            p("server.key")
+        );
+    }
+    toml += &format!(
+        "[grpc.client]\ncert = \"{}\"\nkey = \"{}\"\n",
+        p("client.crt"),
+        p("client.key")
+    );
+    let w = WeedServer::start_with(common::WeedOptions {
+        security_toml: Some(toml.clone()),
+        ..Default::default()
+    });
+
+    // Our own reader of the same file yields a working mTLS client.
+    let sec = SecurityConfig::from_toml_str(&toml).unwrap();
+    assert!(sec.grpc_tls_enabled());
+    let f = client_at(vec![w.filer_addr()], sec.clone()).await;
+    f.create_entry(create("/tls", file_entry("x", b"secret")))
+        .await
+        .unwrap();
+    assert_eq!(
+        f.lookup_entry("/tls", "x").await.unwrap().content,
+        b"secret"
+    );
+    assert!(f.configuration().await.unwrap().version.contains("4.48"));
+    assert_eq!(
+        f.mutation_counts().stream,
+        1,
+        "mutation stream works over TLS"
+    );
+
+    // Plaintext against the mTLS filer fails cleanly and in bounded time.
+    let t0 = Instant::now();
+    let plain = client_at(vec![w.filer_addr()], SecurityConfig::default()).await;
+    let e = plain.lookup_entry("/tls", "x").await.unwrap_err();
+    assert!(matches!(e, FilerError::Unavailable(_)), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(15));
+
+    // A client trusting a different CA refuses the server certificate.
+    let wrong = SecurityConfig {
+        grpc_ca: Some(pki.path("other-ca.crt")),
+        ..sec.clone()
+    };
+    let e = client_at(vec![w.filer_addr()], wrong)
+        .await
+        .lookup_entry("/tls", "x")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FilerError::Unavailable(_)), "{e:?}");
+
+    // Without a client certificate the filer refuses us (only the CA configured = plaintext).
+    let no_client = SecurityConfig {
+        grpc_client_cert: None,
+        grpc_client_key: None,
+        ..sec
+    };
+    assert!(!no_client.grpc_tls_enabled());
+    let e = client_at(vec![w.filer_addr()], no_client)
+        .await
+        .lookup_entry("/tls", "x")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FilerError::Unavailable(_)), "{e:?}");
+}
