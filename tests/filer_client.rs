@@ -1,5 +1,6 @@
 //! GrpcFiler against a real `weed` 4.48 (master+volume+filer on loopback).
 
+#[allow(unused_imports)] // the shared harness imports more than this file uses
 mod common;
 
 use std::sync::Arc;

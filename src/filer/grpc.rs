@@ -622,10 +622,7 @@ impl FilerApi for GrpcFiler {
             let path = path.clone();
             async move {
                 match c.lookup_directory_entry(req).await {
-                    Ok(r) => r
-                        .into_inner()
-                        .entry
-                        .ok_or_else(|| FilerError::NotFound(path)),
+                    Ok(r) => r.into_inner().entry.ok_or(FilerError::NotFound(path)),
                     Err(s) if !is_transport(&s) && s.message().contains("no entry is found") => {
                         Err(FilerError::NotFound(path))
                     }

@@ -35,6 +35,8 @@ pub struct SubscribeOptions {
     pub since_ns: i64,
 }
 
+// Events are the common case and Resync is rare, so boxing the event would only add allocations.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum SubscriptionEvent {
     /// One metadata event (never a batch: `events` is empty).
