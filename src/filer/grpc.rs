@@ -502,8 +502,9 @@ fn tls_connector(
 
 fn is_transport(s: &Status) -> bool {
     match s.code() {
-        Code::Unavailable => true,
-        Code::Unknown | Code::Internal | Code::Cancelled => {
+        // hyper reports a connection dropped before/while sending as "operation was canceled"
+        Code::Unavailable | Code::Cancelled => true,
+        Code::Unknown | Code::Internal => {
             let m = s.message();
             m.contains("transport error")
                 || m.contains("h2 protocol error")
