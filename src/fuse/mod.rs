@@ -1,1 +1,5 @@
 //! Thin fuser adapter, session lifecycle and live-connection takeover.
+pub mod adapter;
+pub mod mount_cmd;
+pub mod session;
+pub mod stager;

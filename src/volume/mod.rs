@@ -4,7 +4,12 @@
 //! [`ChunkStore`] is the seam the filesystem uses; [`http::VolumeClient`] is the real client and
 //! [`mock::MockChunkStore`] an in-memory double.
 
+pub mod cipher;
+pub mod compress;
+pub mod fid;
 pub mod http;
+pub mod jwt;
+pub mod location;
 pub mod mock;
 
 use crate::pb::filer as pb;
@@ -34,6 +39,8 @@ pub enum VolumeError {
     Unsupported(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    #[error("invalid configuration: {0}")]
+    Config(String),
 }
 
 impl VolumeError {
