@@ -4,7 +4,10 @@
 //! channel per filer; it never blocks on the network. Every call is bounded: each attempt by
 //! `call_timeout` (TCP+TLS connect by `connect_timeout`), and a call makes at most
 //! `addresses + 1` attempts, moving to the next filer after a transport error. When no filer
-//! answers, calls fail with [`FilerError::Unavailable`] (or [`FilerError::Timeout`]).
+//! can be reached, calls fail with [`FilerError::Unavailable`] (refused: within ~0.2 s; silently
+//! dropped packets: after `connect_timeout` per attempt). A filer that accepts the connection
+//! but does not answer gives [`FilerError::Timeout`] after `call_timeout`; timed-out calls are
+//! not retried (they may have been applied) but the next call prefers another filer.
 //!
 //! Mutations go over one multiplexed `StreamMutateEntry` stream when the filer supports it
 //! (4.18+), falling back to the unary RPCs on `Unimplemented` or a broken stream. A mutation
@@ -1465,6 +1468,28 @@ mod tests {
         f.create_entry(create_req("b")).await.unwrap();
         assert_eq!(fk.stream_calls.load(Ordering::Relaxed), 1);
         assert_eq!(fk.unary_creates.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn silent_listener_is_bounded() {
+        // The kernel accepts the TCP connection but nobody speaks HTTP/2.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let opts = FilerClientOptions {
+            addresses: vec![format!("127.0.0.1:1.{port}")],
+            call_timeout: Duration::from_millis(800),
+            connect_timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let f = GrpcFiler::connect(opts).await.unwrap();
+        let t0 = Instant::now();
+        let e = f.lookup_entry("/", "x").await.unwrap_err();
+        assert!(
+            matches!(e, FilerError::Timeout(_) | FilerError::Unavailable(_)),
+            "{e:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        drop(l);
     }
 
     #[tokio::test]
