@@ -31,7 +31,8 @@ pub struct SubscribeOptions {
     pub path_prefix: String,
     /// More prefixes (e.g. `"/etc/seaweedfs/filer.conf"`).
     pub extra_prefixes: Vec<String>,
-    /// Start position in nanoseconds since the epoch (usually "now" at mount time).
+    /// Start position in nanoseconds since the epoch (usually "now" at mount time); 0 replays
+    /// the filer's whole metadata log.
     pub since_ns: i64,
 }
 
