@@ -2,6 +2,8 @@
 //! through our read path, encryption, JWT) plus a tiny fake HTTP volume server and a fake filer
 //! for fault injection (retries, failover, status handling) that does not depend on timing.
 
+// The shared harness has items (and an import) this file does not use.
+#[allow(unused_imports)]
 mod common;
 
 use async_trait::async_trait;
@@ -48,15 +50,23 @@ fn status_err(s: tonic::Status) -> FilerError {
 }
 
 async fn connect_filer(w: &WeedServer) -> Arc<dyn FilerApi> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", w.filer_port + 10000))
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .expect("connect filer gRPC");
-    let client = SeaweedFilerClient::new(ch).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30);
-    Arc::new(TestFiler { client, http: w.filer_addr() })
+    let ch = tonic::transport::Endpoint::from_shared(format!(
+        "http://127.0.0.1:{}",
+        w.filer_port + 10000
+    ))
+    .unwrap()
+    .connect_timeout(Duration::from_secs(5))
+    .timeout(Duration::from_secs(30))
+    .connect()
+    .await
+    .expect("connect filer gRPC");
+    let client = SeaweedFilerClient::new(ch)
+        .max_decoding_message_size(1 << 30)
+        .max_encoding_message_size(1 << 30);
+    Arc::new(TestFiler {
+        client,
+        http: w.filer_addr(),
+    })
 }
 
 #[async_trait]
@@ -65,19 +75,36 @@ impl FilerApi for TestFiler {
         let r = self
             .client
             .clone()
-            .lookup_directory_entry(pb::LookupDirectoryEntryRequest { directory: dir.into(), name: name.into() })
+            .lookup_directory_entry(pb::LookupDirectoryEntryRequest {
+                directory: dir.into(),
+                name: name.into(),
+            })
             .await
             .map_err(status_err)?;
-        r.into_inner().entry.ok_or_else(|| FilerError::NotFound(format!("{dir}/{name}")))
+        r.into_inner()
+            .entry
+            .ok_or_else(|| FilerError::NotFound(format!("{dir}/{name}")))
     }
-    async fn list_page(&self, _: &str, _: &str, _: bool, _: u32) -> Result<Vec<pb::Entry>, FilerError> {
+    async fn list_page(
+        &self,
+        _: &str,
+        _: &str,
+        _: bool,
+        _: u32,
+    ) -> Result<Vec<pb::Entry>, FilerError> {
         unsupported()
     }
     async fn create_entry(
         &self,
         req: pb::CreateEntryRequest,
     ) -> Result<Option<pb::SubscribeMetadataResponse>, FilerError> {
-        let r = self.client.clone().create_entry(req).await.map_err(status_err)?.into_inner();
+        let r = self
+            .client
+            .clone()
+            .create_entry(req)
+            .await
+            .map_err(status_err)?
+            .into_inner();
         if !r.error.is_empty() {
             return Err(FilerError::Other(r.error));
         }
@@ -101,8 +128,17 @@ impl FilerApi for TestFiler {
     ) -> Result<Vec<pb::StreamRenameEntryResponse>, FilerError> {
         unsupported()
     }
-    async fn assign_volume(&self, req: pb::AssignVolumeRequest) -> Result<pb::AssignVolumeResponse, FilerError> {
-        let r = self.client.clone().assign_volume(req).await.map_err(status_err)?.into_inner();
+    async fn assign_volume(
+        &self,
+        req: pb::AssignVolumeRequest,
+    ) -> Result<pb::AssignVolumeResponse, FilerError> {
+        let r = self
+            .client
+            .clone()
+            .assign_volume(req)
+            .await
+            .map_err(status_err)?
+            .into_inner();
         if !r.error.is_empty() {
             return Err(FilerError::Other(r.error));
         }
@@ -112,13 +148,21 @@ impl FilerApi for TestFiler {
         let r = self
             .client
             .clone()
-            .lookup_volume(pb::LookupVolumeRequest { volume_ids: vec![vid.to_string()] })
+            .lookup_volume(pb::LookupVolumeRequest {
+                volume_ids: vec![vid.to_string()],
+            })
             .await
             .map_err(status_err)?
             .into_inner();
-        Ok(r.locations_map.get(&vid.to_string()).map(|l| l.locations.clone()).unwrap_or_default())
+        Ok(r.locations_map
+            .get(&vid.to_string())
+            .map(|l| l.locations.clone())
+            .unwrap_or_default())
     }
-    async fn statistics(&self, _: pb::StatisticsRequest) -> Result<pb::StatisticsResponse, FilerError> {
+    async fn statistics(
+        &self,
+        _: pb::StatisticsRequest,
+    ) -> Result<pb::StatisticsResponse, FilerError> {
         unsupported()
     }
     async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse, FilerError> {
@@ -130,7 +174,10 @@ impl FilerApi for TestFiler {
             .map_err(status_err)?;
         Ok(r.into_inner())
     }
-    async fn subscribe_once(&self, _: pb::SubscribeMetadataRequest) -> Result<MetadataStream, FilerError> {
+    async fn subscribe_once(
+        &self,
+        _: pb::SubscribeMetadataRequest,
+    ) -> Result<MetadataStream, FilerError> {
         unsupported()
     }
     fn http_address(&self) -> String {
@@ -162,7 +209,12 @@ impl FakeFiler {
 }
 
 fn loc(host: &str, dc: &str) -> pb::Location {
-    pb::Location { url: host.into(), public_url: host.into(), data_center: dc.into(), ..Default::default() }
+    pb::Location {
+        url: host.into(),
+        public_url: host.into(),
+        data_center: dc.into(),
+        ..Default::default()
+    }
 }
 
 #[async_trait]
@@ -173,7 +225,13 @@ impl FilerApi for FakeFiler {
             None => unsupported(),
         }
     }
-    async fn list_page(&self, _: &str, _: &str, _: bool, _: u32) -> Result<Vec<pb::Entry>, FilerError> {
+    async fn list_page(
+        &self,
+        _: &str,
+        _: &str,
+        _: bool,
+        _: u32,
+    ) -> Result<Vec<pb::Entry>, FilerError> {
         unsupported()
     }
     async fn create_entry(
@@ -203,7 +261,10 @@ impl FilerApi for FakeFiler {
     ) -> Result<Vec<pb::StreamRenameEntryResponse>, FilerError> {
         unsupported()
     }
-    async fn assign_volume(&self, req: pb::AssignVolumeRequest) -> Result<pb::AssignVolumeResponse, FilerError> {
+    async fn assign_volume(
+        &self,
+        req: pb::AssignVolumeRequest,
+    ) -> Result<pb::AssignVolumeResponse, FilerError> {
         self.assigns.fetch_add(1, Ordering::SeqCst);
         if let Some(a) = self.assign.lock().clone() {
             return Ok(a);
@@ -223,17 +284,26 @@ impl FilerApi for FakeFiler {
             None => Err(FilerError::Other(format!("volume id {vid} not found"))),
         }
     }
-    async fn statistics(&self, _: pb::StatisticsRequest) -> Result<pb::StatisticsResponse, FilerError> {
+    async fn statistics(
+        &self,
+        _: pb::StatisticsRequest,
+    ) -> Result<pb::StatisticsResponse, FilerError> {
         unsupported()
     }
     async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse, FilerError> {
         unsupported()
     }
-    async fn subscribe_once(&self, _: pb::SubscribeMetadataRequest) -> Result<MetadataStream, FilerError> {
+    async fn subscribe_once(
+        &self,
+        _: pb::SubscribeMetadataRequest,
+    ) -> Result<MetadataStream, FilerError> {
         unsupported()
     }
     fn http_address(&self) -> String {
-        self.inner.as_ref().map(|i| i.http_address()).unwrap_or_else(|| "127.0.0.1:1".into())
+        self.inner
+            .as_ref()
+            .map(|i| i.http_address())
+            .unwrap_or_else(|| "127.0.0.1:1".into())
     }
     fn signature(&self) -> i32 {
         1
@@ -252,7 +322,11 @@ struct Reply {
 }
 
 fn reply(status: u16, body: &[u8]) -> Reply {
-    Reply { status, headers: vec![], body: body.to_vec() }
+    Reply {
+        status,
+        headers: vec![],
+        body: body.to_vec(),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -284,12 +358,20 @@ impl FakeVolume {
         let task = tokio::spawn(async move {
             let mut n = 0usize;
             loop {
-                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
                 let r = replies[n.min(replies.len() - 1)].clone();
                 n += 1;
-                let Some(req) = read_request(&mut sock).await else { continue };
+                let Some(req) = read_request(&mut sock).await else {
+                    continue;
+                };
                 seen2.lock().push(req);
-                let mut head = format!("HTTP/1.1 {} X\r\nContent-Length: {}\r\nConnection: close\r\n", r.status, r.body.len());
+                let mut head = format!(
+                    "HTTP/1.1 {} X\r\nContent-Length: {}\r\nConnection: close\r\n",
+                    r.status,
+                    r.body.len()
+                );
                 for (k, v) in &r.headers {
                     head.push_str(&format!("{k}: {v}\r\n"));
                 }
@@ -329,7 +411,10 @@ async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<Seen> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
-    let len: usize = headers.get("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let len: usize = headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let mut body = buf[head_end + 4..].to_vec();
     while body.len() < len {
         let n = sock.read(&mut tmp).await.ok()?;
@@ -338,14 +423,22 @@ async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<Seen> {
         }
         body.extend_from_slice(&tmp[..n]);
     }
-    Some(Seen { method, path, headers, body })
+    Some(Seen {
+        method,
+        path,
+        headers,
+        body,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
 
 fn now_ns() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as i64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64
 }
 
 fn client(filer: Arc<dyn FilerApi>, f: impl FnOnce(&mut VolumeClientOptions)) -> VolumeClient {
@@ -366,23 +459,37 @@ fn text_bytes(n: usize) -> Vec<u8> {
 }
 
 /// Reads `[off, off+len)` of an entry through our chunk model and `store` (ranged fetches).
-async fn read_range(store: &dyn ChunkStore, entry: &pb::Entry, off: u64, len: u64) -> Result<Vec<u8>, VolumeError> {
+async fn read_range(
+    store: &dyn ChunkStore,
+    entry: &pb::Entry,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>, VolumeError> {
     let chunks = chunks::expand_manifests(&entry.chunks, store).await?;
     let ivs = chunks::visible_intervals(&chunks);
     let mut out = Vec::new();
     for p in chunks::read_plan(&ivs, off, len, chunks::file_size(entry)) {
         match p {
             ReadPiece::Zero { len, .. } => out.resize(out.len() + len as usize, 0),
-            ReadPiece::Chunk { chunk_index, offset_in_chunk, len, .. } => {
-                out.extend_from_slice(&store.fetch_range(&chunks[chunk_index], offset_in_chunk, len).await?)
-            }
+            ReadPiece::Chunk {
+                chunk_index,
+                offset_in_chunk,
+                len,
+                ..
+            } => out.extend_from_slice(
+                &store
+                    .fetch_range(&chunks[chunk_index], offset_in_chunk, len)
+                    .await?,
+            ),
         }
     }
     Ok(out)
 }
 
 async fn read_all(store: &dyn ChunkStore, entry: &pb::Entry) -> Vec<u8> {
-    read_range(store, entry, 0, u64::MAX).await.expect("read file")
+    read_range(store, entry, 0, u64::MAX)
+        .await
+        .expect("read file")
 }
 
 fn file_entry(name: &str, chunks: Vec<pb::FileChunk>, size: u64) -> pb::Entry {
@@ -403,7 +510,11 @@ fn file_entry(name: &str, chunks: Vec<pb::FileChunk>, size: u64) -> pb::Entry {
 
 async fn create(filer: &Arc<dyn FilerApi>, dir: &str, entry: pb::Entry) {
     filer
-        .create_entry(pb::CreateEntryRequest { directory: dir.into(), entry: Some(entry), ..Default::default() })
+        .create_entry(pb::CreateEntryRequest {
+            directory: dir.into(),
+            entry: Some(entry),
+            ..Default::default()
+        })
         .await
         .expect("create entry");
 }
@@ -415,7 +526,10 @@ async fn upload_at(
     ts: i64,
     opts: &UploadOptions,
 ) -> pb::FileChunk {
-    let mut c = store.upload(Bytes::copy_from_slice(data), opts).await.expect("upload");
+    let mut c = store
+        .upload(Bytes::copy_from_slice(data), opts)
+        .await
+        .expect("upload");
     c.offset = offset;
     c.modified_ts_ns = ts;
     c
@@ -434,7 +548,10 @@ async fn uploads_are_readable_through_filer_and_our_reads() {
     let w = WeedServer::start();
     let filer = connect_filer(&w).await;
     let store = client(filer.clone(), |_| {});
-    let opts = UploadOptions { path: "/up/mixed.bin".into(), ..Default::default() };
+    let opts = UploadOptions {
+        path: "/up/mixed.bin".into(),
+        ..Default::default()
+    };
 
     let text = text_bytes(300_000);
     let bin = random_bytes(1, 1_000_000);
@@ -442,7 +559,14 @@ async fn uploads_are_readable_through_filer_and_our_reads() {
     let t = now_ns();
     let c0 = upload_at(&store, &text, 0, t, &opts).await;
     let c1 = upload_at(&store, &bin, text.len() as i64, t + 1, &opts).await;
-    let c2 = upload_at(&store, &zeros, (text.len() + bin.len()) as i64, t + 2, &opts).await;
+    let c2 = upload_at(
+        &store,
+        &zeros,
+        (text.len() + bin.len()) as i64,
+        t + 2,
+        &opts,
+    )
+    .await;
     assert!(c0.is_compressed, "text is stored gzip'ed");
     assert!(!c1.is_compressed, "random data is not");
     assert!(c2.is_compressed, "large compressible binary is");
@@ -456,15 +580,30 @@ async fn uploads_are_readable_through_filer_and_our_reads() {
     // A hole of 1000 bytes after the last chunk (file_size beyond the chunks).
     let size = want.len() as u64 + 1000;
     want.resize(size as usize, 0);
-    create(&filer, "/up", file_entry("mixed.bin", vec![c0.clone(), c1.clone(), c2.clone()], size)).await;
-    assert_eq!(w.filer_get("/up/mixed.bin").expect("filer GET"), want, "filer HTTP API reads our chunks");
+    create(
+        &filer,
+        "/up",
+        file_entry("mixed.bin", vec![c0.clone(), c1.clone(), c2.clone()], size),
+    )
+    .await;
+    assert_eq!(
+        w.filer_get("/up/mixed.bin").expect("filer GET"),
+        want,
+        "filer HTTP API reads our chunks"
+    );
 
     // Our read path: whole chunks and ranges (ranged requests for the plain chunk, whole
     // fetch + slice for the gzip'ed ones).
     assert_eq!(&store.fetch_chunk(&c0).await.unwrap()[..], &text[..]);
     assert_eq!(&store.fetch_chunk(&c1).await.unwrap()[..], &bin[..]);
-    assert_eq!(&store.fetch_range(&c1, 12_345, 777).await.unwrap()[..], &bin[12_345..13_122]);
-    assert_eq!(&store.fetch_range(&c0, 299_990, 10).await.unwrap()[..], &text[299_990..]);
+    assert_eq!(
+        &store.fetch_range(&c1, 12_345, 777).await.unwrap()[..],
+        &bin[12_345..13_122]
+    );
+    assert_eq!(
+        &store.fetch_range(&c0, 299_990, 10).await.unwrap()[..],
+        &text[299_990..]
+    );
     let entry = filer.lookup_entry("/up", "mixed.bin").await.unwrap();
     assert_eq!(read_all(&store, &entry).await, want);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -479,30 +618,67 @@ async fn uploads_are_readable_through_filer_and_our_reads() {
     // A chunk claiming more bytes than its needle holds is corrupt, not a panic or short read.
     let mut liar = c1.clone();
     liar.size += 10;
-    assert!(matches!(store.fetch_chunk(&liar).await, Err(VolumeError::Corrupt { .. })));
-    assert!(matches!(store.fetch_range(&liar, bin.len() as u64 - 5, 10).await, Err(VolumeError::Corrupt { .. })));
-    assert!(matches!(store.fetch_range(&liar, bin.len() as u64 + 5, 3).await, Err(VolumeError::Corrupt { .. })));
+    assert!(matches!(
+        store.fetch_chunk(&liar).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        store.fetch_range(&liar, bin.len() as u64 - 5, 10).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        store.fetch_range(&liar, bin.len() as u64 + 5, 3).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
     // An unknown needle on a real volume is NotFound; an unknown volume has no location.
     let mut gone = c1.clone();
     gone.file_id = format!("{},ffff00000001", c1.fid.unwrap().volume_id);
     gone.fid = None;
     let t0 = Instant::now();
-    assert!(matches!(store.fetch_chunk(&gone).await, Err(VolumeError::NotFound { .. })));
+    assert!(matches!(
+        store.fetch_chunk(&gone).await,
+        Err(VolumeError::NotFound { .. })
+    ));
     assert!(t0.elapsed() < Duration::from_secs(10));
-    let bogus = pb::FileChunk { file_id: "9999,0100000001".into(), size: 1, ..Default::default() };
+    let bogus = pb::FileChunk {
+        file_id: "9999,0100000001".into(),
+        size: 1,
+        ..Default::default()
+    };
     let e = store.fetch_chunk(&bogus).await.unwrap_err();
     assert!(matches!(e, VolumeError::NoLocation(9999)), "{e:?}");
 
     // publicUrl and filerProxy modes upload and read too.
-    for access in [VolumeServerAccess::PublicUrl, VolumeServerAccess::FilerProxy] {
+    for access in [
+        VolumeServerAccess::PublicUrl,
+        VolumeServerAccess::FilerProxy,
+    ] {
         let s = client(filer.clone(), |o| o.access = access);
         let data = random_bytes(9, 50_000);
-        let c = s.upload(Bytes::from(data.clone()), &opts).await.expect("upload");
-        assert_eq!(&s.fetch_chunk(&c).await.unwrap()[..], &data[..], "{access:?}");
-        assert_eq!(&s.fetch_range(&c, 100, 50).await.unwrap()[..], &data[100..150], "{access:?}");
-        let ct = s.upload(Bytes::from(text_bytes(5000)), &opts).await.unwrap();
+        let c = s
+            .upload(Bytes::from(data.clone()), &opts)
+            .await
+            .expect("upload");
+        assert_eq!(
+            &s.fetch_chunk(&c).await.unwrap()[..],
+            &data[..],
+            "{access:?}"
+        );
+        assert_eq!(
+            &s.fetch_range(&c, 100, 50).await.unwrap()[..],
+            &data[100..150],
+            "{access:?}"
+        );
+        let ct = s
+            .upload(Bytes::from(text_bytes(5000)), &opts)
+            .await
+            .unwrap();
         assert!(ct.is_compressed);
-        assert_eq!(&s.fetch_range(&ct, 10, 20).await.unwrap()[..], &text_bytes(5000)[10..30], "{access:?}");
+        assert_eq!(
+            &s.fetch_range(&ct, 10, 20).await.unwrap()[..],
+            &text_bytes(5000)[10..30],
+            "{access:?}"
+        );
     }
     // Location lookups are cached: one per volume id.
     let before = store.locations().lookup_count();
@@ -529,9 +705,15 @@ async fn reads_files_the_filer_wrote_and_overwrites_resolve_like_the_filer() {
     let text = text_bytes(200_000);
     w.filer_put("/f/t.txt", &text, "");
     let e = filer.lookup_entry("/f", "t.txt").await.unwrap();
-    assert!(e.chunks.iter().all(|c| c.is_compressed), "filer stores text gzip'ed");
+    assert!(
+        e.chunks.iter().all(|c| c.is_compressed),
+        "filer stores text gzip'ed"
+    );
     assert_eq!(read_all(&store, &e).await, text);
-    assert_eq!(read_range(&store, &e, 1234, 5678).await.unwrap(), &text[1234..1234 + 5678]);
+    assert_eq!(
+        read_range(&store, &e, 1234, 5678).await.unwrap(),
+        &text[1234..1234 + 5678]
+    );
 
     // Multi-chunk (the filer splits at 4 MiB).
     let big = random_bytes(3, 9 * 1024 * 1024 + 333);
@@ -550,7 +732,10 @@ async fn reads_files_the_filer_wrote_and_overwrites_resolve_like_the_filer() {
 
     // Overwrite ranges with newer chunks (one straddling a chunk boundary, one small, one
     // covering the whole last chunk and growing the file), then compact like a writer does.
-    let opts = UploadOptions { path: "/f/multi.bin".into(), ..Default::default() };
+    let opts = UploadOptions {
+        path: "/f/multi.bin".into(),
+        ..Default::default()
+    };
     let t = now_ns();
     let mut want = big.clone();
     let mut chunks_now = e.chunks.clone();
@@ -568,12 +753,25 @@ async fn reads_files_the_filer_wrote_and_overwrites_resolve_like_the_filer() {
         want[*off..off + data.len()].copy_from_slice(data);
     }
     let (kept, garbage) = chunks::compact(&chunks_now);
-    assert_eq!(garbage.len(), 1, "the fully covered last filer chunk is garbage");
+    assert_eq!(
+        garbage.len(),
+        1,
+        "the fully covered last filer chunk is garbage"
+    );
     assert_eq!(garbage[0].offset, 2 * four as i64);
-    create(&filer, "/f", file_entry("multi.bin", kept, want.len() as u64)).await;
+    create(
+        &filer,
+        "/f",
+        file_entry("multi.bin", kept, want.len() as u64),
+    )
+    .await;
     let e2 = filer.lookup_entry("/f", "multi.bin").await.unwrap();
     assert_eq!(read_all(&store, &e2).await, want, "our read path");
-    assert_eq!(w.filer_get("/f/multi.bin").unwrap(), want, "filer HTTP API agrees");
+    assert_eq!(
+        w.filer_get("/f/multi.bin").unwrap(),
+        want,
+        "filer HTTP API agrees"
+    );
 
     // Truncate to a size inside the first chunk: the filer reads the shrunk chunk list the same.
     let cut = 3 * 1024 * 1024 + 7;
@@ -614,7 +812,11 @@ async fn large_file_streams_with_matching_hash() {
         .arg(w.filer_url("/big/big.bin"))
         .output()
         .unwrap();
-    assert!(out.status.success(), "upload: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "upload: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let e = filer.lookup_entry("/big", "big.bin").await.unwrap();
     assert_eq!(chunks::file_size(&e), size);
@@ -626,7 +828,12 @@ async fn large_file_streams_with_matching_hash() {
     for p in chunks::read_plan(&ivs, 0, size, size) {
         match p {
             ReadPiece::Zero { len, .. } => panic!("unexpected hole of {len} bytes"),
-            ReadPiece::Chunk { chunk_index, offset_in_chunk, len, .. } => {
+            ReadPiece::Chunk {
+                chunk_index,
+                offset_in_chunk,
+                len,
+                ..
+            } => {
                 let c = &chunks_list[chunk_index];
                 let whole = store.fetch_chunk(c).await.unwrap();
                 let piece = &whole[offset_in_chunk as usize..(offset_in_chunk + len) as usize];
@@ -636,7 +843,12 @@ async fn large_file_streams_with_matching_hash() {
         }
     }
     let secs = started.elapsed().as_secs_f64();
-    eprintln!("read {} MiB in {} chunks in {secs:.2}s ({:.0} MiB/s)", total >> 20, chunks_list.len(), (total >> 20) as f64 / secs);
+    eprintln!(
+        "read {} MiB in {} chunks in {secs:.2}s ({:.0} MiB/s)",
+        total >> 20,
+        chunks_list.len(),
+        (total >> 20) as f64 / secs
+    );
     assert_eq!(total, size);
     assert_eq!(h.finalize(), want_hash);
 
@@ -649,17 +861,31 @@ async fn large_file_streams_with_matching_hash() {
         let mut want = vec![0u8; len as usize];
         f.seek(SeekFrom::Start(off)).unwrap();
         f.read_exact(&mut want).unwrap();
-        assert_eq!(read_range(&store, &e, off, len).await.unwrap(), want, "range {off}+{len}");
+        assert_eq!(
+            read_range(&store, &e, off, len).await.unwrap(),
+            want,
+            "range {off}+{len}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn encrypted_chunks_round_trip_and_bad_keys_are_corrupt() {
-    let w = WeedServer::start_with(WeedOptions { encrypt: true, ..Default::default() });
+    let w = WeedServer::start_with(WeedOptions {
+        encrypt: true,
+        ..Default::default()
+    });
     let filer = connect_filer(&w).await;
-    assert!(filer.configuration().await.unwrap().cipher, "filer runs with -encryptVolumeData");
+    assert!(
+        filer.configuration().await.unwrap().cipher,
+        "filer runs with -encryptVolumeData"
+    );
     let store = client(filer.clone(), |_| {});
-    let opts = UploadOptions { path: "/enc/ours.txt".into(), cipher: true, ..Default::default() };
+    let opts = UploadOptions {
+        path: "/enc/ours.txt".into(),
+        cipher: true,
+        ..Default::default()
+    };
 
     let text = text_bytes(100_000);
     let bin = random_bytes(20, 300_000);
@@ -672,11 +898,23 @@ async fn encrypted_chunks_round_trip_and_bad_keys_are_corrupt() {
     assert!(c0.e_tag.is_empty(), "no MD5 under cipher");
     let mut want = text.clone();
     want.extend_from_slice(&bin);
-    create(&filer, "/enc", file_entry("ours.txt", vec![c0.clone(), c1.clone()], want.len() as u64)).await;
-    assert_eq!(w.filer_get("/enc/ours.txt").unwrap(), want, "filer decrypts our chunks");
+    create(
+        &filer,
+        "/enc",
+        file_entry("ours.txt", vec![c0.clone(), c1.clone()], want.len() as u64),
+    )
+    .await;
+    assert_eq!(
+        w.filer_get("/enc/ours.txt").unwrap(),
+        want,
+        "filer decrypts our chunks"
+    );
     let e = filer.lookup_entry("/enc", "ours.txt").await.unwrap();
     assert_eq!(read_all(&store, &e).await, want);
-    assert_eq!(&store.fetch_range(&c1, 1000, 100).await.unwrap()[..], &bin[1000..1100]);
+    assert_eq!(
+        &store.fetch_range(&c1, 1000, 100).await.unwrap()[..],
+        &bin[1000..1100]
+    );
 
     // A file the filer encrypted.
     let theirs = random_bytes(21, 5 * 1024 * 1024);
@@ -693,19 +931,34 @@ async fn encrypted_chunks_round_trip_and_bad_keys_are_corrupt() {
     let mut bad = c1.clone();
     bad.cipher_key = vec![7u8; 32];
     let t0 = Instant::now();
-    assert!(matches!(store.fetch_chunk(&bad).await, Err(VolumeError::Corrupt { .. })));
-    assert!(matches!(store.fetch_range(&bad, 0, 10).await, Err(VolumeError::Corrupt { .. })));
-    assert!(t0.elapsed() < Duration::from_secs(5), "corrupt data is not retried for long");
+    assert!(matches!(
+        store.fetch_chunk(&bad).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        store.fetch_range(&bad, 0, 10).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "corrupt data is not retried for long"
+    );
     let mut gz_lie = c1.clone();
     gz_lie.is_compressed = true;
-    assert!(matches!(store.fetch_chunk(&gz_lie).await, Err(VolumeError::Corrupt { .. })));
+    assert!(matches!(
+        store.fetch_chunk(&gz_lie).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jwt_keys_sign_reads_and_missing_key_is_unauthorized() {
     let sec = "[jwt.signing]\nkey = \"write-secret-123\"\nexpires_after_seconds = 10\n\
                [jwt.signing.read]\nkey = \"read-secret-456\"\nexpires_after_seconds = 30\n";
-    let w = WeedServer::start_with(WeedOptions { security_toml: Some(sec.into()), ..Default::default() });
+    let w = WeedServer::start_with(WeedOptions {
+        security_toml: Some(sec.into()),
+        ..Default::default()
+    });
     let filer = connect_filer(&w).await;
     let keyed = client(filer.clone(), |o| {
         o.security = SecurityConfig {
@@ -715,26 +968,51 @@ async fn jwt_keys_sign_reads_and_missing_key_is_unauthorized() {
         }
     });
     let keyless = client(filer.clone(), |_| {});
-    let opts = UploadOptions { path: "/jwt/a.bin".into(), ..Default::default() };
+    let opts = UploadOptions {
+        path: "/jwt/a.bin".into(),
+        ..Default::default()
+    };
 
     let data = random_bytes(30, 40_000);
     // Uploads carry the write JWT from AssignVolume; works for both.
-    let c = keyed.upload(Bytes::from(data.clone()), &opts).await.expect("upload with write jwt");
+    let c = keyed
+        .upload(Bytes::from(data.clone()), &opts)
+        .await
+        .expect("upload with write jwt");
     assert_eq!(&keyed.fetch_chunk(&c).await.unwrap()[..], &data[..]);
-    assert_eq!(&keyed.fetch_range(&c, 5, 10).await.unwrap()[..], &data[5..15]);
+    assert_eq!(
+        &keyed.fetch_range(&c, 5, 10).await.unwrap()[..],
+        &data[5..15]
+    );
     let e = keyless.fetch_chunk(&c).await.unwrap_err();
     assert!(matches!(e, VolumeError::Unauthorized(_)), "{e:?}");
-    assert!(matches!(keyless.fetch_range(&c, 0, 4).await, Err(VolumeError::Unauthorized(_))));
+    assert!(matches!(
+        keyless.fetch_range(&c, 0, 4).await,
+        Err(VolumeError::Unauthorized(_))
+    ));
     // A wrong read key is rejected too.
-    let wrong = client(filer.clone(), |o| o.security.jwt_read_key = Some("nope".into()));
-    assert!(matches!(wrong.fetch_chunk(&c).await, Err(VolumeError::Unauthorized(_))));
+    let wrong = client(filer.clone(), |o| {
+        o.security.jwt_read_key = Some("nope".into())
+    });
+    assert!(matches!(
+        wrong.fetch_chunk(&c).await,
+        Err(VolumeError::Unauthorized(_))
+    ));
     // Through the filer proxy the filer signs the read itself.
     let proxy = client(filer.clone(), |o| o.access = VolumeServerAccess::FilerProxy);
     assert_eq!(&proxy.fetch_chunk(&c).await.unwrap()[..], &data[..]);
-    let c2 = proxy.upload(Bytes::from(data.clone()), &opts).await.expect("proxied upload forwards write jwt");
+    let c2 = proxy
+        .upload(Bytes::from(data.clone()), &opts)
+        .await
+        .expect("proxied upload forwards write jwt");
     assert_eq!(&keyed.fetch_chunk(&c2).await.unwrap()[..], &data[..]);
     // Created entries read back through the filer as usual.
-    create(&filer, "/jwt", file_entry("a.bin", vec![c], data.len() as u64)).await;
+    create(
+        &filer,
+        "/jwt",
+        file_entry("a.bin", vec![c], data.len() as u64),
+    )
+    .await;
     assert_eq!(w.filer_get("/jwt/a.bin").unwrap(), data);
 }
 
@@ -759,27 +1037,53 @@ async fn dead_volume_server_fails_within_bound() {
         ..Default::default()
     });
     let store = client(filer.clone(), |_| {});
-    let chunk = pb::FileChunk { file_id: "3,0200000002".into(), size: 10, ..Default::default() };
+    let chunk = pb::FileChunk {
+        file_id: "3,0200000002".into(),
+        size: 10,
+        ..Default::default()
+    };
 
     let t0 = Instant::now();
     let e = store.fetch_chunk(&chunk).await.unwrap_err();
     let took = t0.elapsed();
     assert!(matches!(e, VolumeError::Read { .. }), "{e:?}");
-    assert!(took < Duration::from_secs(20), "read gave up after {took:?}");
-    assert!(took >= Duration::from_secs(1), "retry rounds happened ({took:?})");
-    assert_eq!(filer.lookups.load(Ordering::SeqCst), 2, "one lookup, one re-lookup after all replicas failed");
+    assert!(
+        took < Duration::from_secs(20),
+        "read gave up after {took:?}"
+    );
+    assert!(
+        took >= Duration::from_secs(1),
+        "retry rounds happened ({took:?})"
+    );
+    assert_eq!(
+        filer.lookups.load(Ordering::SeqCst),
+        2,
+        "one lookup, one re-lookup after all replicas failed"
+    );
 
     let t0 = Instant::now();
-    let e = store.upload(Bytes::from_static(b"data"), &UploadOptions::default()).await.unwrap_err();
+    let e = store
+        .upload(Bytes::from_static(b"data"), &UploadOptions::default())
+        .await
+        .unwrap_err();
     let took = t0.elapsed();
     assert!(matches!(e, VolumeError::Upload { .. }), "{e:?}");
-    assert!(took < Duration::from_secs(20), "upload gave up after {took:?}");
-    assert!(filer.assigns.load(Ordering::SeqCst) >= 2, "unreachable server => re-assign");
+    assert!(
+        took < Duration::from_secs(20),
+        "upload gave up after {took:?}"
+    );
+    assert!(
+        filer.assigns.load(Ordering::SeqCst) >= 2,
+        "unreachable server => re-assign"
+    );
 }
 
 #[tokio::test]
 async fn upload_retries_same_fid_then_succeeds() {
-    let mut ok = reply(201, br#"{"name":"x","size":5,"eTag":"abcd","contentMd5":"ignored"}"#);
+    let mut ok = reply(
+        201,
+        br#"{"name":"x","size":5,"eTag":"abcd","contentMd5":"ignored"}"#,
+    );
     ok.headers.push(("Content-MD5", md5_b64(b"hello")));
     let vs = FakeVolume::start(vec![reply(500, br#"{"error":"disk hiccup"}"#), ok]).await;
     let filer = Arc::new(FakeFiler::default());
@@ -791,25 +1095,52 @@ async fn upload_retries_same_fid_then_succeeds() {
         ..Default::default()
     });
     let store = client(filer.clone(), |_| {});
-    let opts = UploadOptions { path: "/x/hello.txt".into(), collection: "c1".into(), ..Default::default() };
-    let c = store.upload(Bytes::from_static(b"hello"), &opts).await.expect("second attempt succeeds");
+    let opts = UploadOptions {
+        path: "/x/hello.txt".into(),
+        collection: "c1".into(),
+        ..Default::default()
+    };
+    let c = store
+        .upload(Bytes::from_static(b"hello"), &opts)
+        .await
+        .expect("second attempt succeeds");
     assert_eq!(c.file_id, "5,0a1b2c3d4e");
-    assert_eq!(c.fid, Some(pb::FileId { volume_id: 5, file_key: 0x0a, cookie: 0x1b2c3d4e }));
+    assert_eq!(
+        c.fid,
+        Some(pb::FileId {
+            volume_id: 5,
+            file_key: 0x0a,
+            cookie: 0x1b2c3d4e
+        })
+    );
     assert_eq!(c.size, 5);
     assert_eq!(c.e_tag, md5_b64(b"hello"));
-    assert_eq!(filer.assigns.load(Ordering::SeqCst), 1, "retried on the same fid, no re-assign");
+    assert_eq!(
+        filer.assigns.load(Ordering::SeqCst),
+        1,
+        "retried on the same fid, no re-assign"
+    );
     let seen = vs.seen();
     assert_eq!(seen.len(), 2);
     for s in &seen {
         assert_eq!(s.method, "POST");
         assert_eq!(s.path, "/5,0a1b2c3d4e");
-        assert_eq!(s.headers.get("authorization").map(String::as_str), Some("Bearer the.write.jwt"));
+        assert_eq!(
+            s.headers.get("authorization").map(String::as_str),
+            Some("Bearer the.write.jwt")
+        );
         assert!(s.headers["content-type"].starts_with("multipart/form-data; boundary="));
         let body = String::from_utf8_lossy(&s.body);
-        assert!(body.contains("name=\"file\"; filename=\"hello.txt\""), "{body}");
+        assert!(
+            body.contains("name=\"file\"; filename=\"hello.txt\""),
+            "{body}"
+        );
         assert!(body.contains(&format!("Content-MD5: {}", md5_b64(b"hello"))));
         assert!(body.contains("Content-Type: text/plain"));
-        assert!(!body.contains("Content-Encoding"), "5 bytes of text do not shrink");
+        assert!(
+            !body.contains("Content-Encoding"),
+            "5 bytes of text do not shrink"
+        );
     }
 }
 
@@ -823,8 +1154,14 @@ async fn upload_client_errors_are_not_retried() {
         ..Default::default()
     });
     let store = client(filer.clone(), |_| {});
-    let e = store.upload(Bytes::from_static(b"x"), &UploadOptions::default()).await.unwrap_err();
-    assert!(matches!(e, VolumeError::Unauthorized(ref m) if m.contains("wrong jwt")), "{e:?}");
+    let e = store
+        .upload(Bytes::from_static(b"x"), &UploadOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, VolumeError::Unauthorized(ref m) if m.contains("wrong jwt")),
+        "{e:?}"
+    );
     assert_eq!(vs.seen().len(), 1);
     assert_eq!(filer.assigns.load(Ordering::SeqCst), 1);
 
@@ -839,26 +1176,45 @@ async fn upload_client_errors_are_not_retried() {
     });
     let data = text_bytes(10_000);
     let c = store
-        .upload(Bytes::from(data.clone()), &UploadOptions { cipher: true, path: "/a/b.txt".into(), ..Default::default() })
+        .upload(
+            Bytes::from(data.clone()),
+            &UploadOptions {
+                cipher: true,
+                path: "/a/b.txt".into(),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
     assert!(c.is_compressed && c.cipher_key.len() == 32 && c.e_tag.is_empty());
     let body = vs2.seen()[0].body.clone();
     let text = String::from_utf8_lossy(&body);
     assert!(text.contains("filename=\"\""));
-    assert!(!text.contains("Content-MD5") && !text.contains("Content-Encoding") && !text.contains("Content-Type"));
-    assert!(!body.windows(20).any(|w| w == &data[..20]), "plaintext must not be on the wire");
+    assert!(
+        !text.contains("Content-MD5")
+            && !text.contains("Content-Encoding")
+            && !text.contains("Content-Type")
+    );
+    assert!(
+        !body.windows(20).any(|w| w == &data[..20]),
+        "plaintext must not be on the wire"
+    );
 }
 
 fn chunk(fid: &str, size: u64) -> pb::FileChunk {
-    pb::FileChunk { file_id: fid.into(), size, ..Default::default() }
+    pb::FileChunk {
+        file_id: fid.into(),
+        size,
+        ..Default::default()
+    }
 }
 
 #[tokio::test]
 async fn read_fails_over_from_404_replica_and_relooks_once() {
     let a = FakeVolume::start(vec![reply(404, b"")]).await;
     let b = FakeVolume::start(vec![reply(200, b"hello")]).await;
-    let filer = FakeFiler::with_locations(vec![(9, vec![loc(&b.addr, "dc2"), loc(&a.addr, "dc1")])]);
+    let filer =
+        FakeFiler::with_locations(vec![(9, vec![loc(&b.addr, "dc2"), loc(&a.addr, "dc1")])]);
     let store = client(filer.clone(), |o| o.data_center = "dc1".into());
     let c = chunk("9,01deadbeef", 5);
     assert_eq!(&store.fetch_chunk(&c).await.unwrap()[..], b"hello");
@@ -866,7 +1222,10 @@ async fn read_fails_over_from_404_replica_and_relooks_once() {
     assert_eq!(b.seen().len(), 1);
     let s = &a.seen()[0];
     assert_eq!(s.path, "/9,01deadbeef?readDeleted=true");
-    assert_eq!(s.headers.get("accept-encoding").map(String::as_str), Some("gzip"));
+    assert_eq!(
+        s.headers.get("accept-encoding").map(String::as_str),
+        Some("gzip")
+    );
 
     // Every replica 404: one re-lookup, then NotFound once the retry budget is spent.
     let filer = FakeFiler::with_locations(vec![(9, vec![loc(&a.addr, "")])]);
@@ -890,7 +1249,10 @@ async fn read_status_handling_and_header_rules() {
     // 429: not retried.
     let vs = FakeVolume::start(vec![reply(429, b"slow down"), reply(200, b"0123456789")]).await;
     let store = client(filer_for(&vs.addr), |_| {});
-    assert!(matches!(store.fetch_chunk(&c).await, Err(VolumeError::Read { .. })));
+    assert!(matches!(
+        store.fetch_chunk(&c).await,
+        Err(VolumeError::Read { .. })
+    ));
     assert_eq!(vs.seen().len(), 1);
 
     // 401 -> Unauthorized; 400 -> plain failure; neither retried.
@@ -898,7 +1260,11 @@ async fn read_status_handling_and_header_rules() {
         let vs = FakeVolume::start(vec![reply(status, br#"{"error":"nope"}"#)]).await;
         let store = client(filer_for(&vs.addr), |_| {});
         let e = store.fetch_chunk(&c).await.unwrap_err();
-        assert_eq!(matches!(e, VolumeError::Unauthorized(_)), unauthorized, "{e:?}");
+        assert_eq!(
+            matches!(e, VolumeError::Unauthorized(_)),
+            unauthorized,
+            "{e:?}"
+        );
         assert_eq!(vs.seen().len(), 1);
     }
 
@@ -909,20 +1275,33 @@ async fn read_status_handling_and_header_rules() {
     });
     assert_eq!(&store.fetch_range(&c, 3, 3).await.unwrap()[..], b"345");
     let s = &vs.seen()[0];
-    assert_eq!(s.headers.get("range").map(String::as_str), Some("bytes=3-5"));
-    assert!(!s.headers.contains_key("accept-encoding"), "Range must not be combined with Accept-Encoding");
+    assert_eq!(
+        s.headers.get("range").map(String::as_str),
+        Some("bytes=3-5")
+    );
+    assert!(
+        !s.headers.contains_key("accept-encoding"),
+        "Range must not be combined with Accept-Encoding"
+    );
     let auth = s.headers.get("authorization").expect("read jwt");
     assert!(auth.starts_with("Bearer ey"));
     let claims = auth.split('.').nth(1).unwrap();
     use base64::Engine;
-    let claims = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(claims).unwrap();
-    assert!(String::from_utf8(claims).unwrap().starts_with(r#"{"fid":"4,0100000001""#));
+    let claims = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(claims)
+        .unwrap();
+    assert!(String::from_utf8(claims)
+        .unwrap()
+        .starts_with(r#"{"fid":"4,0100000001""#));
 
     // A 200 to a Range request carries the whole needle: sliced locally. A short 206 is corrupt.
     let vs = FakeVolume::start(vec![reply(200, b"0123456789"), reply(206, b"3")]).await;
     let store = client(filer_for(&vs.addr), |_| {});
     assert_eq!(&store.fetch_range(&c, 3, 3).await.unwrap()[..], b"345");
-    assert!(matches!(store.fetch_range(&c, 3, 3).await, Err(VolumeError::Corrupt { .. })));
+    assert!(matches!(
+        store.fetch_range(&c, 3, 3).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
 
     // Compressed chunks are fetched whole (no Range), inflated per Content-Encoding, sliced.
     let z = seaweedfs_csi_driver::volume::compress::gzip(b"0123456789");
@@ -932,22 +1311,40 @@ async fn read_status_handling_and_header_rules() {
     bad.headers.push(("Content-Encoding", "gzip".into()));
     let vs = FakeVolume::start(vec![gz, bad]).await;
     let store = client(filer_for(&vs.addr), |_| {});
-    let cz = pb::FileChunk { is_compressed: true, ..c.clone() };
+    let cz = pb::FileChunk {
+        is_compressed: true,
+        ..c.clone()
+    };
     assert_eq!(&store.fetch_range(&cz, 2, 4).await.unwrap()[..], b"2345");
     let s = &vs.seen()[0];
     assert!(!s.headers.contains_key("range"));
-    assert_eq!(s.headers.get("accept-encoding").map(String::as_str), Some("gzip"));
+    assert_eq!(
+        s.headers.get("accept-encoding").map(String::as_str),
+        Some("gzip")
+    );
     let t0 = Instant::now();
-    assert!(matches!(store.fetch_chunk(&cz).await, Err(VolumeError::Corrupt { .. })));
-    assert!(t0.elapsed() < Duration::from_secs(2), "corrupt data is not retried");
+    assert!(matches!(
+        store.fetch_chunk(&cz).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "corrupt data is not retried"
+    );
 
     // A truncated whole body (shorter than chunk.size) is corrupt.
     let vs = FakeVolume::start(vec![reply(200, b"01234")]).await;
     let store = client(filer_for(&vs.addr), |_| {});
-    assert!(matches!(store.fetch_chunk(&c).await, Err(VolumeError::Corrupt { .. })));
+    assert!(matches!(
+        store.fetch_chunk(&c).await,
+        Err(VolumeError::Corrupt { .. })
+    ));
 
     // Invalid ids fail fast without network.
-    assert!(matches!(store.fetch_chunk(&chunk("garbage", 1)).await, Err(VolumeError::InvalidFileId(_))));
+    assert!(matches!(
+        store.fetch_chunk(&chunk("garbage", 1)).await,
+        Err(VolumeError::InvalidFileId(_))
+    ));
 }
 
 #[tokio::test]
@@ -958,10 +1355,44 @@ async fn concurrent_reads_share_one_lookup() {
     let mut tasks = Vec::new();
     for i in 0..16 {
         let s = store.clone();
-        tasks.push(tokio::spawn(async move { s.fetch_chunk(&chunk(&format!("4,{:02x}00000001", i + 1), 10)).await }));
+        tasks.push(tokio::spawn(async move {
+            s.fetch_chunk(&chunk(&format!("4,{:02x}00000001", i + 1), 10))
+                .await
+        }));
     }
     for t in tasks {
         assert_eq!(&t.await.unwrap().unwrap()[..], b"0123456789");
     }
     assert_eq!(filer.lookups.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn https_settings_are_applied() {
+    // A CA file that does not exist is a configuration error, not a panic.
+    let mut o = VolumeClientOptions::default();
+    o.security.https_client_enabled = true;
+    o.security.https_ca = Some("/nonexistent/ca.pem".into());
+    let r = VolumeClient::new(Arc::new(FakeFiler::default()), o);
+    assert!(matches!(r, Err(VolumeError::Config(_))));
+
+    // With HTTPS on, requests go out as TLS: a plain-HTTP server never sees an HTTP request.
+    let vs = FakeVolume::start(vec![reply(200, b"0123456789")]).await;
+    let filer = FakeFiler::with_locations(vec![(4, vec![loc(&vs.addr, "")])]);
+    let store = client(filer, |o| {
+        o.security.https_client_enabled = true;
+        o.security.https_insecure_skip_verify = true;
+        o.read_timeout = Duration::from_secs(1);
+        o.read_retry = Duration::from_millis(300);
+    });
+    let t0 = Instant::now();
+    let e = store
+        .fetch_chunk(&chunk("4,0100000001", 10))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, VolumeError::Read { .. } | VolumeError::Timeout(_)),
+        "{e:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(vs.seen().is_empty(), "no plain HTTP request was sent");
 }
