@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 /// How chunk data is fetched from / sent to volume servers (`-volumeServerAccess`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum VolumeServerAccess {
     /// `Location.url`
     #[default]
@@ -29,7 +29,8 @@ impl std::str::FromStr for VolumeServerAccess {
 }
 
 /// Everything one mounted volume (one FUSE session) needs. Mirrors `weed mount` flags.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct MountOptions {
     /// Filer HTTP addresses (`host:port` or `host:port.grpcPort`).
     pub filers: Vec<String>,
@@ -100,8 +101,14 @@ pub fn parse_id_map(s: &str) -> Result<Vec<(u32, u32)>, String> {
         let (l, f) = pair
             .split_once(':')
             .ok_or_else(|| format!("invalid id map entry {pair:?}: expected local:filer"))?;
-        let l = l.trim().parse().map_err(|_| format!("invalid local id in {pair:?}"))?;
-        let f = f.trim().parse().map_err(|_| format!("invalid filer id in {pair:?}"))?;
+        let l = l
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid local id in {pair:?}"))?;
+        let f = f
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid filer id in {pair:?}"))?;
         out.push((l, f));
     }
     Ok(out)
@@ -113,7 +120,10 @@ mod tests {
 
     #[test]
     fn id_map_parses_and_rejects() {
-        assert_eq!(parse_id_map("1000:0, 5:6").unwrap(), vec![(1000, 0), (5, 6)]);
+        assert_eq!(
+            parse_id_map("1000:0, 5:6").unwrap(),
+            vec![(1000, 0), (5, 6)]
+        );
         assert_eq!(parse_id_map("").unwrap(), vec![]);
         assert!(parse_id_map("1000").is_err());
         assert!(parse_id_map("a:1").is_err());
@@ -121,7 +131,10 @@ mod tests {
 
     #[test]
     fn volume_server_access_parses() {
-        assert_eq!("publicUrl".parse::<VolumeServerAccess>(), Ok(VolumeServerAccess::PublicUrl));
+        assert_eq!(
+            "publicUrl".parse::<VolumeServerAccess>(),
+            Ok(VolumeServerAccess::PublicUrl)
+        );
         assert!("bogus".parse::<VolumeServerAccess>().is_err());
     }
 }

@@ -1,1 +1,184 @@
-//! Chunk cache and metadata cache.
+//! Chunk cache shared by every reader of one FUSE session.
+//!
+//! Keys are file ids, which are immutable, so nothing ever needs invalidating. Values are whole
+//! clear chunks weighed in bytes. Concurrent misses for one chunk are coalesced into one fetch
+//! (`try_get_with`); eviction happens on moka's maintenance path and never blocks readers.
+
+use bytes::Bytes;
+use moka::future::Cache;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+#[derive(Debug, Default)]
+pub struct CacheStats {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub bytes_from_cache: AtomicU64,
+    pub bytes_fetched: AtomicU64,
+    pub evictions: Arc<AtomicU64>,
+}
+
+#[derive(Clone)]
+pub struct ChunkCache {
+    cache: Option<Cache<String, Bytes>>,
+    pub stats: Arc<CacheStats>,
+}
+
+impl ChunkCache {
+    /// `capacity_bytes == 0` disables caching (fetches are still coalesced by the caller's
+    /// read path, not here).
+    pub fn new(capacity_bytes: u64) -> Self {
+        let stats = Arc::new(CacheStats::default());
+        let ev = stats.evictions.clone();
+        let cache = (capacity_bytes > 0).then(|| {
+            Cache::builder()
+                .max_capacity(capacity_bytes)
+                .weigher(|k: &String, v: &Bytes| {
+                    (k.len() + v.len() + 64).min(u32::MAX as usize) as u32
+                })
+                .eviction_listener(move |_k, _v, cause| {
+                    if cause.was_evicted() {
+                        ev.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+                .build()
+        });
+        ChunkCache { cache, stats }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    pub async fn get(&self, fid: &str) -> Option<Bytes> {
+        let v = self.cache.as_ref()?.get(fid).await;
+        if let Some(b) = &v {
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .bytes_from_cache
+                .fetch_add(b.len() as u64, Ordering::Relaxed);
+        }
+        v
+    }
+
+    pub fn contains(&self, fid: &str) -> bool {
+        self.cache
+            .as_ref()
+            .map(|c| c.contains_key(fid))
+            .unwrap_or(false)
+    }
+
+    pub async fn insert(&self, fid: String, data: Bytes) {
+        if let Some(c) = &self.cache {
+            c.insert(fid, data).await;
+        }
+    }
+
+    /// Returns the cached chunk or runs `fetch` once for all concurrent callers.
+    pub async fn get_or_fetch<F, E>(&self, fid: &str, fetch: F) -> Result<Bytes, Arc<E>>
+    where
+        F: Future<Output = Result<Bytes, E>>,
+        E: Send + Sync + 'static,
+    {
+        match &self.cache {
+            Some(c) => {
+                let stats = self.stats.clone();
+                let mut fetched = false;
+                let r = c
+                    .try_get_with(fid.to_string(), async {
+                        fetched = true;
+                        let b = fetch.await?;
+                        stats
+                            .bytes_fetched
+                            .fetch_add(b.len() as u64, Ordering::Relaxed);
+                        Ok(b)
+                    })
+                    .await;
+                if let Ok(b) = &r {
+                    if fetched {
+                        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .bytes_from_cache
+                            .fetch_add(b.len() as u64, Ordering::Relaxed);
+                    }
+                }
+                r
+            }
+            None => {
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                let b = fetch.await.map_err(Arc::new)?;
+                self.stats
+                    .bytes_fetched
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                Ok(b)
+            }
+        }
+    }
+
+    /// Bytes currently held (approximate; moka updates lazily).
+    pub fn weighted_size(&self) -> u64 {
+        self.cache.as_ref().map(|c| c.weighted_size()).unwrap_or(0)
+    }
+
+    pub async fn run_pending_tasks(&self) {
+        if let Some(c) = &self.cache {
+            c.run_pending_tasks().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[tokio::test]
+    async fn coalesces_concurrent_misses_and_bounds_bytes() {
+        let c = ChunkCache::new(10 * 1024 * 1024);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let c = c.clone();
+            let calls = calls.clone();
+            tasks.push(tokio::spawn(async move {
+                c.get_or_fetch::<_, std::io::Error>("1,01", async {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    Ok(Bytes::from(vec![7u8; 1024]))
+                })
+                .await
+                .unwrap()
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap().len(), 1024);
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        for i in 0..40 {
+            c.insert(format!("2,{i:02x}"), Bytes::from(vec![0u8; 1024 * 1024]))
+                .await;
+        }
+        c.run_pending_tasks().await;
+        assert!(
+            c.weighted_size() <= 10 * 1024 * 1024 + 1024 * 1024,
+            "{}",
+            c.weighted_size()
+        );
+    }
+
+    #[tokio::test]
+    async fn failed_fetch_is_not_cached() {
+        let c = ChunkCache::new(1 << 20);
+        let r = c
+            .get_or_fetch::<_, std::io::Error>("3,01", async { Err(std::io::Error::other("boom")) })
+            .await;
+        assert!(r.is_err());
+        let r = c
+            .get_or_fetch::<_, std::io::Error>("3,01", async { Ok(Bytes::from_static(b"ok")) })
+            .await;
+        assert_eq!(r.unwrap(), Bytes::from_static(b"ok"));
+    }
+}

@@ -121,7 +121,8 @@ pub trait FilerApi: Send + Sync + 'static {
     ) -> Result<Vec<pb::StreamRenameEntryResponse>>;
 
     /// `AssignVolume`; an in-band `error` becomes an error.
-    async fn assign_volume(&self, req: pb::AssignVolumeRequest) -> Result<pb::AssignVolumeResponse>;
+    async fn assign_volume(&self, req: pb::AssignVolumeRequest)
+        -> Result<pb::AssignVolumeResponse>;
 
     /// `LookupVolume` for one volume id (the filer fails a whole batch on one unknown id).
     async fn lookup_volume(&self, volume_id: u32) -> Result<Vec<pb::Location>>;

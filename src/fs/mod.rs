@@ -1,1 +1,306 @@
-//! Filesystem logic, free of FUSE types.
+//! Filesystem logic over the SeaweedFS clients, free of FUSE types: node ids, handles,
+//! namespace operations, the write and read paths, metadata coherence. The `fuse` module is a
+//! thin adapter that maps kernel requests onto [`Fs`] and errors onto errnos.
+
+pub mod attr;
+pub mod file;
+pub mod inode;
+pub mod journal;
+pub mod meta;
+mod ops;
+mod read;
+
+pub use attr::{Attr, IdMap, Kind};
+pub use ops::{DirEntryOut, SetAttr, StatFs};
+
+use crate::cache::ChunkCache;
+use crate::config::MountOptions;
+use crate::filer::{FilerApi, FilerError};
+use crate::pb::filer as pb;
+use crate::volume::{ChunkStore, VolumeError};
+use file::OpenFile;
+use inode::InodeTable;
+use meta::MetaCache;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::Semaphore;
+
+/// Errors of the filesystem layer: an errno plus context for the log.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{msg} (errno {errno})")]
+pub struct FsError {
+    pub errno: i32,
+    pub msg: String,
+}
+
+impl FsError {
+    pub fn new(errno: i32, msg: impl Into<String>) -> Self {
+        FsError {
+            errno,
+            msg: msg.into(),
+        }
+    }
+}
+
+impl From<FilerError> for FsError {
+    fn from(e: FilerError) -> Self {
+        FsError {
+            errno: e.errno(),
+            msg: e.to_string(),
+        }
+    }
+}
+
+impl From<VolumeError> for FsError {
+    fn from(e: VolumeError) -> Self {
+        FsError {
+            errno: e.errno(),
+            msg: e.to_string(),
+        }
+    }
+}
+
+pub type Result<T, E = FsError> = std::result::Result<T, E>;
+
+fn errno(e: i32, msg: impl Into<String>) -> FsError {
+    FsError::new(e, msg)
+}
+
+/// Kernel cache invalidation, implemented by the FUSE adapter.
+pub trait Notifier: Send + Sync {
+    fn inval_entry(&self, parent: u64, name: &str);
+    fn inval_inode(&self, ino: u64);
+}
+
+/// Settings of one filesystem instance (derived from [`MountOptions`]).
+#[derive(Debug, Clone)]
+pub struct FsConfig {
+    pub root: String,
+    pub chunk_size: usize,
+    pub max_dirty_slots: usize,
+    pub collection: String,
+    pub replication: String,
+    pub disk_type: String,
+    pub ttl_sec: i32,
+    pub data_center: String,
+    pub meta_ttl: Duration,
+    pub read_only: bool,
+    pub umask: u32,
+    pub ids: IdMap,
+    pub quota_bytes: u64,
+    pub concurrent_writers: usize,
+    pub concurrent_readers: usize,
+    /// Chunks prefetched ahead of a sequential reader.
+    pub readahead_chunks: usize,
+    /// Directories with more entries than this are not cached.
+    pub max_cached_dir_entries: usize,
+    pub cipher: bool,
+}
+
+impl FsConfig {
+    pub fn from_mount_options(o: &MountOptions) -> Self {
+        let root = normalize_root(&o.filer_path);
+        FsConfig {
+            root,
+            chunk_size: (o.chunk_size_limit_mb.max(1) as usize) << 20,
+            max_dirty_slots: 4,
+            collection: o.collection.clone(),
+            replication: o.replication.clone(),
+            disk_type: o.disk_type.clone(),
+            ttl_sec: o.ttl_sec,
+            data_center: o.data_center.clone(),
+            meta_ttl: Duration::from_secs(o.cache_meta_ttl_sec.max(1)),
+            read_only: o.read_only,
+            umask: o.umask,
+            ids: IdMap {
+                uids: o.uid_map.clone(),
+                gids: o.gid_map.clone(),
+            },
+            quota_bytes: o.quota_bytes,
+            concurrent_writers: o.concurrent_writers.max(1),
+            concurrent_readers: o.concurrent_readers.max(1),
+            readahead_chunks: (o.concurrent_readers / 4).clamp(1, 8),
+            max_cached_dir_entries: 100_000,
+            cipher: false,
+        }
+    }
+}
+
+pub fn normalize_root(p: &str) -> String {
+    let t = p.trim_end_matches('/');
+    if t.is_empty() {
+        "/".to_string()
+    } else if t.starts_with('/') {
+        t.to_string()
+    } else {
+        format!("/{t}")
+    }
+}
+
+/// An open file handle (one per kernel open).
+pub struct Handle {
+    pub ino: u64,
+    pub file: Arc<OpenFile>,
+    pub writable: bool,
+    /// Sequential-read detector: end of the previous read and a streak counter.
+    pub seq: Mutex<(u64, u32)>,
+}
+
+struct OpenEntry {
+    file: Arc<OpenFile>,
+    handles: usize,
+}
+
+/// Counters exported as metrics.
+#[derive(Default)]
+pub struct FsStats {
+    pub filer_calls: AtomicU64,
+    pub uploads: AtomicU64,
+    pub upload_bytes: AtomicU64,
+    pub upload_errors: AtomicU64,
+    pub uploads_in_flight: AtomicU64,
+}
+
+pub struct Fs {
+    pub cfg: FsConfig,
+    pub filer: Arc<dyn FilerApi>,
+    pub store: Arc<dyn ChunkStore>,
+    pub cache: ChunkCache,
+    pub inodes: InodeTable,
+    pub meta: MetaCache,
+    files: Mutex<HashMap<u64, OpenEntry>>,
+    handles: Mutex<HashMap<u64, Arc<Handle>>>,
+    dir_handles: Mutex<HashMap<u64, Arc<Vec<DirEntryOut>>>>,
+    next_fh: AtomicU64,
+    upload_sem: Arc<Semaphore>,
+    prefetch_sem: Arc<Semaphore>,
+    dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Pending parent-directory time updates (written back in the background).
+    dir_times: Mutex<HashMap<String, SystemTime>>,
+    /// Bumped per inode when another client changes its content (kernel page-cache validity).
+    content_gen: Mutex<HashMap<u64, u64>>,
+    opened_gen: Mutex<HashMap<u64, u64>>,
+    statfs_cache: Mutex<Option<(Instant, StatFs)>>,
+    /// Bytes used in the quota'd volume, as last measured.
+    used_bytes: AtomicU64,
+    quota: AtomicU64,
+    notifier: parking_lot::RwLock<Option<Arc<dyn Notifier>>>,
+    healthy: AtomicBool,
+    pub stats: FsStats,
+    root_attr: Mutex<Attr>,
+}
+
+impl Fs {
+    pub fn new(
+        cfg: FsConfig,
+        filer: Arc<dyn FilerApi>,
+        store: Arc<dyn ChunkStore>,
+        cache: ChunkCache,
+    ) -> Arc<Self> {
+        let now = SystemTime::now();
+        let root_attr = Attr {
+            ino: inode::ROOT_INO,
+            size: 4096,
+            kind: Kind::Dir,
+            perm: (0o777 & !cfg.umask) as u16,
+            nlink: 2,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+        };
+        let start_fh = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        Arc::new(Fs {
+            inodes: InodeTable::new(&cfg.root),
+            meta: MetaCache::new(cfg.meta_ttl),
+            upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
+            prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
+            quota: AtomicU64::new(cfg.quota_bytes),
+            cfg,
+            filer,
+            store,
+            cache,
+            files: Mutex::new(HashMap::new()),
+            handles: Mutex::new(HashMap::new()),
+            dir_handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(start_fh),
+            dir_locks: Mutex::new(HashMap::new()),
+            dir_times: Mutex::new(HashMap::new()),
+            content_gen: Mutex::new(HashMap::new()),
+            opened_gen: Mutex::new(HashMap::new()),
+            statfs_cache: Mutex::new(None),
+            used_bytes: AtomicU64::new(0),
+            notifier: parking_lot::RwLock::new(None),
+            healthy: AtomicBool::new(true),
+            stats: FsStats::default(),
+            root_attr: Mutex::new(root_attr),
+        })
+    }
+
+    pub fn set_notifier(&self, n: Arc<dyn Notifier>) {
+        *self.notifier.write() = Some(n);
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_healthy(&self, v: bool) {
+        self.healthy.store(v, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_quota(&self, bytes: u64) {
+        self.quota
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+        *self.statfs_cache.lock() = None;
+    }
+
+    pub fn quota(&self) -> u64 {
+        self.quota.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Number of open file handles (for handover and stats).
+    pub fn open_handles(&self) -> usize {
+        self.handles.lock().len()
+    }
+
+    pub(crate) fn upload_options(&self, path: &str) -> crate::volume::UploadOptions {
+        crate::volume::UploadOptions {
+            collection: self.cfg.collection.clone(),
+            replication: self.cfg.replication.clone(),
+            ttl_sec: self.cfg.ttl_sec,
+            disk_type: self.cfg.disk_type.clone(),
+            data_center: self.cfg.data_center.clone(),
+            path: path.to_string(),
+            cipher: self.cfg.cipher,
+        }
+    }
+}
+
+pub(crate) fn now_parts() -> (i64, i32) {
+    attr::split_ts(SystemTime::now())
+}
+
+/// Makes a name safe for the filer (UTF-8 only, as `weed mount` does).
+pub fn sanitize_name(name: &std::ffi::OsStr) -> Result<String> {
+    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(name);
+    if bytes.len() > 255 {
+        return Err(errno(libc::ENAMETOOLONG, "name longer than 255 bytes"));
+    }
+    Ok(String::from_utf8_lossy(bytes).replace('\u{FFFD}', "_"))
+}
+
+pub(crate) fn entry_with_name(e: &pb::Entry, name: &str) -> pb::Entry {
+    let mut e = e.clone();
+    e.name = name.to_string();
+    e
+}

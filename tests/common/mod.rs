@@ -22,7 +22,11 @@ pub fn free_port_pair() -> u16 {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[derive(Default, Clone)]
@@ -92,7 +96,10 @@ impl WeedServer {
     }
 
     pub fn start_with(opts: WeedOptions) -> Self {
-        let dir = tempfile::Builder::new().prefix("weedtest").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("weedtest")
+            .tempdir()
+            .unwrap();
         std::fs::create_dir_all(dir.path().join("data")).unwrap();
         std::fs::create_dir_all(dir.path().join("filer")).unwrap();
         if let Some(sec) = &opts.security_toml {
@@ -132,7 +139,11 @@ impl WeedServer {
             &format!("http://127.0.0.1:{}/dir/assign", w.master_port),
             Duration::from_secs(60),
         );
-        assert!(ok, "weed master/volume did not become ready: {}", w.log("server.log"));
+        assert!(
+            ok,
+            "weed master/volume did not become ready: {}",
+            w.log("server.log")
+        );
         w.start_filer();
         w
     }
@@ -150,7 +161,10 @@ impl WeedServer {
             "-ip=127.0.0.1".into(),
             "-ip.bind=127.0.0.1".into(),
             format!("-port={}", self.filer_port),
-            format!("-defaultStoreDir={}", self.dir.path().join("filer").display()),
+            format!(
+                "-defaultStoreDir={}",
+                self.dir.path().join("filer").display()
+            ),
         ];
         if self.opts.encrypt {
             args.push("-encryptVolumeData".into());
@@ -168,7 +182,11 @@ impl WeedServer {
             &format!("http://127.0.0.1:{}/?pretty=y", self.filer_port),
             Duration::from_secs(60),
         );
-        assert!(ok, "weed filer did not become ready: {}", self.log("filer.log"));
+        assert!(
+            ok,
+            "weed filer did not become ready: {}",
+            self.log("filer.log")
+        );
         // gRPC listener comes up with the HTTP one, but give it a moment.
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(("127.0.0.1", self.filer_port + 10000)).is_err() {
@@ -217,12 +235,20 @@ impl WeedServer {
             .output()
             .expect("curl");
         let _ = std::fs::remove_file(&tmp);
-        assert!(out.status.success(), "filer upload to {url} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "filer upload to {url} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Reads a file through the filer HTTP API.
     pub fn filer_get(&self, path: &str) -> Option<Vec<u8>> {
-        let out = Command::new("curl").args(["-sS", "-f"]).arg(self.filer_url(path)).output().ok()?;
+        let out = Command::new("curl")
+            .args(["-sS", "-f"])
+            .arg(self.filer_url(path))
+            .output()
+            .ok()?;
         out.status.success().then_some(out.stdout)
     }
 
@@ -237,7 +263,11 @@ impl WeedServer {
 pub fn rand_suffix() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// SIGTERM, then SIGKILL after 5 s; always reaps.

@@ -1,0 +1,543 @@
+//! Open-file state shared by every handle of one inode: the entry as we know it, dirty data
+//! buffered in chunk-sized slots, uploads in flight, and the read path over all of them.
+//!
+//! Write path: writes land in slots of `chunk_size`; a slot is sealed (uploaded in the
+//! background, bounded by a session-wide semaphore) when full, when too many slots are open,
+//! or on flush. Every sealed run gets a strictly increasing `modified_ts_ns`, so the visible
+//! bytes are well defined whatever order uploads finish in. Flush waits for uploads, then
+//! commits the whole chunk list with one `CreateEntry`.
+
+use super::attr::entry_size;
+use crate::chunks;
+use crate::pb::filer as pb;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+/// Strictly increasing nanosecond timestamps for chunk ordering, process-wide.
+pub fn next_ts_ns() -> i64 {
+    static LAST: AtomicI64 = AtomicI64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0);
+    let mut prev = LAST.load(Ordering::Relaxed);
+    loop {
+        let next = now.max(prev + 1);
+        match LAST.compare_exchange_weak(prev, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return next,
+            Err(p) => prev = p,
+        }
+    }
+}
+
+/// Marks in-flight pseudo-chunks (never a real file id).
+const INFLIGHT: &str = "\0inflight:";
+
+/// One chunk-sized window of dirty bytes.
+#[derive(Default)]
+pub struct Slot {
+    pub data: Vec<u8>,
+    /// Sorted, non-overlapping, merged written ranges within the slot.
+    pub ranges: Vec<(usize, usize)>,
+}
+
+impl Slot {
+    fn write(&mut self, at: usize, buf: &[u8]) {
+        let end = at + buf.len();
+        if self.data.len() < end {
+            self.data.resize(end, 0);
+        }
+        self.data[at..end].copy_from_slice(buf);
+        add_range(&mut self.ranges, at, end);
+    }
+
+    pub fn written(&self) -> usize {
+        self.ranges.iter().map(|(s, e)| e - s).sum()
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.data.truncate(len);
+        self.ranges.retain_mut(|r| {
+            r.1 = r.1.min(len);
+            r.0 < r.1
+        });
+    }
+}
+
+fn add_range(ranges: &mut Vec<(usize, usize)>, s: usize, e: usize) {
+    let mut ns = s;
+    let mut ne = e;
+    let mut out = Vec::with_capacity(ranges.len() + 1);
+    for &(a, b) in ranges.iter() {
+        if b < ns || a > ne {
+            out.push((a, b));
+        } else {
+            ns = ns.min(a);
+            ne = ne.max(b);
+        }
+    }
+    out.push((ns, ne));
+    out.sort_unstable();
+    *ranges = out;
+}
+
+/// Data being uploaded: readable from memory until its chunk is in the entry.
+#[derive(Clone)]
+pub struct Inflight {
+    pub id: u64,
+    pub offset: u64,
+    pub data: Bytes,
+    pub ts: i64,
+}
+
+/// A run sealed for upload.
+pub struct SealedRun {
+    pub id: u64,
+    pub offset: u64,
+    pub data: Bytes,
+    pub ts: i64,
+}
+
+pub struct FileState {
+    pub dir: String,
+    pub entry: pb::Entry,
+    /// `entry.chunks` with manifests expanded (what reads resolve against).
+    pub resolved: Arc<Vec<pb::FileChunk>>,
+    pub visible: Option<Arc<Vec<chunks::VisibleInterval>>>,
+    pub size: u64,
+    pub slots: BTreeMap<u64, Slot>,
+    pub inflight: Vec<Inflight>,
+    pub next_id: u64,
+    /// Entry differs from the filer's (create pending, data or attributes changed).
+    pub meta_dirty: bool,
+    /// Not yet created on the filer (deferred create).
+    pub pending_create: bool,
+    pub unlinked: bool,
+    /// First upload error; the file stays poisoned (EIO) until reopened.
+    pub error: Option<String>,
+    /// Bytes written but not yet committed (for quota accounting).
+    pub uncommitted: u64,
+}
+
+pub struct OpenFile {
+    pub ino: u64,
+    pub state: Mutex<FileState>,
+    pub uploads_done: Notify,
+    pub chunk_size: usize,
+    pub max_slots: usize,
+}
+
+/// A piece of a read: where its bytes come from.
+pub enum Piece {
+    Chunk {
+        chunk: pb::FileChunk,
+        offset_in_chunk: u64,
+        len: u64,
+        at: u64,
+    },
+    Mem {
+        data: Bytes,
+        at: u64,
+    },
+    Zero {
+        len: u64,
+        at: u64,
+    },
+}
+
+impl OpenFile {
+    pub fn new(
+        ino: u64,
+        dir: String,
+        entry: pb::Entry,
+        chunk_size: usize,
+        max_slots: usize,
+    ) -> Self {
+        let size = entry_size(&entry);
+        let resolved = Arc::new(entry.chunks.clone());
+        OpenFile {
+            ino,
+            state: Mutex::new(FileState {
+                dir,
+                entry,
+                resolved,
+                visible: None,
+                size,
+                slots: BTreeMap::new(),
+                inflight: Vec::new(),
+                next_id: 1,
+                meta_dirty: false,
+                pending_create: false,
+                unlinked: false,
+                error: None,
+                uncommitted: 0,
+            }),
+            uploads_done: Notify::new(),
+            chunk_size: chunk_size.max(1),
+            max_slots: max_slots.max(2),
+        }
+    }
+
+    pub fn path(&self) -> String {
+        let s = self.state.lock();
+        super::inode::join(&s.dir, &s.entry.name)
+    }
+
+    /// Buffers a write; returns runs that must now be uploaded.
+    pub fn write(&self, offset: u64, buf: &[u8]) -> Vec<SealedRun> {
+        let cs = self.chunk_size as u64;
+        let mut s = self.state.lock();
+        if !s.entry.content.is_empty() {
+            // Move inline content into the dirty buffer first, so a partial overwrite keeps it
+            // (weed mount drops it).
+            let content = std::mem::take(&mut s.entry.content);
+            write_slots(&mut s, cs, 0, &content);
+        }
+        write_slots(&mut s, cs, offset, buf);
+        s.uncommitted += buf.len() as u64;
+        s.size = s.size.max(offset + buf.len() as u64);
+        s.meta_dirty = true;
+        let mut sealed = Vec::new();
+        let full: Vec<u64> = s
+            .slots
+            .iter()
+            .filter(|(_, sl)| sl.ranges.len() == 1 && sl.ranges[0] == (0, self.chunk_size))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in full {
+            sealed.extend(seal_slot(&mut s, k, cs));
+        }
+        while s.slots.len() > self.max_slots {
+            let fullest = s
+                .slots
+                .iter()
+                .max_by_key(|(_, sl)| sl.written())
+                .map(|(k, _)| *k);
+            match fullest {
+                Some(k) => sealed.extend(seal_slot(&mut s, k, cs)),
+                None => break,
+            }
+        }
+        sealed
+    }
+
+    /// Seals every dirty slot (flush/fsync).
+    pub fn seal_all(&self) -> Vec<SealedRun> {
+        let cs = self.chunk_size as u64;
+        let mut s = self.state.lock();
+        let keys: Vec<u64> = s.slots.keys().copied().collect();
+        let mut out = Vec::new();
+        for k in keys {
+            out.extend(seal_slot(&mut s, k, cs));
+        }
+        out
+    }
+
+    /// An upload finished: its chunk joins the entry and its memory copy is dropped.
+    pub fn upload_done(&self, id: u64, result: Result<pb::FileChunk, String>) {
+        let mut s = self.state.lock();
+        if let Some(pos) = s.inflight.iter().position(|i| i.id == id) {
+            let inf = s.inflight.remove(pos);
+            match result {
+                Ok(mut c) => {
+                    c.offset = inf.offset as i64;
+                    c.modified_ts_ns = inf.ts;
+                    s.entry.chunks.push(c.clone());
+                    let mut r = (*s.resolved).clone();
+                    r.push(c);
+                    s.resolved = Arc::new(r);
+                    s.visible = None;
+                }
+                Err(e) => {
+                    if s.error.is_none() {
+                        s.error = Some(e);
+                    }
+                }
+            }
+        }
+        drop(s);
+        self.uploads_done.notify_waiters();
+    }
+
+    /// Waits until no upload of this file is in flight.
+    pub async fn wait_uploads(&self) {
+        loop {
+            let notified = self.uploads_done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.state.lock().inflight.is_empty() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Truncates (or extends) to `size`. Call after [`wait_uploads`](Self::wait_uploads).
+    pub fn truncate(&self, size: u64) {
+        let cs = self.chunk_size as u64;
+        let mut s = self.state.lock();
+        if !s.entry.content.is_empty() {
+            let mut c = std::mem::take(&mut s.entry.content);
+            if s.entry.chunks.is_empty() && s.slots.is_empty() && size <= 64 * 1024 {
+                c.resize(size as usize, 0);
+                s.entry.content = c;
+            } else {
+                c.truncate(size as usize);
+                write_slots(&mut s, cs, 0, &c);
+            }
+        }
+        s.slots.retain(|k, _| k * cs < size);
+        if let Some((k, sl)) = s.slots.iter_mut().next_back() {
+            let base = *k * cs;
+            if base + sl.data.len() as u64 > size {
+                sl.truncate((size - base) as usize);
+            }
+        }
+        s.slots.retain(|_, sl| !sl.ranges.is_empty());
+        s.entry.chunks = chunks::truncate(&s.entry.chunks, size).0;
+        s.resolved = Arc::new(chunks::truncate(&s.resolved, size).0);
+        s.visible = None;
+        s.size = size;
+        if let Some(a) = s.entry.attributes.as_mut() {
+            a.file_size = size;
+        }
+        s.meta_dirty = true;
+    }
+
+    /// Plans a read of `[offset, offset+len)`: pieces over chunks and in-flight data, plus the
+    /// dirty-slot bytes that overlay them. Returns None at/after EOF.
+    pub fn plan_read(&self, offset: u64, len: u64) -> Option<(u64, Vec<Piece>, Vec<(u64, Bytes)>)> {
+        let mut s = self.state.lock();
+        if offset >= s.size || len == 0 {
+            return None;
+        }
+        let end = (offset + len).min(s.size);
+        let mut pieces = Vec::new();
+        if !s.entry.content.is_empty() {
+            let c = &s.entry.content;
+            let cend = (end as usize).min(c.len());
+            if (offset as usize) < cend {
+                pieces.push(Piece::Mem {
+                    data: Bytes::copy_from_slice(&c[offset as usize..cend]),
+                    at: offset,
+                });
+            }
+            if (cend as u64) < end {
+                let from = (cend as u64).max(offset);
+                pieces.push(Piece::Zero {
+                    len: end - from,
+                    at: from,
+                });
+            }
+        } else {
+            let has_inflight = !s.inflight.is_empty();
+            // In-flight data takes part in the ts ordering as pseudo-chunks.
+            let (list, visible) = if has_inflight {
+                let mut list: Vec<pb::FileChunk> = (*s.resolved).clone();
+                for inf in &s.inflight {
+                    list.push(pb::FileChunk {
+                        file_id: format!("{INFLIGHT}{}", inf.id),
+                        offset: inf.offset as i64,
+                        size: inf.data.len() as u64,
+                        modified_ts_ns: inf.ts,
+                        ..Default::default()
+                    });
+                }
+                let v = Arc::new(chunks::visible_intervals(&list));
+                (Arc::new(list), v)
+            } else {
+                let v = match &s.visible {
+                    Some(v) => v.clone(),
+                    None => {
+                        let v = Arc::new(chunks::visible_intervals(&s.resolved));
+                        s.visible = Some(v.clone());
+                        v
+                    }
+                };
+                (s.resolved.clone(), v)
+            };
+            for p in chunks::read_plan(&visible, offset, end - offset, end) {
+                match p {
+                    chunks::ReadPiece::Zero { file_offset, len } => pieces.push(Piece::Zero {
+                        len,
+                        at: file_offset,
+                    }),
+                    chunks::ReadPiece::Chunk {
+                        chunk_index,
+                        offset_in_chunk,
+                        len,
+                        file_offset,
+                    } => {
+                        let chunk = &list[chunk_index];
+                        match chunk.file_id.strip_prefix(INFLIGHT) {
+                            Some(id) => {
+                                let id: u64 = id.parse().unwrap_or(0);
+                                if let Some(inf) = s.inflight.iter().find(|i| i.id == id) {
+                                    let a = (offset_in_chunk as usize).min(inf.data.len());
+                                    let b = (a + len as usize).min(inf.data.len());
+                                    pieces.push(Piece::Mem {
+                                        data: inf.data.slice(a..b),
+                                        at: file_offset,
+                                    });
+                                }
+                            }
+                            None => pieces.push(Piece::Chunk {
+                                chunk: chunk.clone(),
+                                offset_in_chunk,
+                                len,
+                                at: file_offset,
+                            }),
+                        }
+                    }
+                }
+            }
+        }
+        let cs = self.chunk_size as u64;
+        let mut overlays = Vec::new();
+        let first_slot = offset / cs;
+        for (k, sl) in s.slots.range(first_slot..) {
+            let base = k * cs;
+            if base >= end {
+                break;
+            }
+            for &(a, b) in &sl.ranges {
+                let fs = (base + a as u64).max(offset);
+                let fe = (base + b as u64).min(end);
+                if fs < fe {
+                    let lo = (fs - base) as usize;
+                    let hi = (fe - base) as usize;
+                    overlays.push((fs, Bytes::copy_from_slice(&sl.data[lo..hi])));
+                }
+            }
+        }
+        Some((end, pieces, overlays))
+    }
+
+    /// The entry to commit, with a compacted chunk list and current size.
+    pub fn entry_for_commit(&self) -> pb::Entry {
+        let mut s = self.state.lock();
+        let (kept, _garbage) = chunks::compact(&s.entry.chunks);
+        s.entry.chunks = kept;
+        let size = s.size;
+        if let Some(a) = s.entry.attributes.as_mut() {
+            a.file_size = size;
+        }
+        s.entry.clone()
+    }
+}
+
+fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
+    let mut pos = 0usize;
+    while pos < buf.len() {
+        let off = offset + pos as u64;
+        let k = off / cs;
+        let in_slot = (off % cs) as usize;
+        let n = ((cs as usize) - in_slot).min(buf.len() - pos);
+        s.slots
+            .entry(k)
+            .or_default()
+            .write(in_slot, &buf[pos..pos + n]);
+        pos += n;
+    }
+}
+
+fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
+    let Some(sl) = s.slots.remove(&k) else {
+        return Vec::new();
+    };
+    let data = Bytes::from(sl.data);
+    let mut out = Vec::new();
+    for (a, b) in sl.ranges {
+        let id = s.next_id;
+        s.next_id += 1;
+        let run = SealedRun {
+            id,
+            offset: k * cs + a as u64,
+            data: data.slice(a..b),
+            ts: next_ts_ns(),
+        };
+        s.inflight.push(Inflight {
+            id,
+            offset: run.offset,
+            data: run.data.clone(),
+            ts: run.ts,
+        });
+        out.push(run);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(cs: usize) -> OpenFile {
+        let e = pb::Entry {
+            name: "f".into(),
+            attributes: Some(pb::FuseAttributes::default()),
+            ..Default::default()
+        };
+        OpenFile::new(5, "/d".into(), e, cs, 4)
+    }
+
+    fn read_all(f: &OpenFile, off: u64, len: u64) -> Vec<u8> {
+        let (end, pieces, overlays) = f.plan_read(off, len).unwrap();
+        let mut out = vec![0u8; (end - off) as usize];
+        for p in pieces {
+            match p {
+                Piece::Mem { data, at } => {
+                    out[(at - off) as usize..][..data.len()].copy_from_slice(&data)
+                }
+                Piece::Zero { .. } => {}
+                Piece::Chunk { .. } => panic!("no chunks in this test"),
+            }
+        }
+        for (at, d) in overlays {
+            out[(at - off) as usize..][..d.len()].copy_from_slice(&d);
+        }
+        out
+    }
+
+    #[test]
+    fn full_slots_seal_and_inflight_is_readable() {
+        let f = file(8);
+        assert!(f.write(0, b"0123").is_empty());
+        let sealed = f.write(4, b"4567AB");
+        assert_eq!(sealed.len(), 1);
+        assert_eq!(&sealed[0].data[..], b"01234567");
+        assert_eq!(read_all(&f, 0, 100), b"01234567AB");
+        // overwrite in-flight bytes: the dirty slot wins
+        f.write(2, b"xy");
+        assert_eq!(read_all(&f, 0, 100), b"01xy4567AB");
+    }
+
+    #[test]
+    fn inline_content_survives_partial_overwrite() {
+        let mut f = file(16);
+        f.state.get_mut().entry.content = b"0123456789".to_vec();
+        f.state.get_mut().size = 10;
+        f.write(5, b"AB");
+        assert_eq!(read_all(&f, 0, 100), b"01234AB789");
+    }
+
+    #[test]
+    fn truncate_drops_dirty_tail() {
+        let f = file(8);
+        f.write(0, b"0123456");
+        f.truncate(3);
+        assert_eq!(read_all(&f, 0, 100), b"012");
+        f.truncate(5);
+        assert_eq!(read_all(&f, 0, 100), b"012\0\0");
+    }
+
+    #[test]
+    fn ts_strictly_increases() {
+        let a = next_ts_ns();
+        let b = next_ts_ns();
+        assert!(b > a);
+    }
+}

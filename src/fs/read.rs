@@ -1,0 +1,180 @@
+//! Read path: resolve a read into pieces, fetch chunk pieces through the session's chunk cache
+//! (whole chunks for sequential readers, with readahead; exact ranges for random readers).
+
+use super::file::Piece;
+use super::{errno, Fs, Result};
+use crate::pb::filer as pb;
+use bytes::{Bytes, BytesMut};
+use std::sync::Arc;
+
+/// Cache key of a chunk: its file id (immutable), built from `fid` when `file_id` is empty.
+pub fn chunk_key(c: &pb::FileChunk) -> String {
+    if !c.file_id.is_empty() {
+        return c.file_id.clone();
+    }
+    match &c.fid {
+        Some(f) => {
+            let key = f.file_key.to_be_bytes();
+            let first = key.iter().position(|b| *b != 0).unwrap_or(7);
+            format!(
+                "{},{}{:08x}",
+                f.volume_id,
+                hex::encode(&key[first..]),
+                f.cookie
+            )
+        }
+        None => String::new(),
+    }
+}
+
+/// Reads this small or smaller are served by exact ranged requests when not sequential.
+const RANDOM_RANGE_MAX: u64 = 256 * 1024;
+
+impl Fs {
+    pub async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Result<Bytes> {
+        let h = self.handle(fh, ino).await?;
+        let of = h.file.clone();
+        let sequential = {
+            let mut seq = h.seq.lock();
+            let streak = if offset == seq.0 || (offset > seq.0 && offset - seq.0 <= 1 << 20) {
+                seq.1.saturating_add(1)
+            } else if offset == 0 {
+                1
+            } else {
+                0
+            };
+            *seq = (offset + size as u64, streak);
+            streak >= 1
+        };
+        let Some((end, pieces, overlays)) = of.plan_read(offset, size as u64) else {
+            return Ok(Bytes::new());
+        };
+        if sequential {
+            self.readahead(&of, end);
+        }
+        // fast path: one piece, no dirty overlay
+        if pieces.len() == 1 && overlays.is_empty() {
+            let p = pieces.into_iter().next().expect("one piece");
+            return self.fetch_piece(p, sequential).await;
+        }
+        let mut out = BytesMut::zeroed((end - offset) as usize);
+        let fetches = pieces.into_iter().map(|p| {
+            let at = match &p {
+                Piece::Chunk { at, .. } | Piece::Mem { at, .. } | Piece::Zero { at, .. } => *at,
+            };
+            async move { self.fetch_piece(p, sequential).await.map(|b| (at, b)) }
+        });
+        for r in futures::future::join_all(fetches).await {
+            let (at, b) = r?;
+            let lo = (at - offset) as usize;
+            out[lo..lo + b.len()].copy_from_slice(&b);
+        }
+        for (at, d) in overlays {
+            let lo = (at - offset) as usize;
+            out[lo..lo + d.len()].copy_from_slice(&d);
+        }
+        Ok(out.freeze())
+    }
+
+    async fn fetch_piece(&self, p: Piece, sequential: bool) -> Result<Bytes> {
+        match p {
+            Piece::Zero { len, .. } => Ok(Bytes::from(vec![0u8; len as usize])),
+            Piece::Mem { data, .. } => Ok(data),
+            Piece::Chunk {
+                chunk,
+                offset_in_chunk,
+                len,
+                ..
+            } => {
+                let key = chunk_key(&chunk);
+                let plain = chunk.cipher_key.is_empty() && !chunk.is_compressed;
+                let whole =
+                    sequential || !plain || len > RANDOM_RANGE_MAX || self.cache.contains(&key);
+                let data = if whole {
+                    self.whole_chunk(&chunk, &key).await?
+                } else {
+                    let b = self.store.fetch_range(&chunk, offset_in_chunk, len).await?;
+                    return check_len(b, len, &key);
+                };
+                let lo = offset_in_chunk as usize;
+                let hi = lo + len as usize;
+                if hi > data.len() {
+                    return Err(errno(
+                        libc::EIO,
+                        format!("chunk {key} has {} bytes, need {hi}", data.len()),
+                    ));
+                }
+                Ok(data.slice(lo..hi))
+            }
+        }
+    }
+
+    async fn whole_chunk(&self, chunk: &pb::FileChunk, key: &str) -> Result<Bytes> {
+        let store = self.store.clone();
+        let c = chunk.clone();
+        self.cache
+            .get_or_fetch(key, async move { store.fetch_chunk(&c).await })
+            .await
+            .map_err(|e| (*e).clone().into())
+    }
+
+    /// Prefetches the chunks after `from` so the volume servers work in parallel with the reader.
+    fn readahead(&self, of: &Arc<super::file::OpenFile>, from: u64) {
+        if !self.cache.enabled() {
+            return;
+        }
+        let window = (self.cfg.readahead_chunks * self.cfg.chunk_size) as u64;
+        let Some((_, pieces, _)) = of.plan_read(from, window) else {
+            return;
+        };
+        for p in pieces {
+            let Piece::Chunk { chunk, .. } = p else {
+                continue;
+            };
+            let key = chunk_key(&chunk);
+            if self.cache.contains(&key) {
+                continue;
+            }
+            let Ok(permit) = self.prefetch_sem.clone().try_acquire_owned() else {
+                return;
+            };
+            let cache = self.cache.clone();
+            let store = self.store.clone();
+            tokio::spawn(async move {
+                let c = chunk.clone();
+                let _ = cache
+                    .get_or_fetch(&key, async move { store.fetch_chunk(&c).await })
+                    .await;
+                drop(permit);
+            });
+        }
+    }
+}
+
+fn check_len(b: Bytes, len: u64, key: &str) -> Result<Bytes> {
+    if (b.len() as u64) < len {
+        return Err(errno(
+            libc::EIO,
+            format!("short read of {key}: {} < {len}", b.len()),
+        ));
+    }
+    Ok(b.slice(..len as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_from_fid() {
+        let c = pb::FileChunk {
+            fid: Some(pb::FileId {
+                volume_id: 2,
+                file_key: 1,
+                cookie: 0x3728e3cc,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(chunk_key(&c), "2,013728e3cc");
+    }
+}

@@ -1,0 +1,810 @@
+//! Thin `fuser` adapter: every kernel request is handed to [`Fs`] on the tokio runtime and
+//! answered from there, so FUSE worker threads never block on the network. Only type
+//! conversions and errno mapping live here.
+
+use crate::fs::{Attr, DirEntryOut, Fs, FsError, Kind, SetAttr};
+use fuser::{
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use std::ffi::OsStr;
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// Called from `init()` with what the kernel offered, so a successor can adopt the connection.
+pub type InitHook = Box<dyn Fn(&KernelConfig) + Send + Sync>;
+
+pub struct FuseAdapter {
+    fs: Arc<Fs>,
+    rt: tokio::runtime::Handle,
+    init_hook: Option<InitHook>,
+    gate: Arc<Gate>,
+}
+
+/// Lets a handover stop answering new requests: once closed, requests are left unanswered
+/// (the successor gets them again through FUSE_NOTIFY_RESEND), and `wait_idle` waits for the
+/// ones already running.
+#[derive(Default)]
+pub struct Gate {
+    closed: AtomicBool,
+    active: AtomicUsize,
+}
+
+impl Gate {
+    fn enter(&self) -> bool {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.closed.load(Ordering::SeqCst) {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    fn leave(&self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Stops admitting requests and waits (bounded) until none is running.
+    pub async fn close_and_wait(&self, timeout: std::time::Duration) -> bool {
+        self.closed.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.active.load(Ordering::SeqCst) > 0 {
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        true
+    }
+}
+
+impl FuseAdapter {
+    pub fn new(fs: Arc<Fs>, rt: tokio::runtime::Handle, init_hook: Option<InitHook>) -> Self {
+        FuseAdapter {
+            fs,
+            rt,
+            init_hook,
+            gate: Arc::default(),
+        }
+    }
+
+    pub fn gate(&self) -> Arc<Gate> {
+        self.gate.clone()
+    }
+}
+
+fn kind(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Socket => FileType::Socket,
+        Kind::CharDev => FileType::CharDevice,
+        Kind::BlockDev => FileType::BlockDevice,
+    }
+}
+
+pub fn to_file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: a.atime,
+        mtime: a.mtime,
+        ctime: a.ctime,
+        crtime: a.crtime,
+        kind: kind(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: 1 << 20,
+        flags: 0,
+    }
+}
+
+fn err(e: &FsError) -> Errno {
+    Errno::from_i32(e.errno)
+}
+
+fn log_err(op: &str, e: &FsError) {
+    match e.errno {
+        libc::ENOENT
+        | libc::EEXIST
+        | libc::ENODATA
+        | libc::ENOTEMPTY
+        | libc::ENOTDIR
+        | libc::EISDIR => {
+            tracing::trace!(op, error = %e, "fuse op failed")
+        }
+        libc::EIO => tracing::warn!(op, error = %e, "fuse op failed"),
+        _ => tracing::debug!(op, error = %e, "fuse op failed"),
+    }
+}
+
+fn name_of(name: &OsStr) -> Result<String, FsError> {
+    crate::fs::sanitize_name(name)
+}
+
+fn time(t: Option<TimeOrNow>) -> Option<SystemTime> {
+    t.map(|t| match t {
+        TimeOrNow::SpecificTime(t) => t,
+        TimeOrNow::Now => SystemTime::now(),
+    })
+}
+
+macro_rules! run {
+    ($self:ident, $op:literal, $reply:ident, |$fs:ident| $body:expr, |$v:ident| $ok:expr) => {{
+        if !$self.gate.enter() {
+            // handing over: the successor answers this request after FUSE_NOTIFY_RESEND
+            std::mem::forget($reply);
+            return;
+        }
+        let $fs = $self.fs.clone();
+        let gate = $self.gate.clone();
+        $self.rt.spawn(async move {
+            let _timer = crate::metrics::fuse_op($op);
+            match $body {
+                Ok($v) => $ok,
+                Err(e) => {
+                    _timer.failed();
+                    log_err($op, &e);
+                    $reply.error(err(&e))
+                }
+            }
+            gate.leave();
+        });
+    }};
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        let _ = config.set_max_write(1 << 20);
+        let max_ra = match config.set_max_readahead(16 << 20) {
+            Ok(_) => 16 << 20,
+            Err(max) => {
+                let _ = config.set_max_readahead(max);
+                max
+            }
+        };
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        let wanted = InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            | InitFlags::FUSE_EXPLICIT_INVAL_DATA;
+        let _ = config.add_capabilities(wanted & config.capabilities());
+        tracing::info!(max_readahead = max_ra, "FUSE session initialised");
+        if let Some(h) = &self.init_hook {
+            h(config);
+        }
+        Ok(())
+    }
+
+    fn destroy(&mut self) {}
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = name_of(name);
+        run!(
+            self,
+            "lookup",
+            reply,
+            |fs| async { fs.lookup(parent.0, &name?).await }.await,
+            |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
+        );
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        run!(self, "getattr", reply, |fs| fs.getattr(ino.0).await, |a| {
+            reply.attr(&fs.cfg.meta_ttl, &to_file_attr(&a))
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let req = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: time(atime),
+            mtime: time(mtime),
+            ctime,
+        };
+        run!(
+            self,
+            "setattr",
+            reply,
+            |fs| fs.setattr(ino.0, req).await,
+            |a| reply.attr(&fs.cfg.meta_ttl, &to_file_attr(&a))
+        );
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        run!(
+            self,
+            "readlink",
+            reply,
+            |fs| fs.readlink(ino.0).await,
+            |t| reply.data(t.as_bytes())
+        );
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name_of(name);
+        let (uid, gid) = (req.uid(), req.gid());
+        run!(
+            self,
+            "mknod",
+            reply,
+            |fs| async {
+                fs.mknod(
+                    parent.0,
+                    &name?,
+                    mode & !umask | (mode & libc::S_IFMT),
+                    rdev,
+                    uid,
+                    gid,
+                )
+                .await
+            }
+            .await,
+            |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
+        );
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name_of(name);
+        let (uid, gid) = (req.uid(), req.gid());
+        run!(
+            self,
+            "mkdir",
+            reply,
+            |fs| async { fs.mkdir(parent.0, &name?, mode & !umask, uid, gid).await }.await,
+            |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
+        );
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        run!(
+            self,
+            "unlink",
+            reply,
+            |fs| async { fs.unlink(parent.0, &name?).await }.await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        run!(
+            self,
+            "rmdir",
+            reply,
+            |fs| async { fs.rmdir(parent.0, &name?).await }.await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let name = name_of(link_name);
+        let target = target.to_string_lossy().to_string();
+        let (uid, gid) = (req.uid(), req.gid());
+        run!(
+            self,
+            "symlink",
+            reply,
+            |fs| async { fs.symlink(parent.0, &name?, &target, uid, gid).await }.await,
+            |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
+        );
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let (name, newname) = (name_of(name), name_of(newname));
+        run!(
+            self,
+            "rename",
+            reply,
+            |fs| async {
+                fs.rename(parent.0, &name?, newparent.0, &newname?, flags.bits())
+                    .await
+            }
+            .await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let name = name_of(newname);
+        run!(
+            self,
+            "link",
+            reply,
+            |fs| async { fs.link(ino.0, newparent.0, &name?).await }.await,
+            |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
+        );
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        run!(
+            self,
+            "open",
+            reply,
+            |fs| fs.open(ino.0, flags.0).await,
+            |fh| {
+                let mut f = FopenFlags::empty();
+                if fs.keep_cache(ino.0) {
+                    f |= FopenFlags::FOPEN_KEEP_CACHE;
+                }
+                reply.opened(FileHandle(fh), f)
+            }
+        );
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        run!(
+            self,
+            "read",
+            reply,
+            |fs| fs.read(fh.0, ino.0, offset, size).await,
+            |b| reply.data(&b)
+        );
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let data = data.to_vec();
+        run!(
+            self,
+            "write",
+            reply,
+            |fs| fs.write(fh.0, ino.0, offset, &data).await,
+            |n| reply.written(n)
+        );
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        run!(
+            self,
+            "flush",
+            reply,
+            |fs| fs.flush(fh.0, ino.0).await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        run!(
+            self,
+            "release",
+            reply,
+            |fs| fs.release(fh.0, ino.0).await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        run!(
+            self,
+            "fsync",
+            reply,
+            |fs| fs.flush(fh.0, ino.0).await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        run!(self, "opendir", reply, |fs| fs.opendir(ino.0).await, |fh| {
+            reply.opened(FileHandle(fh), FopenFlags::FOPEN_CACHE_DIR)
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        run!(
+            self,
+            "readdir",
+            reply,
+            |fs| fs.readdir(ino.0, fh.0, offset).await,
+            |list| {
+                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+                    if reply.add(INodeNo(e.ino), (i + 1) as u64, kind(e.kind), &e.name) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+        );
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        run!(
+            self,
+            "readdirplus",
+            reply,
+            |fs| fs.readdir(ino.0, fh.0, offset).await,
+            |list| {
+                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+                    let attr = dir_attr(&fs, ino.0, e);
+                    if reply.add(
+                        INodeNo(e.ino),
+                        (i + 1) as u64,
+                        &e.name,
+                        &fs.cfg.meta_ttl,
+                        &to_file_attr(&attr),
+                        Generation(0),
+                    ) {
+                        break;
+                    }
+                    if e.attr.is_some() {
+                        fs.remember_dir_entry(ino.0, e);
+                    }
+                }
+                reply.ok()
+            }
+        );
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.releasedir(fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        run!(
+            self,
+            "fsyncdir",
+            reply,
+            |fs| {
+                fs.flush_dir_times().await;
+                Ok::<(), FsError>(())
+            },
+            |_v| reply.ok()
+        );
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        run!(self, "statfs", reply, |fs| fs.statfs().await, |s| reply
+            .statfs(
+                s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize
+            ));
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let name = name_of(name);
+        let value = value.to_vec();
+        run!(
+            self,
+            "setxattr",
+            reply,
+            |fs| async { fs.setxattr(ino.0, &name?, &value, flags).await }.await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let name = name_of(name);
+        run!(
+            self,
+            "getxattr",
+            reply,
+            |fs| async { fs.getxattr(ino.0, &name?).await }.await,
+            |v| {
+                if size == 0 {
+                    reply.size(v.len() as u32)
+                } else if v.len() > size as usize {
+                    reply.error(Errno::ERANGE)
+                } else {
+                    reply.data(&v)
+                }
+            }
+        );
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        run!(
+            self,
+            "listxattr",
+            reply,
+            |fs| fs.listxattr(ino.0).await,
+            |names| {
+                let mut buf = Vec::new();
+                for n in names {
+                    buf.extend_from_slice(n.as_bytes());
+                    buf.push(0);
+                }
+                if size == 0 {
+                    reply.size(buf.len() as u32)
+                } else if buf.len() > size as usize {
+                    reply.error(Errno::ERANGE)
+                } else {
+                    reply.data(&buf)
+                }
+            }
+        );
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        run!(
+            self,
+            "removexattr",
+            reply,
+            |fs| async { fs.removexattr(ino.0, &name?).await }.await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn access(&self, _req: &Request, ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        run!(
+            self,
+            "access",
+            reply,
+            |fs| fs.getattr(ino.0).await.map(|_| ()),
+            |_v| reply.ok()
+        );
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = name_of(name);
+        let (uid, gid) = (req.uid(), req.gid());
+        run!(
+            self,
+            "create",
+            reply,
+            |fs| async {
+                fs.create(parent.0, &name?, mode & !umask, flags, uid, gid)
+                    .await
+            }
+            .await,
+            |v| {
+                let (a, fh) = v;
+                reply.created(
+                    &fs.cfg.meta_ttl,
+                    &to_file_attr(&a),
+                    Generation(0),
+                    FileHandle(fh),
+                    FopenFlags::empty(),
+                )
+            }
+        );
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        run!(
+            self,
+            "fallocate",
+            reply,
+            |fs| fs.fallocate(fh.0, ino.0, offset, length, mode).await,
+            |_v| reply.ok()
+        );
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        run!(
+            self,
+            "lseek",
+            reply,
+            |fs| fs.lseek(fh.0, ino.0, offset, whence).await,
+            |o| reply.offset(o)
+        );
+    }
+}
+
+fn dir_attr(_fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
+    match &e.attr {
+        Some(a) => a.clone(),
+        None => {
+            let mut a = fs_root_like(e.ino);
+            if e.ino == dir_ino {
+                a.ino = dir_ino;
+            }
+            a
+        }
+    }
+}
+
+fn fs_root_like(ino: u64) -> Attr {
+    let now = SystemTime::now();
+    Attr {
+        ino,
+        size: 4096,
+        kind: Kind::Dir,
+        perm: 0o755,
+        nlink: 2,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        atime: now,
+        mtime: now,
+        ctime: now,
+        crtime: now,
+    }
+}
+
+/// Kernel cache invalidation through fuser's notifier.
+pub struct KernelNotifier(pub fuser::Notifier);
+
+impl crate::fs::Notifier for KernelNotifier {
+    fn inval_entry(&self, parent: u64, name: &str) {
+        let _ = self.0.inval_entry(INodeNo(parent), OsStr::new(name));
+    }
+    fn inval_inode(&self, ino: u64) {
+        let _ = self.0.inval_inode(INodeNo(ino), 0, -1);
+    }
+}

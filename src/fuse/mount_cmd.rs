@@ -1,0 +1,139 @@
+//! `seaweedfs-csi-driver mount`: the filesystem as a standalone foreground command, with the
+//! `weed mount` flags a user of this driver sets.
+
+use super::session::{check_mount_point, MountedVolume};
+use crate::config::{parse_id_map, MountOptions, VolumeServerAccess};
+use crate::security::SecurityConfig;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Args)]
+pub struct MountArgs {
+    /// Filer address(es), comma-separated: host:port or host:port.grpcPort
+    #[arg(long, default_value = "localhost:8888")]
+    pub filer: String,
+    /// Remote directory to mount
+    #[arg(long = "filer.path", default_value = "/")]
+    pub filer_path: String,
+    /// Local mount point
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Create the mount point if missing
+    #[arg(long = "dirAutoCreate", default_value_t = false)]
+    pub dir_auto_create: bool,
+    /// Allow mounting over a non-empty directory
+    #[arg(long, default_value_t = false)]
+    pub nonempty: bool,
+    #[arg(long, default_value = "")]
+    pub collection: String,
+    #[arg(long, default_value = "")]
+    pub replication: String,
+    /// Disk type for new chunks (hdd, ssd, or a tag)
+    #[arg(long, default_value = "")]
+    pub disk: String,
+    /// TTL in seconds for new chunks
+    #[arg(long, default_value_t = 0)]
+    pub ttl: i32,
+    #[arg(long = "dataCenter", default_value = "")]
+    pub data_center: String,
+    #[arg(long = "chunkSizeLimitMB", default_value_t = 2)]
+    pub chunk_size_limit_mb: u32,
+    #[arg(long = "concurrentWriters", default_value_t = 32)]
+    pub concurrent_writers: usize,
+    #[arg(long = "concurrentReaders", default_value_t = 16)]
+    pub concurrent_readers: usize,
+    /// Directory for on-disk cache state (optional)
+    #[arg(long = "cacheDir")]
+    pub cache_dir: Option<PathBuf>,
+    /// Chunk cache capacity in MiB (memory)
+    #[arg(long = "cacheCapacityMB", default_value_t = 128)]
+    pub cache_capacity_mb: u64,
+    #[arg(long = "cacheMetaTtlSec", default_value_t = 60)]
+    pub cache_meta_ttl_sec: u64,
+    #[arg(long = "readOnly", default_value_t = false)]
+    pub read_only: bool,
+    /// Octal umask for the mount root
+    #[arg(long, default_value = "022")]
+    pub umask: String,
+    #[arg(long = "allowOthers", default_value_t = true, action = clap::ArgAction::Set)]
+    pub allow_others: bool,
+    #[arg(long = "map.uid", default_value = "")]
+    pub map_uid: String,
+    #[arg(long = "map.gid", default_value = "")]
+    pub map_gid: String,
+    #[arg(long = "volumeServerAccess", default_value = "direct")]
+    pub volume_server_access: String,
+    /// Quota in MiB (0 = none)
+    #[arg(long = "collectionQuotaMB", default_value_t = 0)]
+    pub collection_quota_mb: u64,
+    /// FUSE worker threads
+    #[arg(long = "fuse.threads", default_value_t = 4)]
+    pub fuse_threads: usize,
+}
+
+impl MountArgs {
+    pub fn to_options(&self) -> anyhow::Result<MountOptions> {
+        let umask = u32::from_str_radix(self.umask.trim_start_matches("0o"), 8)
+            .map_err(|_| anyhow::anyhow!("invalid -umask {:?}: expected octal", self.umask))?;
+        let access: VolumeServerAccess = self
+            .volume_server_access
+            .parse()
+            .map_err(anyhow::Error::msg)?;
+        if self.chunk_size_limit_mb == 0 || self.chunk_size_limit_mb > 1024 {
+            anyhow::bail!("-chunkSizeLimitMB must be between 1 and 1024");
+        }
+        if self.concurrent_writers == 0 || self.concurrent_readers == 0 {
+            anyhow::bail!("-concurrentWriters and -concurrentReaders must be at least 1");
+        }
+        Ok(MountOptions {
+            filers: self
+                .filer
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            filer_path: self.filer_path.clone(),
+            collection: self.collection.clone(),
+            replication: self.replication.clone(),
+            disk_type: self.disk.clone(),
+            ttl_sec: self.ttl,
+            data_center: self.data_center.clone(),
+            chunk_size_limit_mb: self.chunk_size_limit_mb,
+            concurrent_writers: self.concurrent_writers,
+            concurrent_readers: self.concurrent_readers,
+            cache_dir: self.cache_dir.clone(),
+            cache_capacity_mb: self.cache_capacity_mb,
+            cache_meta_ttl_sec: self.cache_meta_ttl_sec,
+            read_only: self.read_only,
+            umask,
+            allow_others: self.allow_others,
+            uid_map: parse_id_map(&self.map_uid).map_err(anyhow::Error::msg)?,
+            gid_map: parse_id_map(&self.map_gid).map_err(anyhow::Error::msg)?,
+            volume_server_access: access,
+            quota_bytes: self.collection_quota_mb << 20,
+            fuse_threads: self.fuse_threads.max(1),
+            ..Default::default()
+        })
+    }
+}
+
+/// Runs in the foreground until SIGINT/SIGTERM, then unmounts cleanly.
+pub fn run(args: MountArgs) -> anyhow::Result<()> {
+    let opts = args.to_options()?;
+    check_mount_point(&args.dir, args.dir_auto_create, args.nonempty)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let security = SecurityConfig::load()?;
+        let mounted = MountedVolume::mount(&opts, &security, &args.dir).await?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("signal received, unmounting");
+        mounted.unmount().await?;
+        Ok(())
+    })
+}
