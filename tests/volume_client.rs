@@ -13,9 +13,9 @@ use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use seaweedfs_csi_driver::chunks::{self, ReadPiece};
 use seaweedfs_csi_driver::config::VolumeServerAccess;
+use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::{FilerApi, FilerError, MetadataStream};
 use seaweedfs_csi_driver::pb::filer as pb;
-use seaweedfs_csi_driver::pb::filer::seaweed_filer_client::SeaweedFilerClient;
 use seaweedfs_csi_driver::security::SecurityConfig;
 use seaweedfs_csi_driver::volume::http::{VolumeClient, VolumeClientOptions};
 use seaweedfs_csi_driver::volume::{ChunkStore, UploadOptions, VolumeError};
@@ -26,166 +26,20 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tonic::transport::Channel;
 
 // ---------------------------------------------------------------------------------------------
-// Test-only filer client over the generated gRPC stub (just what these tests need).
+// The real filer client.
 
-struct TestFiler {
-    client: SeaweedFilerClient<Channel>,
-    http: String,
+async fn connect_filer(w: &WeedServer) -> Arc<dyn FilerApi> {
+    let opts = FilerClientOptions {
+        addresses: vec![w.filer_addr()],
+        ..Default::default()
+    };
+    Arc::new(GrpcFiler::connect(opts).await.expect("filer client"))
 }
 
 fn unsupported<T>() -> Result<T, FilerError> {
     Err(FilerError::Other("not used by these tests".into()))
-}
-
-fn status_err(s: tonic::Status) -> FilerError {
-    match s.code() {
-        tonic::Code::NotFound => FilerError::NotFound(s.message().into()),
-        tonic::Code::Unavailable => FilerError::Unavailable(s.message().into()),
-        tonic::Code::DeadlineExceeded => FilerError::Timeout(s.message().into()),
-        _ => FilerError::Other(s.message().into()),
-    }
-}
-
-async fn connect_filer(w: &WeedServer) -> Arc<dyn FilerApi> {
-    let ch = tonic::transport::Endpoint::from_shared(format!(
-        "http://127.0.0.1:{}",
-        w.filer_port + 10000
-    ))
-    .unwrap()
-    .connect_timeout(Duration::from_secs(5))
-    .timeout(Duration::from_secs(30))
-    .connect()
-    .await
-    .expect("connect filer gRPC");
-    let client = SeaweedFilerClient::new(ch)
-        .max_decoding_message_size(1 << 30)
-        .max_encoding_message_size(1 << 30);
-    Arc::new(TestFiler {
-        client,
-        http: w.filer_addr(),
-    })
-}
-
-#[async_trait]
-impl FilerApi for TestFiler {
-    async fn lookup_entry(&self, dir: &str, name: &str) -> Result<pb::Entry, FilerError> {
-        let r = self
-            .client
-            .clone()
-            .lookup_directory_entry(pb::LookupDirectoryEntryRequest {
-                directory: dir.into(),
-                name: name.into(),
-            })
-            .await
-            .map_err(status_err)?;
-        r.into_inner()
-            .entry
-            .ok_or_else(|| FilerError::NotFound(format!("{dir}/{name}")))
-    }
-    async fn list_page(
-        &self,
-        _: &str,
-        _: &str,
-        _: bool,
-        _: u32,
-    ) -> Result<Vec<pb::Entry>, FilerError> {
-        unsupported()
-    }
-    async fn create_entry(
-        &self,
-        req: pb::CreateEntryRequest,
-    ) -> Result<Option<pb::SubscribeMetadataResponse>, FilerError> {
-        let r = self
-            .client
-            .clone()
-            .create_entry(req)
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        if !r.error.is_empty() {
-            return Err(FilerError::Other(r.error));
-        }
-        Ok(r.metadata_event)
-    }
-    async fn update_entry(
-        &self,
-        _: pb::UpdateEntryRequest,
-    ) -> Result<Option<pb::SubscribeMetadataResponse>, FilerError> {
-        unsupported()
-    }
-    async fn delete_entry(
-        &self,
-        _: pb::DeleteEntryRequest,
-    ) -> Result<Option<pb::SubscribeMetadataResponse>, FilerError> {
-        unsupported()
-    }
-    async fn rename_entry(
-        &self,
-        _: pb::StreamRenameEntryRequest,
-    ) -> Result<Vec<pb::StreamRenameEntryResponse>, FilerError> {
-        unsupported()
-    }
-    async fn assign_volume(
-        &self,
-        req: pb::AssignVolumeRequest,
-    ) -> Result<pb::AssignVolumeResponse, FilerError> {
-        let r = self
-            .client
-            .clone()
-            .assign_volume(req)
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        if !r.error.is_empty() {
-            return Err(FilerError::Other(r.error));
-        }
-        Ok(r)
-    }
-    async fn lookup_volume(&self, vid: u32) -> Result<Vec<pb::Location>, FilerError> {
-        let r = self
-            .client
-            .clone()
-            .lookup_volume(pb::LookupVolumeRequest {
-                volume_ids: vec![vid.to_string()],
-            })
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        Ok(r.locations_map
-            .get(&vid.to_string())
-            .map(|l| l.locations.clone())
-            .unwrap_or_default())
-    }
-    async fn statistics(
-        &self,
-        _: pb::StatisticsRequest,
-    ) -> Result<pb::StatisticsResponse, FilerError> {
-        unsupported()
-    }
-    async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse, FilerError> {
-        let r = self
-            .client
-            .clone()
-            .get_filer_configuration(pb::GetFilerConfigurationRequest {})
-            .await
-            .map_err(status_err)?;
-        Ok(r.into_inner())
-    }
-    async fn subscribe_once(
-        &self,
-        _: pb::SubscribeMetadataRequest,
-    ) -> Result<MetadataStream, FilerError> {
-        unsupported()
-    }
-    fn http_address(&self) -> String {
-        self.http.clone()
-    }
-    fn signature(&self) -> i32 {
-        4242
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
