@@ -116,9 +116,17 @@ enum ErrKind {
 enum Response {
     Ok,
     /// Followed by fds: the blob memfd, then `nfds` fuse fds.
-    Entry { nfds: usize, owner_alive: bool },
-    Ids { ids: Vec<String> },
-    Err { kind: ErrKind, message: String },
+    Entry {
+        nfds: usize,
+        owner_alive: bool,
+    },
+    Ids {
+        ids: Vec<String>,
+    },
+    Err {
+        kind: ErrKind,
+        message: String,
+    },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -141,11 +149,22 @@ fn poll_fds(fds: &[(BorrowedFd<'_>, i16)], timeout_ms: i32) -> nix::Result<Vec<i
     Ok(pfds.iter().map(|p| p.revents).collect())
 }
 
-fn send_msg(sock: BorrowedFd<'_>, payload: &[u8], fds: &[RawFd], flags: MsgFlags) -> nix::Result<()> {
+fn send_msg(
+    sock: BorrowedFd<'_>,
+    payload: &[u8],
+    fds: &[RawFd],
+    flags: MsgFlags,
+) -> nix::Result<()> {
     let iov = [IoSlice::new(payload)];
     let cmsg = [ControlMessage::ScmRights(fds)];
     let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
-    sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, flags | MsgFlags::MSG_NOSIGNAL, None)?;
+    sendmsg::<()>(
+        sock.as_raw_fd(),
+        &iov,
+        cmsgs,
+        flags | MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
     Ok(())
 }
 
@@ -168,7 +187,10 @@ fn recv_msg(
     for c in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(raw) = c {
             // SAFETY: SCM_RIGHTS installed these fds in our table just now; nobody else owns them.
-            fds.extend(raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
         }
     }
     let (bytes, truncated) = (
@@ -324,7 +346,11 @@ impl KeeperServer {
                 let mut want = Vec::with_capacity(ids.len() + 2);
                 // Once draining, the stop fd stays readable: stop watching it.
                 want.push((stop, if draining { 0 } else { libc::POLLIN }));
-                let accept = if self.conns.len() < MAX_CONNS { libc::POLLIN } else { 0 };
+                let accept = if self.conns.len() < MAX_CONNS {
+                    libc::POLLIN
+                } else {
+                    0
+                };
                 want.push((self.listener.as_fd(), accept));
                 for id in &ids {
                     want.push((self.conns[id].as_fd(), libc::POLLIN));
@@ -344,7 +370,10 @@ impl KeeperServer {
             };
             if stop_ready {
                 draining = true;
-                tracing::info!(entries = self.entries.len(), "keeper asked to stop; exiting once it holds nothing");
+                tracing::info!(
+                    entries = self.entries.len(),
+                    "keeper asked to stop; exiting once it holds nothing"
+                );
             }
             if listen_ready {
                 self.accept_all();
@@ -395,7 +424,9 @@ impl KeeperServer {
     fn read_conn(&mut self, cid: ConnId) {
         let mut buf = vec![0u8; MAX_MSG];
         loop {
-            let Some(sock) = self.conns.get(&cid) else { return };
+            let Some(sock) = self.conns.get(&cid) else {
+                return;
+            };
             match recv_msg(sock.as_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
                 Ok(Some((n, fds))) => self.handle(cid, &buf[..n], fds),
                 Ok(None) => {
@@ -451,7 +482,11 @@ impl KeeperServer {
                     Some(e) if self.owner_alive(e) && e.owner != Some(cid) => {
                         return self.reply_err(cid, ErrKind::Busy, id);
                     }
-                    Some(_) => self.entries.remove(&id).map(|e| e.waiters).unwrap_or_default(),
+                    Some(_) => self
+                        .entries
+                        .remove(&id)
+                        .map(|e| e.waiters)
+                        .unwrap_or_default(),
                     None if self.entries.len() >= MAX_ENTRIES => {
                         return self.reply_err(cid, ErrKind::Invalid, "too many entries".into());
                     }
@@ -472,7 +507,11 @@ impl KeeperServer {
             }
             Request::UpdateBlob { id } => {
                 if fds.len() != 1 {
-                    return self.reply_err(cid, ErrKind::Invalid, "update_blob needs exactly the blob fd".into());
+                    return self.reply_err(
+                        cid,
+                        ErrKind::Invalid,
+                        "update_blob needs exactly the blob fd".into(),
+                    );
                 }
                 if let Err(m) = check_sealed(fds[0].as_fd()) {
                     return self.reply_err(cid, ErrKind::Invalid, m);
@@ -506,7 +545,11 @@ impl KeeperServer {
                 };
                 if self.owner_alive(e) && e.owner != Some(cid) {
                     tracing::info!(id = %id, conn = cid, "keeper: claim waits for the current owner");
-                    self.entries.get_mut(&id).expect("present").waiters.push_back(cid);
+                    self.entries
+                        .get_mut(&id)
+                        .expect("present")
+                        .waiters
+                        .push_back(cid);
                 } else {
                     self.grant(&id, cid);
                 }
@@ -532,7 +575,9 @@ impl KeeperServer {
 
     /// Makes `cid` the owner of `id` and sends it the entry.
     fn grant(&mut self, id: &str, cid: ConnId) {
-        let Some(e) = self.entries.get_mut(id) else { return };
+        let Some(e) = self.entries.get_mut(id) else {
+            return;
+        };
         e.owner = Some(cid);
         tracing::info!(id = %id, conn = cid, "keeper: claim granted");
         let resp = Response::Entry {
@@ -549,7 +594,9 @@ impl KeeperServer {
 
     /// Sends without ever blocking; a client that cannot take the answer is disconnected.
     fn reply(&mut self, cid: ConnId, resp: &Response, fds: &[RawFd]) {
-        let Some(sock) = self.conns.get(&cid) else { return };
+        let Some(sock) = self.conns.get(&cid) else {
+            return;
+        };
         let payload = serde_json::to_vec(resp).expect("responses always serialize");
         if let Err(e) = send_msg(sock.as_fd(), &payload, fds, MsgFlags::MSG_DONTWAIT) {
             tracing::warn!(conn = cid, error = %e, "keeper: cannot answer client; disconnecting");
@@ -573,17 +620,14 @@ impl KeeperServer {
             }
             for id in released {
                 tracing::info!(id = %id, conn = cid, "keeper: owner gone");
-                let next = self
-                    .entries
-                    .get_mut(&id)
-                    .and_then(|e| {
-                        while let Some(w) = e.waiters.pop_front() {
-                            if self.conns.contains_key(&w) {
-                                return Some(w);
-                            }
+                let next = self.entries.get_mut(&id).and_then(|e| {
+                    while let Some(w) = e.waiters.pop_front() {
+                        if self.conns.contains_key(&w) {
+                            return Some(w);
                         }
-                        None
-                    });
+                    }
+                    None
+                });
                 if let Some(w) = next {
                     self.grant(&id, w);
                 }
@@ -925,7 +969,10 @@ mod tests {
         assert!(buf.is_empty());
         assert!(matches!(c.get("a"), Err(KeeperError::NotFound(_))));
         assert!(matches!(c.drop_entry("a"), Err(KeeperError::NotFound(_))));
-        assert!(matches!(c.update_blob("a", b"x"), Err(KeeperError::NotFound(_))));
+        assert!(matches!(
+            c.update_blob("a", b"x"),
+            Err(KeeperError::NotFound(_))
+        ));
     }
 
     #[test]
@@ -947,8 +994,14 @@ mod tests {
 
         // Another connection cannot take over or write while the owner lives.
         let other = k.client();
-        assert!(matches!(other.put("v", b"x", &[w.as_fd()]), Err(KeeperError::Busy(_))));
-        assert!(matches!(other.update_blob("v", b"x"), Err(KeeperError::Busy(_))));
+        assert!(matches!(
+            other.put("v", b"x", &[w.as_fd()]),
+            Err(KeeperError::Busy(_))
+        ));
+        assert!(matches!(
+            other.update_blob("v", b"x"),
+            Err(KeeperError::Busy(_))
+        ));
         let short = k.client();
         assert!(matches!(
             short.claim("v", Duration::from_millis(200)),
@@ -970,10 +1023,16 @@ mod tests {
         drop(owner); // the old daemon exits
         let (blob, waited, new_owner) = waiter.join().unwrap();
         assert_eq!(blob, b"state-final");
-        assert!(waited >= Duration::from_millis(250), "claim returned early: {waited:?}");
+        assert!(
+            waited >= Duration::from_millis(250),
+            "claim returned early: {waited:?}"
+        );
         // Now the new owner may write, and others are refused again.
         new_owner.update_blob("v", b"state-2").unwrap();
-        assert!(matches!(other.update_blob("v", b"x"), Err(KeeperError::Busy(_))));
+        assert!(matches!(
+            other.update_blob("v", b"x"),
+            Err(KeeperError::Busy(_))
+        ));
         assert_eq!(other.get("v").unwrap().blob, b"state-2");
     }
 
@@ -981,7 +1040,10 @@ mod tests {
     fn claim_of_unknown_and_dropped_entries() {
         let k = Running::start();
         let c = k.client();
-        assert!(matches!(c.claim("nope", Duration::from_secs(1)), Err(KeeperError::NotFound(_))));
+        assert!(matches!(
+            c.claim("nope", Duration::from_secs(1)),
+            Err(KeeperError::NotFound(_))
+        ));
         let (_r, w) = nix::unistd::pipe().unwrap();
         c.put("v", b"s", &[w.as_fd()]).unwrap();
         let path = k.path();
@@ -992,7 +1054,10 @@ mod tests {
         });
         std::thread::sleep(Duration::from_millis(200));
         c.drop_entry("v").unwrap();
-        assert!(matches!(waiter.join().unwrap(), Err(KeeperError::NotFound(_))));
+        assert!(matches!(
+            waiter.join().unwrap(),
+            Err(KeeperError::NotFound(_))
+        ));
     }
 
     #[test]
@@ -1001,18 +1066,38 @@ mod tests {
         let c = k.client();
         let (_r, w) = nix::unistd::pipe().unwrap();
         // No fds at all.
-        assert!(matches!(c.put("v", b"s", &[]), Err(KeeperError::Rejected(_))));
-        assert!(matches!(c.put("", b"s", &[w.as_fd()]), Err(KeeperError::Rejected(_))));
+        assert!(matches!(
+            c.put("v", b"s", &[]),
+            Err(KeeperError::Rejected(_))
+        ));
+        assert!(matches!(
+            c.put("", b"s", &[w.as_fd()]),
+            Err(KeeperError::Rejected(_))
+        ));
         let long = "x".repeat(MAX_ID_LEN + 1);
         assert!(matches!(c.get(&long), Err(KeeperError::Rejected(_))));
 
         // Raw garbage and an unsealed blob from a hand-made connection.
-        let raw = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        let raw = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
         connect(raw.as_raw_fd(), &UnixAddr::new(&k.path()).unwrap()).unwrap();
         send_msg(raw.as_fd(), b"not json", &[], MsgFlags::empty()).unwrap();
         let mut buf = vec![0u8; MAX_MSG];
-        let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty()).unwrap().unwrap();
-        assert!(matches!(serde_json::from_slice(&buf[..n]).unwrap(), Response::Err { kind: ErrKind::Invalid, .. }));
+        let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty())
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            serde_json::from_slice(&buf[..n]).unwrap(),
+            Response::Err {
+                kind: ErrKind::Invalid,
+                ..
+            }
+        ));
         let unsealed = memfd_create(c"x", MemFdCreateFlag::MFD_CLOEXEC).unwrap();
         send_msg(
             raw.as_fd(),
@@ -1021,8 +1106,16 @@ mod tests {
             MsgFlags::empty(),
         )
         .unwrap();
-        let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty()).unwrap().unwrap();
-        assert!(matches!(serde_json::from_slice(&buf[..n]).unwrap(), Response::Err { kind: ErrKind::Invalid, .. }));
+        let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty())
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            serde_json::from_slice(&buf[..n]).unwrap(),
+            Response::Err {
+                kind: ErrKind::Invalid,
+                ..
+            }
+        ));
         // A client that crashes mid-protocol (sends and vanishes) does not hurt the keeper.
         send_msg(raw.as_fd(), br#"{"op":"list"}"#, &[], MsgFlags::empty()).unwrap();
         drop(raw);

@@ -29,8 +29,8 @@ use anyhow::Context;
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request,
-    SessionACL, TimeOrNow, WriteFlags,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, SessionACL,
+    TimeOrNow, WriteFlags,
 };
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
@@ -62,7 +62,9 @@ struct Node {
     ctime_ns: u64,
     /// 0 once unlinked; the node lives on while a handle refers to it.
     nlink: u32,
-    #[serde(with = "b64")]
+    /// Travels raw after the JSON part of the blob (see [`encode_blob`]): JSON-encoding
+    /// file contents on every change is far too slow.
+    #[serde(skip)]
     data: Vec<u8>,
     children: BTreeMap<String, u64>,
 }
@@ -180,7 +182,14 @@ impl MemState {
         })
     }
 
-    fn new_node(&mut self, req: &Request, parent: u64, name: &str, kind: Kind, mode: u32) -> R<u64> {
+    fn new_node(
+        &mut self,
+        req: &Request,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        mode: u32,
+    ) -> R<u64> {
         if self.dir(parent)?.children.contains_key(name) {
             return Err(Errno::EEXIST);
         }
@@ -254,6 +263,76 @@ impl MemState {
     }
 }
 
+/// JSON part of the blob: the state without file contents, plus (ino, length) of each
+/// content in the order they follow.
+#[derive(Serialize)]
+struct SnapshotRef<'a> {
+    state: &'a MemState,
+    data: Vec<(u64, u64)>,
+}
+
+#[derive(Deserialize)]
+struct Snapshot {
+    state: MemState,
+    data: Vec<(u64, u64)>,
+}
+
+/// Blob layout: JSON length (u64 LE), `Handover<SnapshotRef>` JSON, raw file contents.
+fn encode_blob(
+    mountpoint: &std::path::Path,
+    init: &InitParams,
+    st: &MemState,
+) -> std::io::Result<Vec<u8>> {
+    let files: Vec<(u64, &[u8])> = st
+        .nodes
+        .iter()
+        .filter(|(_, n)| !n.data.is_empty())
+        .map(|(i, n)| (*i, n.data.as_slice()))
+        .collect();
+    let snap = SnapshotRef {
+        state: st,
+        data: files.iter().map(|(i, d)| (*i, d.len() as u64)).collect(),
+    };
+    let json = Handover::new(mountpoint.to_path_buf(), init.clone(), snap).to_bytes()?;
+    let total = 8 + json.len() + files.iter().map(|(_, d)| d.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (_, d) in files {
+        out.extend_from_slice(d);
+    }
+    Ok(out)
+}
+
+fn decode_blob(blob: &[u8]) -> anyhow::Result<Handover<MemState>> {
+    let len = blob
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+        .context("blob too short")?;
+    let json = blob
+        .get(8..8usize.saturating_add(len))
+        .context("blob truncated")?;
+    let h = Handover::<Snapshot>::from_bytes(json)?;
+    let mut st = h.state.state;
+    let mut rest = &blob[8 + len..];
+    for (ino, n) in h.state.data {
+        let n = usize::try_from(n)?;
+        anyhow::ensure!(rest.len() >= n, "blob data truncated");
+        let node = st
+            .nodes
+            .get_mut(&ino)
+            .context("blob data for unknown node")?;
+        node.data = rest[..n].to_vec();
+        rest = &rest[n..];
+    }
+    Ok(Handover {
+        format: h.format,
+        mountpoint: h.mountpoint,
+        init: h.init,
+        state: st,
+    })
+}
+
 fn name_str(name: &OsStr) -> R<&str> {
     name.to_str().ok_or(Errno::EINVAL)
 }
@@ -278,9 +357,10 @@ impl Shared {
     /// The keeper blob for `st` (None without a keeper).
     fn blob(&self, st: &MemState) -> anyhow::Result<Option<Vec<u8>>> {
         let sink = self.sink.lock();
-        let Some(s) = sink.as_ref() else { return Ok(None) };
-        let h = Handover::new(s.mountpoint.clone(), s.init.clone(), st);
-        Ok(Some(h.to_bytes()?))
+        let Some(s) = sink.as_ref() else {
+            return Ok(None);
+        };
+        Ok(Some(encode_blob(&s.mountpoint, &s.init, st)?))
     }
 
     fn persist(&self, st: &MemState) -> anyhow::Result<()> {
@@ -330,7 +410,10 @@ impl MemFs {
     fn note(&self, req: &Request, op: &str) {
         let unique = req.unique().0;
         if !self.sh.first_seen.swap(true, Ordering::Relaxed) {
-            eprintln!("memfs-event: first-request unix_ns={} unique={unique:#x} op={op}", now_ns());
+            eprintln!(
+                "memfs-event: first-request unix_ns={} unique={unique:#x} op={op}",
+                now_ns()
+            );
         }
         if unique & RESEND_UNIQUE_BIT != 0 {
             eprintln!("memfs-event: resent unique={unique:#x} op={op}");
@@ -442,7 +525,9 @@ impl Filesystem for MemFs {
                 match mtime {
                     Some(TimeOrNow::Now) => n.mtime_ns = now_ns(),
                     Some(TimeOrNow::SpecificTime(t)) => {
-                        n.mtime_ns = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+                        n.mtime_ns = t
+                            .duration_since(UNIX_EPOCH)
+                            .map_or(0, |d| d.as_nanos() as u64)
                     }
                     None => {}
                 }
@@ -629,7 +714,9 @@ impl Filesystem for MemFs {
             },
             |st, out| match out {
                 Outcome::Created { ino, fh } => match st.attr(ino) {
-                    Ok(a) => reply.created(&ttl, &a, Generation(0), FileHandle(fh), FopenFlags::empty()),
+                    Ok(a) => {
+                        reply.created(&ttl, &a, Generation(0), FileHandle(fh), FopenFlags::empty())
+                    }
                     Err(e) => reply.error(e),
                 },
                 Outcome::Err(e) => reply.error(errno(e)),
@@ -651,9 +738,18 @@ impl Filesystem for MemFs {
     ) {
         self.note(req, "read");
         if let Some((name, delay)) = &self.sh.hold {
-            let held = self.sh.state.read().node(ino.0).is_ok_and(|n| &n.name == name);
+            let held = self
+                .sh
+                .state
+                .read()
+                .node(ino.0)
+                .is_ok_and(|n| &n.name == name);
             if held {
-                eprintln!("memfs-event: hold unique={:#x} ms={}", req.unique().0, delay.as_millis());
+                eprintln!(
+                    "memfs-event: hold unique={:#x} ms={}",
+                    req.unique().0,
+                    delay.as_millis()
+                );
                 std::thread::sleep(*delay);
             }
         }
@@ -706,7 +802,14 @@ impl Filesystem for MemFs {
         );
     }
 
-    fn flush(&self, req: &Request, _ino: INodeNo, _fh: FileHandle, _lo: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lo: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         self.note(req, "flush");
         reply.ok();
     }
@@ -764,7 +867,12 @@ impl Filesystem for MemFs {
             };
             (child, kind, name.as_str())
         });
-        for (i, (child, kind, name)) in dots.into_iter().chain(kids).enumerate().skip(offset as usize) {
+        for (i, (child, kind, name)) in dots
+            .into_iter()
+            .chain(kids)
+            .enumerate()
+            .skip(offset as usize)
+        {
             if reply.add(INodeNo(child), i as u64 + 1, kind, name) {
                 break;
             }
@@ -788,22 +896,6 @@ fn empty_reply(out: Outcome, reply: ReplyEmpty) {
     match out {
         Outcome::Err(e) => reply.error(errno(e)),
         _ => reply.ok(),
-    }
-}
-
-mod b64 {
-    use base64::Engine;
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let s = String::deserialize(d)?;
-        base64::engine::general_purpose::STANDARD
-            .decode(s)
-            .map_err(D::Error::custom)
     }
 }
 
@@ -882,9 +974,11 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     mask.thread_block()?;
 
     let client = match &args.keeper {
-        Some(p) => Some(Arc::new(
-            KeeperClient::connect(p).with_context(|| format!("connect keeper {}", p.display()))?,
-        )),
+        Some(p) => {
+            Some(Arc::new(KeeperClient::connect(p).with_context(|| {
+                format!("connect keeper {}", p.display())
+            })?))
+        }
         None => None,
     };
     let id = match (&client, &args.id) {
@@ -915,12 +1009,16 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
         let entry = client
             .claim(&id, Duration::from_secs(args.claim_timeout_secs))
             .context("claim the live connection from the keeper")?;
-        let h = Handover::<MemState>::from_bytes(&entry.blob)?;
+        let h = decode_blob(&entry.blob)?;
         if h.mountpoint != args.dir {
             tracing::warn!(kept = %h.mountpoint.display(), given = %args.dir.display(),
                 "adopting a connection mounted elsewhere; --dir is ignored");
         }
-        let fd = entry.fds.into_iter().next().context("keeper entry has no fd")?;
+        let fd = entry
+            .fds
+            .into_iter()
+            .next()
+            .context("keeper entry has no fd")?;
         let fs = MemFs::new(h.state, opts);
         let handle = fs.clone_handle();
         *fs.sh.sink.lock() = Some(Sink {
@@ -990,9 +1088,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn state_roundtrips_through_json() {
+    fn state_roundtrips_through_the_blob() {
         let mut st = MemState::default();
-        st.nodes.get_mut(&ROOT).unwrap().children.insert("f".into(), 2);
+        st.nodes
+            .get_mut(&ROOT)
+            .unwrap()
+            .children
+            .insert("f".into(), 2);
         st.nodes.insert(
             2,
             Node {
@@ -1011,9 +1113,21 @@ mod tests {
         );
         st.handles.insert(7, 2);
         st.remember(42, &Outcome::Written(4));
-        let b = serde_json::to_vec(&st).unwrap();
-        let back: MemState = serde_json::from_slice(&b).unwrap();
+        let init = InitParams {
+            major: 7,
+            minor: 45,
+            max_readahead: 1 << 17,
+            flags: 1,
+            init_in_len: 64,
+            agreed: None,
+        };
+        let b = encode_blob(std::path::Path::new("/m"), &init, &st).unwrap();
+        let h = decode_blob(&b).unwrap();
+        assert_eq!(h.init, init);
+        let back = h.state;
         assert_eq!(back.nodes[&2].data, vec![0, 1, 2, 255]);
+        assert!(decode_blob(&b[..b.len() - 1]).is_err());
+        assert!(decode_blob(&b[..5]).is_err());
         assert_eq!(back.handles[&7], 2);
         assert!(matches!(back.recall(42), Some(Outcome::Written(4))));
         assert!(back.recall(43).is_none());
@@ -1033,7 +1147,11 @@ mod tests {
     #[test]
     fn unlinked_open_file_lives_until_release() {
         let mut st = MemState::default();
-        st.nodes.get_mut(&ROOT).unwrap().children.insert("f".into(), 2);
+        st.nodes
+            .get_mut(&ROOT)
+            .unwrap()
+            .children
+            .insert("f".into(), 2);
         st.nodes.insert(
             2,
             Node {

@@ -154,7 +154,10 @@ impl InitParams {
             return Err(invalid(format!("expected FUSE_INIT, got opcode {opcode}")));
         }
         if len > raw.len() || len < IN_HEADER_LEN + INIT_IN_COMPAT_LEN {
-            return Err(invalid(format!("bad INIT length {len} (read {})", raw.len())));
+            return Err(invalid(format!(
+                "bad INIT length {len} (read {})",
+                raw.len()
+            )));
         }
         let body = &raw[IN_HEADER_LEN..len];
         let word = |at| le_u32(body, at).ok_or_else(|| invalid("short fuse_init_in"));
@@ -702,7 +705,10 @@ mod tests {
         raw[b + 28..b + 30].copy_from_slice(&256u16.to_le_bytes());
         raw[b + 32..b + 36].copy_from_slice(&0x80u32.to_le_bytes());
         let a = InitAgreed::parse_reply(&raw).unwrap();
-        assert_eq!((a.major, a.minor, a.max_write, a.max_pages), (7, 40, 1 << 20, 256));
+        assert_eq!(
+            (a.major, a.minor, a.max_write, a.max_pages),
+            (7, 40, 1 << 20, 256)
+        );
         assert_eq!(a.flags, FUSE_INIT_EXT | 1 | (0x80 << 32));
 
         let mut err = vec![0u8; OUT_HEADER_LEN];
