@@ -39,10 +39,11 @@ pub struct Cli {
 pub enum Command {
     /// Mount a filer path in the foreground (like `weed mount`).
     Mount(crate::fuse::mount_cmd::MountArgs),
-    // TODO(lead): add the fd-keeper once `crate::keeper::{KeeperArgs, run}` exists:
-    //     /// Hold /dev/fuse descriptors across plugin restarts.
-    //     Keeper(crate::keeper::KeeperArgs),
-    // and dispatch it in src/main.rs (see the TODO there).
+    /// Hold /dev/fuse descriptors so FUSE sessions survive plugin restarts (sidecar role).
+    Keeper(crate::keeper::KeeperArgs),
+    /// A trivial in-memory FUSE filesystem (tests and the benchmark ceiling).
+    #[command(hide = true)]
+    Memfs(crate::fuse::memfs::MemfsArgs),
 }
 
 /// Flags of the driver (default mode). Names and defaults follow the Go driver.
@@ -137,6 +138,11 @@ pub struct DriverArgs {
     /// Test only: stage volumes with bind mounts of scratch directories under this path
     #[arg(long = "fakeStager", hide = true)]
     pub fake_stager: Option<PathBuf>,
+
+    /// fd-keeper socket (the `keeper` sidecar). With it, FUSE sessions survive plugin crashes
+    /// and upgrades: a restarted plugin adopts them instead of leaving dead mounts.
+    #[arg(long = "keeperSocket", env = "WEED_KEEPERSOCKET")]
+    pub keeper_socket: Option<PathBuf>,
 }
 
 /// Log format.
@@ -285,6 +291,7 @@ pub struct DriverPlan {
     pub controller: ControllerConfig,
     pub node: NodeConfig,
     pub fake_stager_dir: Option<PathBuf>,
+    pub keeper_socket: Option<PathBuf>,
     pub metrics_port: Option<u16>,
 }
 
@@ -444,6 +451,7 @@ impl DriverArgs {
                 defaults: self.volume_defaults()?,
             },
             fake_stager_dir: self.fake_stager.clone(),
+            keeper_socket: self.keeper_socket.clone(),
             metrics_port: self.metrics_port.filter(|p| *p != 0),
         })
     }

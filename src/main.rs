@@ -8,6 +8,7 @@ use seaweedfs_csi_driver::cli::{self, Cli, Command, DriverArgs};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::FilerApi;
+use seaweedfs_csi_driver::fuse::stager::FuseStager;
 use seaweedfs_csi_driver::security::SecurityConfig;
 
 fn main() -> ExitCode {
@@ -18,8 +19,8 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(args),
-        // TODO(lead): `Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),`
-        // once the Keeper variant is added to `cli::Command`.
+        Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),
+        Some(Command::Memfs(args)) => seaweedfs_csi_driver::fuse::memfs::run(args),
         None => run_driver(cli.driver),
     };
     match result {
@@ -41,7 +42,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {
             addresses: plan.filers.clone(),
-            security,
+            security: security.clone(),
             ..Default::default()
         })
         .await?;
@@ -52,19 +53,32 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             tracing::warn!(port, "--metricsPort is not served yet");
         }
 
+        let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {
             None
         } else if let Some(dir) = &plan.fake_stager_dir {
             tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
             Some(Arc::new(FakeStager::new(dir.clone())?.leave_mounts_on_drop()))
         } else {
-            // TODO(lead): the real FUSE stager:
-            //     Some(Arc::new(seaweedfs_csi_driver::fuse::stager::FuseStager::new(
-            //         plan.node.defaults.base.clone(),
-            //     )))
-            anyhow::bail!("the node component needs the FUSE stager, which is not wired yet (tests: --fakeStager=<dir>)");
+            let s = Arc::new(match &plan.keeper_socket {
+                Some(sock) => FuseStager::with_keeper(security.clone(), sock)?,
+                None => {
+                    tracing::warn!("no --keeperSocket: FUSE sessions end when this process ends");
+                    FuseStager::new(security.clone())
+                }
+            });
+            let found = s.adopt_all();
+            if found > 0 {
+                tracing::info!(sessions = found, "adopting live FUSE sessions from the fd-keeper");
+            }
+            fuse_stager = Some(s.clone());
+            Some(s)
         };
-        cli::run_driver(plan, filer, stager).await?;
+        let served = cli::run_driver(plan, filer, stager).await;
+        if let Some(s) = fuse_stager {
+            s.shutdown().await;
+        }
+        served?;
         Ok(())
     })
 }
