@@ -215,14 +215,16 @@ enum Serving {
     Plain(fuser::BackgroundSession),
     /// Takeover-capable: the fd-keeper holds dups of the connection and of the inode journal;
     /// nothing unmounts unless asked (CSI node plugin).
-    Kept {
-        bg: Option<fuser::BackgroundSession>,
-        keeper: Arc<crate::keeper::KeeperClient>,
-        gate: Arc<super::adapter::Gate>,
-        volume_id: String,
-        opts: MountOptions,
-        init: super::takeover::InitParams,
-    },
+    Kept(Box<KeptSession>),
+}
+
+struct KeptSession {
+    bg: Option<fuser::BackgroundSession>,
+    keeper: Arc<crate::keeper::KeeperClient>,
+    gate: Arc<super::adapter::Gate>,
+    volume_id: String,
+    opts: MountOptions,
+    init: super::takeover::InitParams,
 }
 
 /// One mounted volume served by this process.
@@ -246,7 +248,7 @@ impl MountedVolume {
     /// The CSI volume id of a kept session.
     pub fn volume_id(&self) -> Option<String> {
         match &self.serving {
-            Some(Serving::Kept { volume_id, .. }) => Some(volume_id.clone()),
+            Some(Serving::Kept(k)) => Some(k.volume_id.clone()),
             _ => None,
         }
     }
@@ -278,7 +280,7 @@ impl MountedVolume {
     fn started(fs: Arc<Fs>, mountpoint: &Path, serving: Serving) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
-            Serving::Kept { bg, .. } => bg.as_ref(),
+            Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
             fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
@@ -353,14 +355,14 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: volume_id.to_string(),
             opts: opts.clone(),
             init: mounted.init,
-        };
+        }));
         Ok(Self::started(fs, mountpoint, serving))
     }
 
@@ -427,31 +429,31 @@ impl MountedVolume {
         })?;
         tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
             graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: state.volume_id.clone(),
             opts: state.opts.clone(),
             init,
-        };
+        }));
         Ok(Self::started(fs, &mountpoint, serving))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
     /// The mount stays; the caller exits afterwards without unmounting.
     pub async fn hand_over(mut self) -> Result<(), MountError> {
-        let Some(Serving::Kept {
+        let Some(Serving::Kept(k)) = self.serving.take() else {
+            return self.unmount().await;
+        };
+        let KeptSession {
             bg,
             keeper,
             gate,
             volume_id,
             opts,
             init,
-        }) = self.serving.take()
-        else {
-            return self.unmount().await;
-        };
+        } = *k;
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
@@ -490,7 +492,7 @@ impl MountedVolume {
         let mp = self.mountpoint.clone();
         let (bg, keeper) = match self.serving.take() {
             Some(Serving::Plain(bg)) => (Some(bg), None),
-            Some(Serving::Kept { bg, keeper, volume_id, .. }) => (bg, Some((keeper, volume_id))),
+            Some(Serving::Kept(k)) => (k.bg, Some((k.keeper, k.volume_id))),
             None => (None, None),
         };
         let conn = self.conn;
@@ -526,7 +528,7 @@ impl Drop for MountedVolume {
             // dropping a plain session unmounts: never leave a dead mount behind
             Some(Serving::Plain(bg)) => drop(bg),
             // a kept session outlives this object on purpose (the keeper holds it)
-            Some(Serving::Kept { bg, .. }) => std::mem::forget(bg),
+            Some(Serving::Kept(k)) => std::mem::forget(k.bg),
             None => {}
         }
     }
@@ -535,7 +537,9 @@ impl Drop for MountedVolume {
 /// The FUSE connection id of a mount: the minor number of its device.
 fn connection_id(mountpoint: &Path) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(mountpoint).ok().map(|m| libc::minor(m.dev()))
+    std::fs::metadata(mountpoint)
+        .ok()
+        .map(|m| libc::minor(m.dev()))
 }
 
 /// Waits for the session threads; if the connection is still referenced elsewhere (a bind
@@ -550,7 +554,10 @@ fn join_or_abort(bg: fuser::BackgroundSession, conn: Option<u32>) {
     }
     if let Some(id) = conn {
         match abort_connection(id) {
-            Ok(()) => tracing::warn!(conn = id, "aborted a FUSE connection still referenced after unmount"),
+            Ok(()) => tracing::warn!(
+                conn = id,
+                "aborted a FUSE connection still referenced after unmount"
+            ),
             Err(e) => tracing::warn!(conn = id, error = %e, "cannot abort FUSE connection"),
         }
     }
@@ -564,7 +571,13 @@ pub fn abort_connection(id: u32) -> std::io::Result<()> {
     let dir = Path::new("/sys/fs/fuse/connections");
     let abort = dir.join(id.to_string()).join("abort");
     if !abort.exists() {
-        let _ = nix::mount::mount(Some("fusectl"), dir, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            dir,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
     }
     std::fs::write(&abort, b"1")
 }
