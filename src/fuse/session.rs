@@ -45,7 +45,7 @@ pub async fn build_fs(
         ..Default::default()
     })
     .await?;
-    let filer: Arc<dyn FilerApi> = Arc::new(filer);
+    let filer: Arc<dyn FilerApi> = Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
     let conf = filer.configuration().await?;
     let store = VolumeClient::new(
         filer.clone(),
@@ -60,7 +60,8 @@ pub async fn build_fs(
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
     let cache = ChunkCache::new((opts.cache_capacity_mb << 20) + READAHEAD_BUDGET);
-    let fs = Fs::new(cfg, filer, Arc::new(store), cache);
+    let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
+    let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
     Ok(fs)
 }
