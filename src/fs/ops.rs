@@ -125,7 +125,10 @@ impl Fs {
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         match self.filer.lookup_entry(dir, name).await {
-            Ok(e) => Ok(Arc::new(e)),
+            Ok(e) => {
+                self.meta.note_link(&e);
+                Ok(Arc::new(e))
+            }
             Err(FilerError::NotFound(_)) => Err(errno(libc::ENOENT, format!("{dir}/{name}"))),
             Err(e) => Err(e.into()),
         }
@@ -207,7 +210,8 @@ impl Fs {
     fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
         let ino = entry_inode(path, e);
         let a = self.attr_of(ino, path, e);
-        self.inodes.remember(ino, path, a.kind, counted);
+        let linked = !e.hard_link_id.is_empty();
+        self.inodes.remember_as(ino, path, a.kind, counted, linked);
         a
     }
 
@@ -621,30 +625,53 @@ impl Fs {
         }
         let path = join(&dir, name);
         let ino = entry_inode(&path, &e);
-        let pending = self
-            .open_file(ino)
-            .map(|of| {
+        // other names of a hard-linked file keep it (and its open handles) alive
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let of = self.open_file(ino);
+        let (pending, marked) = match &of {
+            Some(of) => {
                 let mut s = of.state.lock();
-                let was = s.pending_create;
-                if s.dir == dir && s.entry.name == name {
+                // marked before the delete, so a concurrent flush cannot resurrect the entry
+                let mark = !linked && s.dir == dir && s.entry.name == name && !s.unlinked;
+                if mark {
                     s.unlinked = true;
                 }
-                was
-            })
-            .unwrap_or(false);
+                (s.pending_create, mark)
+            }
+            None => (false, false),
+        };
         if !pending {
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-            self.filer
+            let r = self
+                .filer
                 .delete_entry(pb::DeleteEntryRequest {
                     directory: dir.clone(),
                     name: name.to_string(),
                     is_delete_data: true,
                     ..Default::default()
                 })
-                .await?;
+                .await;
+            if let Err(err) = r {
+                if let (Some(of), true) = (&of, marked) {
+                    of.state.lock().unlinked = false;
+                }
+                return Err(err.into());
+            }
         }
         self.meta.remove(&dir, name);
+        self.meta.link_removed(&e);
         self.inodes.unlink_path(&path);
+        if let (Some(of), true) = (&of, linked) {
+            let other = self.inodes.aliases(ino).into_iter().next();
+            let mut s = of.state.lock();
+            s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+            if s.dir == dir && s.entry.name == name {
+                match other {
+                    Some(p) => (s.dir, s.entry.name) = split(&p),
+                    None => s.unlinked = true,
+                }
+            }
+        }
         self.touch_dir(&dir);
         if !e.hard_link_id.is_empty() {
             if let Some(n) = self.notifier.read().clone() {
@@ -887,14 +914,26 @@ impl Fs {
             return Err(e);
         }
         self.meta.upsert(&ndir, Arc::new(newe.clone()));
+        if let Some(of) = self.open_file(ino) {
+            // the next flush of an open handle must keep the file in its link group
+            let mut s = of.state.lock();
+            s.entry.hard_link_id = updated.hard_link_id.clone();
+            s.entry.hard_link_counter = updated.hard_link_counter;
+            if let (Some(a), Some(u)) = (s.entry.attributes.as_mut(), updated.attributes.as_ref()) {
+                (a.ctime, a.ctime_ns) = (u.ctime, u.ctime_ns);
+            }
+        }
         self.touch_dir(&ndir);
         if let Some(n) = self.notifier.read().clone() {
             n.inval_inode(ino);
         }
         let npath = join(&ndir, newname);
-        let mut a = entry_attr(ino, &newe, &self.cfg.ids);
-        a.ino = ino;
-        self.inodes.remember(ino, &npath, Kind::File, true);
+        let a = self.attr_of(ino, &npath, &newe);
+        let mut a = Attr { ino, ..a };
+        if self.open_file(ino).is_none() {
+            a.nlink = newe.hard_link_counter.max(1) as u32;
+        }
+        self.inodes.remember_as(ino, &npath, a.kind, true, true);
         Ok(a)
     }
 
@@ -1280,8 +1319,13 @@ impl Fs {
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
+            // a file with several links keeps its other names
+            let linked = e
+                .attr
+                .as_ref()
+                .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
             self.inodes
-                .remember(e.ino, &join(&dir, &e.name), e.kind, true);
+                .remember_as(e.ino, &join(&dir, &e.name), e.kind, true, linked);
         }
     }
 
@@ -1515,6 +1559,7 @@ impl Fs {
                     nt.inval_entry(pino, &old.name);
                 }
                 if n.new_entry.is_none() {
+                    self.meta.link_removed(old);
                     let ino = entry_inode(&opath, old);
                     if let Some(of) = self.open_file(ino) {
                         of.state.lock().unlinked = true;
