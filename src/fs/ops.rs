@@ -1502,23 +1502,27 @@ impl Fs {
             return Err(errno(libc::EOPNOTSUPP, "fallocate mode not supported"));
         }
         let h = self.handle(fh, ino).await?;
-        if mode & libc::FALLOC_FL_KEEP_SIZE != 0 {
-            return Ok(());
-        }
         let end = offset
             .checked_add(length)
             .ok_or_else(|| errno(libc::EFBIG, "too large"))?;
-        let grow = {
-            let s = h.file.state.lock();
-            end > s.size
-        };
+        let of = h.file.clone();
+        let grow = mode & libc::FALLOC_FL_KEEP_SIZE == 0 && end > of.state.lock().size;
         if grow {
-            let of = h.file.clone();
             of.wait_uploads().await;
             of.truncate(end);
-            self.flush_file(&of).await?;
         }
-        Ok(())
+        {
+            // a successful fallocate changes ctime (and mtime when the size grew)
+            let mut s = of.state.lock();
+            let now = now_parts();
+            let a = s.entry.attributes.get_or_insert_with(Default::default);
+            (a.ctime, a.ctime_ns) = now;
+            if grow {
+                (a.mtime, a.mtime_ns) = now;
+            }
+            s.meta_dirty = true;
+        }
+        self.flush_file(&of).await
     }
 
     /// lseek SEEK_DATA / SEEK_HOLE: the whole file is data (holes read as zeros anyway).
