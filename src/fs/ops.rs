@@ -82,10 +82,15 @@ impl Fs {
         if self.meta.is_cached(dir) {
             return Ok(true);
         }
+        if self.meta.is_too_large(dir) {
+            return Ok(false);
+        }
         let gen = self.meta.generation(dir);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let entries = self.filer.list_all(dir).await?;
         if entries.len() > self.cfg.max_cached_dir_entries {
+            // every lookup in it would list it all again
+            self.meta.mark_too_large(dir);
             return Ok(false);
         }
         let pinned = self.pending_in_dir(dir);
@@ -144,10 +149,15 @@ impl Fs {
             let s = of.state.lock();
             let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
             a.size = s.size;
+            if s.unlinked {
+                // only open handles keep it alive (fstat after unlink shows 0 links)
+                a.nlink = 0;
+            }
             return a;
         }
         let mut a = entry_attr(ino, e, &self.cfg.ids);
         if a.kind == Kind::Dir {
+            a.nlink = self.dir_nlink(path);
             if let Some(t) = self.dir_times.lock().get(path) {
                 a.mtime = a.mtime.max(*t);
                 a.ctime = a.ctime.max(*t);
@@ -156,8 +166,18 @@ impl Fs {
         a
     }
 
+    /// 2 + subdirectories when the listing is known; 1 ("unknown", as btrfs and others
+    /// report, which makes `find` skip its leaf optimisation) otherwise.
+    fn dir_nlink(&self, path: &str) -> u32 {
+        self.meta
+            .subdirs(path)
+            .map(|n| 2u32.saturating_add(n as u32))
+            .unwrap_or(1)
+    }
+
     fn root_attr(&self) -> Attr {
         let mut a = self.root_attr.lock().clone();
+        a.nlink = self.dir_nlink(&self.cfg.root);
         if let Some(t) = self.dir_times.lock().get(&self.cfg.root) {
             a.mtime = a.mtime.max(*t);
             a.ctime = a.ctime.max(*t);
@@ -258,7 +278,18 @@ impl Fs {
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
         let dir = self.path_of(parent)?;
         let e = self.entry_at(&dir, name).await?;
-        Ok(self.remember(&join(&dir, name), &e, true))
+        let path = join(&dir, name);
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
+        Ok(self.remember(&path, &e, true))
+    }
+
+    /// Lists a directory so its link count is known (best effort: it is usually read next).
+    async fn load_dir_for_nlink(&self, path: &str) {
+        if let Err(e) = self.load_dir(path).await {
+            tracing::debug!(path, error = %e, "listing for the link count failed");
+        }
     }
 
     pub fn forget(&self, ino: u64, n: u64) {
@@ -267,6 +298,7 @@ impl Fs {
 
     pub async fn getattr(&self, ino: u64) -> Result<Attr> {
         if ino == ROOT_INO {
+            self.load_dir_for_nlink(&self.cfg.root).await;
             return Ok(self.root_attr());
         }
         let path = self.path_of(ino)?;
@@ -276,6 +308,9 @@ impl Fs {
         }
         let (dir, name) = split(&path);
         let e = self.entry_at(&dir, &name).await?;
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
         Ok(self.attr_of(ino, &path, &e))
     }
 
