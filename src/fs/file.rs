@@ -430,6 +430,17 @@ impl OpenFile {
     }
 }
 
+/// Start of the earliest data chunk that a truncation to `size` cuts in the middle.
+pub fn cut_start(chunks: &[pb::FileChunk], size: u64) -> Option<u64> {
+    chunks
+        .iter()
+        .filter(|c| !c.is_chunk_manifest && c.offset >= 0)
+        .map(|c| (c.offset as u64, c.offset as u64 + c.size))
+        .filter(|(start, end)| *start < size && size < *end)
+        .map(|(start, _)| start)
+        .min()
+}
+
 fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
     let mut pos = 0usize;
     while pos < buf.len() {
@@ -532,6 +543,21 @@ mod tests {
         assert_eq!(read_all(&f, 0, 100), b"012");
         f.truncate(5);
         assert_eq!(read_all(&f, 0, 100), b"012\0\0");
+    }
+
+    #[test]
+    fn cut_start_finds_the_earliest_cut_chunk() {
+        let c = |offset: i64, size: u64| pb::FileChunk {
+            offset,
+            size,
+            ..Default::default()
+        };
+        let list = [c(0, 100), c(50, 100), c(150, 10)];
+        assert_eq!(cut_start(&list, 120), Some(50));
+        assert_eq!(cut_start(&list, 60), Some(0));
+        assert_eq!(cut_start(&list, 150), None);
+        assert_eq!(cut_start(&list, 0), None);
+        assert_eq!(cut_start(&list, 500), None);
     }
 
     #[test]

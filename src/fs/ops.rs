@@ -1,7 +1,7 @@
 //! Namespace, attribute, handle and write operations of [`Fs`].
 
 use super::attr::{self, entry_attr, entry_inode, to_go_mode, Attr, Kind};
-use super::file::{OpenFile, SealedRun};
+use super::file::{cut_start, OpenFile, SealedRun};
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
 use super::{entry_with_name, errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -321,56 +321,13 @@ impl Fs {
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        let apply = |e: &mut pb::Entry| {
-            let a = e.attributes.get_or_insert_with(Default::default);
-            if let Some(m) = req.mode {
-                let (kind, _) = attr::from_go_mode(a.file_mode);
-                let kind = if e.is_directory { Kind::Dir } else { kind };
-                a.file_mode = to_go_mode(kind, m & 0o7777);
-            }
-            if let Some(u) = req.uid {
-                a.uid = self.cfg.ids.uid_to_filer(u);
-            }
-            if let Some(g) = req.gid {
-                a.gid = self.cfg.ids.gid_to_filer(g);
-            }
-            if let Some(t) = req.atime {
-                (a.atime, a.atime_ns) = attr::split_ts(t);
-            }
-            if let Some(t) = req.mtime {
-                (a.mtime, a.mtime_ns) = attr::split_ts(t);
-            }
-            let (cs, cns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
-            a.ctime = cs;
-            a.ctime_ns = cns;
-        };
         if let Some(of) = self.open_file(ino) {
-            if let Some(size) = req.size {
-                let runs = of.seal_all();
-                self.start_uploads(&of, runs).await;
-                of.wait_uploads().await;
-                of.truncate(size);
-                let (s, ns) = now_parts();
-                let mut st = of.state.lock();
-                if req.mtime.is_none() {
-                    let a = st.entry.attributes.get_or_insert_with(Default::default);
-                    a.mtime = s;
-                    a.mtime_ns = ns;
-                }
-            }
-            {
-                let mut st = of.state.lock();
-                apply(&mut st.entry);
-                st.meta_dirty = true;
-            }
-            self.flush_file(&of).await?;
-            let e = of.state.lock().entry.clone();
-            return Ok(self.attr_of(ino, &path, &e));
+            return self.setattr_open(ino, &path, &of, &req).await;
         }
         if ino == ROOT_INO {
             let (pdir, pname) = split(&self.cfg.root);
             let mut e = self.filer.lookup_entry(&pdir, &pname).await?;
-            apply(&mut e);
+            self.apply_setattr(&mut e, &req);
             self.update_entry(&pdir, e.clone()).await?;
             let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
             a.ino = ROOT_INO;
@@ -381,6 +338,12 @@ impl Fs {
         if let Some(size) = req.size {
             if e.is_directory {
                 return Err(errno(libc::EISDIR, "truncate of a directory"));
+            }
+            if e.content.is_empty() && cut_start(&e.chunks, size).is_some() {
+                // the kept part of a cut chunk is rewritten, as for an open file
+                let of = Arc::new(self.load_open_file(ino, &dir, e).await?);
+                self.bump_content_gen(ino);
+                return self.setattr_open(ino, &path, &of, &req).await;
             }
             if e.content.is_empty() {
                 e.chunks = crate::chunks::truncate(&e.chunks, size).0;
@@ -394,9 +357,77 @@ impl Fs {
             }
             self.bump_content_gen(ino);
         }
-        apply(&mut e);
+        self.apply_setattr(&mut e, &req);
         self.update_entry(&dir, e.clone()).await?;
         Ok(self.attr_of(ino, &path, &e))
+    }
+
+    fn apply_setattr(&self, e: &mut pb::Entry, req: &SetAttr) {
+        let a = e.attributes.get_or_insert_with(Default::default);
+        if let Some(m) = req.mode {
+            let (kind, _) = attr::from_go_mode(a.file_mode);
+            let kind = if e.is_directory { Kind::Dir } else { kind };
+            a.file_mode = to_go_mode(kind, m & 0o7777);
+        }
+        if let Some(u) = req.uid {
+            a.uid = self.cfg.ids.uid_to_filer(u);
+        }
+        if let Some(g) = req.gid {
+            a.gid = self.cfg.ids.gid_to_filer(g);
+        }
+        if let Some(t) = req.atime {
+            (a.atime, a.atime_ns) = attr::split_ts(t);
+        }
+        if let Some(t) = req.mtime {
+            (a.mtime, a.mtime_ns) = attr::split_ts(t);
+        }
+        (a.ctime, a.ctime_ns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
+    }
+
+    /// setattr through an open file's state; the change is committed at once.
+    async fn setattr_open(
+        &self,
+        ino: u64,
+        path: &str,
+        of: &Arc<OpenFile>,
+        req: &SetAttr,
+    ) -> Result<Attr> {
+        if let Some(size) = req.size {
+            let runs = of.seal_all();
+            self.start_uploads(of, runs).await;
+            of.wait_uploads().await;
+            let cut = {
+                let s = of.state.lock();
+                if s.entry.content.is_empty() {
+                    cut_start(&s.entry.chunks, size)
+                } else {
+                    None
+                }
+            };
+            of.truncate(size);
+            if let Some(lo) = cut {
+                // A chunk cut in the middle would be recorded with a size smaller than its
+                // needle, which the filer's HTTP/S3 readers cannot serve: rewrite the kept
+                // bytes as a new chunk that hides it.
+                let kept = self.read_range(of, lo, size - lo).await?;
+                let runs = of.write(lo, &kept);
+                self.start_uploads(of, runs).await;
+            }
+            if req.mtime.is_none() {
+                let now = now_parts();
+                let mut st = of.state.lock();
+                let a = st.entry.attributes.get_or_insert_with(Default::default);
+                (a.mtime, a.mtime_ns) = now;
+            }
+        }
+        {
+            let mut st = of.state.lock();
+            self.apply_setattr(&mut st.entry, req);
+            st.meta_dirty = true;
+        }
+        self.flush_file(of).await?;
+        let e = of.state.lock().entry.clone();
+        Ok(self.attr_of(ino, path, &e))
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
@@ -1023,19 +1054,24 @@ impl Fs {
         if e.is_directory {
             return Err(errno(libc::EISDIR, format!("{path} is a directory")));
         }
-        let mut entry = (*e).clone();
+        let of = self.load_open_file(ino, &dir, (*e).clone()).await?;
+        Ok(self.install_open(ino, of))
+    }
+
+    /// Open-file state for `entry` (manifests expanded, remote content cached), not registered.
+    async fn load_open_file(&self, ino: u64, dir: &str, mut entry: pb::Entry) -> Result<OpenFile> {
         if entry.chunks.iter().any(|c| c.is_chunk_manifest) {
             let resolved =
                 crate::chunks::expand_manifests(&entry.chunks, self.store.as_ref()).await?;
             let of = OpenFile::new(
                 ino,
-                dir.clone(),
-                entry.clone(),
+                dir.to_string(),
+                entry,
                 self.cfg.chunk_size,
                 self.cfg.max_dirty_slots,
             );
             of.state.lock().resolved = Arc::new(resolved);
-            return Ok(self.install_open(ino, of));
+            return Ok(of);
         }
         if entry
             .remote_entry
@@ -1044,16 +1080,15 @@ impl Fs {
             .unwrap_or(false)
             && entry.chunks.is_empty()
         {
-            entry = self.cache_remote(&dir, &name).await?;
+            entry = self.cache_remote(dir, &entry.name).await?;
         }
-        let of = OpenFile::new(
+        Ok(OpenFile::new(
             ino,
-            dir,
+            dir.to_string(),
             entry,
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
-        );
-        Ok(self.install_open(ino, of))
+        ))
     }
 
     async fn cache_remote(&self, dir: &str, name: &str) -> Result<pb::Entry> {
