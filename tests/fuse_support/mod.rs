@@ -106,7 +106,7 @@ impl MountGuard {
         &self.dir
     }
 
-    pub fn join(&self, p: &str) -> PathBuf {
+    pub fn join(&self, p: impl AsRef<Path>) -> PathBuf {
         self.dir.join(p)
     }
 
