@@ -725,19 +725,7 @@ impl Fs {
             }
         }
         self.meta.remove(&dir, name);
-        self.meta.link_removed(&e);
-        self.inodes.unlink_path(&path);
-        if let (Some(of), true) = (&of, linked) {
-            let other = self.inodes.aliases(ino).into_iter().next();
-            let mut s = of.state.lock();
-            s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
-            if s.dir == dir && s.entry.name == name {
-                match other {
-                    Some(p) => (s.dir, s.entry.name) = split(&p),
-                    None => s.unlinked = true,
-                }
-            }
-        }
+        self.name_removed(&dir, name, &e);
         self.touch_dir(&dir);
         if !e.hard_link_id.is_empty() {
             if let Some(n) = self.notifier.read().clone() {
@@ -912,23 +900,7 @@ impl Fs {
             self.meta.invalidate_dir(&opath, true);
             self.meta.invalidate_dir(&npath, true);
         }
-        self.inodes.rename(&opath, &npath);
-        {
-            let files = self.files.lock();
-            let prefix = format!("{opath}/");
-            for o in files.values() {
-                let mut s = o.file.state.lock();
-                let p = join(&s.dir, &s.entry.name);
-                if p == opath {
-                    s.dir = ndir.to_string();
-                    s.entry.name = newname.to_string();
-                } else if p.starts_with(&prefix) {
-                    let np = format!("{npath}{}", &p[opath.len()..]);
-                    let (d, _) = split(&np);
-                    s.dir = d;
-                }
-            }
-        }
+        self.moved(&opath, &npath);
         // POSIX: rename changes the moved inode's ctime
         let mut moved = moved;
         let a = moved.attributes.get_or_insert_with(Default::default);
@@ -947,6 +919,49 @@ impl Fs {
         self.touch_dir(odir);
         self.touch_dir(ndir);
         Ok(())
+    }
+
+    /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
+    fn moved(&self, opath: &str, npath: &str) {
+        self.inodes.rename(opath, npath);
+        let files = self.files.lock();
+        let prefix = format!("{opath}/");
+        for o in files.values() {
+            let mut s = o.file.state.lock();
+            let p = join(&s.dir, &s.entry.name);
+            if p == opath {
+                (s.dir, s.entry.name) = split(npath);
+            } else if p.starts_with(&prefix) {
+                let np = format!("{npath}{}", &p[opath.len()..]);
+                s.dir = split(&np).0;
+            }
+        }
+    }
+
+    /// The name `dir/name` of `e` is gone: open handles of a hard-linked file follow one of
+    /// its other names; otherwise they become unlinked (their data is no longer committed).
+    fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry) {
+        let path = join(dir, name);
+        let ino = entry_inode(&path, e);
+        self.meta.link_removed(e);
+        self.inodes.unlink_path(&path);
+        let Some(of) = self.open_file(ino) else {
+            return;
+        };
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let other = self.inodes.aliases(ino).into_iter().next();
+        let mut s = of.state.lock();
+        if !linked {
+            s.unlinked = true;
+            return;
+        }
+        s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+        if s.dir == dir && s.entry.name == name {
+            match other {
+                Some(p) => (s.dir, s.entry.name) = split(&p),
+                None => s.unlinked = true,
+            }
+        }
     }
 
     pub async fn link(&self, ino: u64, newparent: u64, newname: &str) -> Result<Attr> {
@@ -1632,13 +1647,28 @@ impl Fs {
                 if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
                     nt.inval_entry(pino, &old.name);
                 }
-                if n.new_entry.is_none() {
-                    self.meta.link_removed(old);
-                    let ino = entry_inode(&opath, old);
-                    if let Some(of) = self.open_file(ino) {
-                        of.state.lock().unlinked = true;
+                match &n.new_entry {
+                    None => self.name_removed(dir, &old.name, old),
+                    Some(new) => {
+                        // renamed by another client: our node ids and open files follow, and
+                        // a file of ours it replaced must not be committed again
+                        let ndir = if n.new_parent_path.is_empty() {
+                            dir
+                        } else {
+                            n.new_parent_path.as_str()
+                        };
+                        let npath = join(ndir, &new.name);
+                        let moving = entry_inode(&opath, old);
+                        if let Some(replaced) = self.inodes.ino_of(&npath) {
+                            if replaced != moving {
+                                if let Some(of) = self.open_file(replaced) {
+                                    of.state.lock().unlinked = true;
+                                }
+                                self.inodes.unlink_path(&npath);
+                            }
+                        }
+                        self.moved(&opath, &npath);
                     }
-                    self.inodes.unlink_path(&opath);
                 }
             }
         }
