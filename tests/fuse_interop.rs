@@ -9,6 +9,7 @@ use fuse_support::*;
 use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
@@ -253,4 +254,70 @@ fn both_mounts_edit_the_same_tree() {
         w.filer_get(&format!("{root}/shared")).unwrap(),
         b"second, by weed mount"
     );
+}
+
+#[test]
+fn open_files_follow_renames_and_deletes_by_others() {
+    let w = shared_server();
+    let root = unique_path("follow");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let http = |p: &str| w.filer_get(&format!("{root}/{p}"));
+
+    // a file open for writing here, renamed by weed mount: our later data lands at the new name
+    let mut f = fs::File::create(ours.join("moving")).unwrap();
+    f.write_all(b"part one;").unwrap();
+    f.sync_all().unwrap();
+    assert_reads("weed sees it", &weed.join("moving"), b"part one;");
+    fs::rename(weed.join("moving"), weed.join("moved")).unwrap();
+    eventually("rename seen", || !ours.join("moving").exists());
+    f.write_all(b"part two").unwrap();
+    drop(f);
+    assert_eq!(http("moved").as_deref(), Some(&b"part one;part two"[..]));
+    assert!(http("moving").is_none(), "not re-created at the old name");
+
+    // the same for a file inside a directory renamed by weed mount, and a cwd-relative path
+    fs::create_dir(ours.join("d")).unwrap();
+    let mut g = fs::File::create(ours.join("d/inner")).unwrap();
+    g.write_all(b"inner;").unwrap();
+    g.sync_all().unwrap();
+    let dir_fd = fs::File::open(ours.join("d")).unwrap();
+    assert_reads("weed sees inner", &weed.join("d/inner"), b"inner;");
+    fs::rename(weed.join("d"), weed.join("d2")).unwrap();
+    eventually("dir rename seen", || ours.join("d2/inner").exists());
+    g.write_all(b"more").unwrap();
+    drop(g);
+    assert_eq!(http("d2/inner").as_deref(), Some(&b"inner;more"[..]));
+    assert!(http("d/inner").is_none());
+    // a directory fd taken before the rename still resolves names in the moved directory
+    let name = std::ffi::CString::new("inner").unwrap();
+    let fd = unsafe { libc::openat(dir_fd.as_raw_fd(), name.as_ptr(), libc::O_RDONLY) };
+    assert!(fd >= 0, "openat in a directory renamed elsewhere: {}", errno());
+    unsafe { libc::close(fd) };
+
+    // a file open here and deleted by weed mount is not resurrected by our close
+    let mut h = fs::File::create(ours.join("doomed")).unwrap();
+    h.write_all(b"x").unwrap();
+    h.sync_all().unwrap();
+    assert_reads("weed sees doomed", &weed.join("doomed"), b"x");
+    fs::remove_file(weed.join("doomed")).unwrap();
+    eventually("delete seen", || !ours.join("doomed").exists());
+    h.write_all(b"yy").unwrap();
+    drop(h);
+    assert!(http("doomed").is_none(), "deleted file came back");
+
+    // a file open here and replaced by a rename on weed mount
+    fs::write(ours.join("victim"), b"old").unwrap();
+    let mut v = fs::OpenOptions::new()
+        .write(true)
+        .open(ours.join("victim"))
+        .unwrap();
+    fs::write(weed.join("replacement"), b"new").unwrap();
+    assert_reads("weed sees victim", &weed.join("victim"), b"old");
+    fs::rename(weed.join("replacement"), weed.join("victim")).unwrap();
+    assert_reads("replacement seen", &ours.join("victim"), b"new");
+    v.write_all(b"clobber").unwrap();
+    drop(v);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(http("victim").as_deref(), Some(&b"new"[..]));
 }
