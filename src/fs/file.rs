@@ -131,6 +131,9 @@ pub struct OpenFile {
     pub max_slots: usize,
 }
 
+/// A planned read: its end (clipped at EOF), the pieces, and dirty bytes laid over them.
+pub type ReadPlan = (u64, Vec<Piece>, Vec<(u64, Bytes)>);
+
 /// A piece of a read: where its bytes come from.
 pub enum Piece {
     Chunk {
@@ -310,7 +313,7 @@ impl OpenFile {
 
     /// Plans a read of `[offset, offset+len)`: pieces over chunks and in-flight data, plus the
     /// dirty-slot bytes that overlay them. Returns None at/after EOF.
-    pub fn plan_read(&self, offset: u64, len: u64) -> Option<(u64, Vec<Piece>, Vec<(u64, Bytes)>)> {
+    pub fn plan_read(&self, offset: u64, len: u64) -> Option<ReadPlan> {
         let mut s = self.state.lock();
         if offset >= s.size || len == 0 {
             return None;

@@ -93,10 +93,7 @@ impl MetaCache {
     /// Number of subdirectories of a fresh cached directory.
     pub fn subdirs(&self, dir: &str) -> Option<usize> {
         let g = self.inner.lock();
-        g.dirs
-            .get(dir)
-            .filter(|l| self.fresh(l))
-            .map(|l| l.subdirs)
+        g.dirs.get(dir).filter(|l| self.fresh(l)).map(|l| l.subdirs)
     }
 
     /// Records the current shared state of a hard-link group (from the filer or our own change).
