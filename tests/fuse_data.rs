@@ -59,6 +59,7 @@ fn large_file_random_offsets_byte_for_byte() {
         .read(true)
         .write(true)
         .create(true)
+        .truncate(false)
         .open(&p)
         .unwrap();
     // the last byte first, then random overlapping writes of 1 B .. 3 MiB
@@ -86,7 +87,11 @@ fn large_file_random_offsets_byte_for_byte() {
             let rlen = (1 + rng.below(2 * MIB as u64) as usize).min(size - roff);
             let mut buf = vec![0u8; rlen];
             f.read_exact_at(&mut buf, roff as u64).unwrap();
-            assert_same(&format!("read-back at {roff}+{rlen}"), &buf, &want[roff..roff + rlen]);
+            assert_same(
+                &format!("read-back at {roff}+{rlen}"),
+                &buf,
+                &want[roff..roff + rlen],
+            );
         }
         if i % 97 == 0 {
             f.sync_data().unwrap();
@@ -179,6 +184,7 @@ fn unlinked_open_file_stays_usable() {
         .read(true)
         .write(true)
         .create(true)
+        .truncate(false)
         .open(&p)
         .unwrap();
     let first = pseudo_random(1, 3 * MIB);
@@ -350,7 +356,11 @@ fn failed_uploads_surface_as_errors() {
     let ok = wait_until(Duration::from_secs(60), || {
         fs::write(m.join("after"), b"back").is_ok()
     });
-    assert!(ok, "writes work again after the filer restart: {}", m.log_text());
+    assert!(
+        ok,
+        "writes work again after the filer restart: {}",
+        m.log_text()
+    );
     assert_eq!(fs::read(m.join("before")).unwrap(), b"ok");
     assert_eq!(w.filer_get(&format!("{root}/after")).unwrap(), b"back");
 }

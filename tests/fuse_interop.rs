@@ -35,16 +35,8 @@ fn getxattr(p: &Path, name: &str) -> Option<Vec<u8>> {
 
 fn setxattr(p: &Path, name: &str, v: &[u8]) {
     let n = std::ffi::CString::new(name).unwrap();
-    check(unsafe {
-        libc::setxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            v.as_ptr().cast(),
-            v.len(),
-            0,
-        )
-    })
-    .unwrap();
+    check(unsafe { libc::setxattr(cpath(p).as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) })
+        .unwrap();
 }
 
 fn eventually(what: &str, f: impl FnMut() -> bool) {
@@ -80,7 +72,10 @@ fn what_we_write_weed_mount_and_http_read() {
     fs::set_permissions(ours.join("small.txt"), fs::Permissions::from_mode(0o640)).unwrap();
     setxattr(&ours.join("small.txt"), "user.origin", b"ours");
     // random overwrites and a truncate of a multi-chunk file
-    let f = OpenOptions::new().write(true).open(ours.join("big.bin")).unwrap();
+    let f = OpenOptions::new()
+        .write(true)
+        .open(ours.join("big.bin"))
+        .unwrap();
     let mut big2 = big.clone();
     for (i, off) in [10usize, 2_000_000, 4_194_300].iter().enumerate() {
         let patch = pseudo_random(100 + i as u64, 5000);
@@ -95,7 +90,11 @@ fn what_we_write_weed_mount_and_http_read() {
         assert_eq!(&http(name).unwrap(), want, "{name} via filer HTTP");
         assert_reads(&format!("{name} via weed mount"), &weed.join(name), want);
     }
-    assert_reads("nested via weed mount", &weed.join("dir/sub/nested"), b"nested");
+    assert_reads(
+        "nested via weed mount",
+        &weed.join("dir/sub/nested"),
+        b"nested",
+    );
     assert_eq!(http("dir/sub/nested").unwrap(), b"nested");
     eventually("symlink on weed mount", || {
         fs::read_link(weed.join("link"))
@@ -130,9 +129,7 @@ fn what_we_write_weed_mount_and_http_read() {
         &weed.join("dir2/sub/nested"),
         b"nested",
     );
-    eventually("old dir gone on weed mount", || {
-        !weed.join("dir").exists()
-    });
+    eventually("old dir gone on weed mount", || !weed.join("dir").exists());
     fs::remove_file(ours.join("big.bin")).unwrap();
     eventually("deleted on weed mount", || !weed.join("big.bin").exists());
     assert!(http("big.bin").is_none());
@@ -206,7 +203,11 @@ fn what_weed_mount_and_http_write_we_read() {
     // filer HTTP API uploads, new and overwritten
     w.filer_put(&format!("{root}/http.txt"), b"from http v1", "");
     assert_reads("http upload", &ours.join("http.txt"), b"from http v1");
-    w.filer_put(&format!("{root}/http.txt"), b"from http, second version", "");
+    w.filer_put(
+        &format!("{root}/http.txt"),
+        b"from http, second version",
+        "",
+    );
     assert_reads(
         "http overwrite",
         &ours.join("http.txt"),
@@ -249,7 +250,11 @@ fn both_mounts_edit_the_same_tree() {
     fs::write(ours.join("shared"), b"first, by us").unwrap();
     assert_reads("weed sees ours", &weed.join("shared"), b"first, by us");
     fs::write(weed.join("shared"), b"second, by weed mount").unwrap();
-    assert_reads("we see weed's", &ours.join("shared"), b"second, by weed mount");
+    assert_reads(
+        "we see weed's",
+        &ours.join("shared"),
+        b"second, by weed mount",
+    );
     assert_eq!(
         w.filer_get(&format!("{root}/shared")).unwrap(),
         b"second, by weed mount"
@@ -292,7 +297,11 @@ fn open_files_follow_renames_and_deletes_by_others() {
     // a directory fd taken before the rename still resolves names in the moved directory
     let name = std::ffi::CString::new("inner").unwrap();
     let fd = unsafe { libc::openat(dir_fd.as_raw_fd(), name.as_ptr(), libc::O_RDONLY) };
-    assert!(fd >= 0, "openat in a directory renamed elsewhere: {}", errno());
+    assert!(
+        fd >= 0,
+        "openat in a directory renamed elsewhere: {}",
+        errno()
+    );
     unsafe { libc::close(fd) };
 
     // a file open here and deleted by weed mount is not resurrected by our close

@@ -86,7 +86,11 @@ fn refuses_missing_and_non_empty_mount_points() {
     assert_eq!(w.filer_get(&format!("{root}/inside")).unwrap(), b"1");
     assert!(m.unmount().success());
     assert!(!is_mounted(&full));
-    assert_eq!(fs::read(full.join("x")).unwrap(), b"x", "the hidden file is back");
+    assert_eq!(
+        fs::read(full.join("x")).unwrap(),
+        b"x",
+        "the hidden file is back"
+    );
 
     // --dirAutoCreate creates the mount point
     let m = spawn_ours(&w.filer_addr(), &root, &missing, &["--dirAutoCreate"]);
@@ -163,10 +167,7 @@ fn signals_unmount_cleanly_and_flush() {
         let st = child.wait().unwrap();
         assert!(st.success(), "signal {sig}: {st}: {}", m.log_text());
         assert!(!is_mounted(&dir), "unmounted after signal {sig}");
-        assert_eq!(
-            w.filer_get(&format!("{root}/f{sig}")).unwrap(),
-            b"data"
-        );
+        assert_eq!(w.filer_get(&format!("{root}/f{sig}")).unwrap(), b"data");
         drop(m);
     }
 }
@@ -220,7 +221,9 @@ fn read_only_mount() {
         .unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EROFS));
     assert_eq!(
-        fs::remove_file(m.join("existing")).unwrap_err().raw_os_error(),
+        fs::remove_file(m.join("existing"))
+            .unwrap_err()
+            .raw_os_error(),
         Some(libc::EROFS)
     );
     assert_eq!(

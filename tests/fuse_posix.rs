@@ -35,8 +35,7 @@ fn ts(sec: i64, nsec: i64) -> libc::timespec {
 
 fn utimens(p: &Path, atime: libc::timespec, mtime: libc::timespec) -> Result<(), i32> {
     let t = [atime, mtime];
-    check(unsafe { libc::utimensat(libc::AT_FDCWD, cpath(p).as_ptr(), t.as_ptr(), 0) })
-        .map(|_| ())
+    check(unsafe { libc::utimensat(libc::AT_FDCWD, cpath(p).as_ptr(), t.as_ptr(), 0) }).map(|_| ())
 }
 
 fn ctime_ns(st: &libc::stat) -> i128 {
@@ -92,22 +91,34 @@ fn attributes_and_setattr() {
     assert_eq!(st.st_mode & 0o7777, 0o604);
     assert!(ctime_ns(&st) > ctime_ns(&before), "chmod updates ctime");
     assert_eq!(st.st_mtime, before.st_mtime, "chmod keeps mtime");
-    let a = filer_entry(&rt, &fc, &root, "f").unwrap().attributes.unwrap();
+    let a = filer_entry(&rt, &fc, &root, "f")
+        .unwrap()
+        .attributes
+        .unwrap();
     assert_eq!(a.file_mode, 0o604);
 
     // chown
     std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
     let st = lstat(&p).unwrap();
     assert_eq!((st.st_uid, st.st_gid), (1234, 5678));
-    let a = filer_entry(&rt, &fc, &root, "f").unwrap().attributes.unwrap();
+    let a = filer_entry(&rt, &fc, &root, "f")
+        .unwrap()
+        .attributes
+        .unwrap();
     assert_eq!((a.uid, a.gid), (1234, 5678));
 
     // utimensat with explicit times (nanoseconds kept)
     utimens(&p, ts(1_000_000_000, 500), ts(1_100_000_000, 250_000_000)).unwrap();
     let st = lstat(&p).unwrap();
     assert_eq!((st.st_atime, st.st_atime_nsec), (1_000_000_000, 500));
-    assert_eq!((st.st_mtime, st.st_mtime_nsec), (1_100_000_000, 250_000_000));
-    let a = filer_entry(&rt, &fc, &root, "f").unwrap().attributes.unwrap();
+    assert_eq!(
+        (st.st_mtime, st.st_mtime_nsec),
+        (1_100_000_000, 250_000_000)
+    );
+    let a = filer_entry(&rt, &fc, &root, "f")
+        .unwrap()
+        .attributes
+        .unwrap();
     assert_eq!((a.mtime, a.mtime_ns), (1_100_000_000, 250_000_000));
     assert_eq!((a.atime, a.atime_ns), (1_000_000_000, 500));
     // UTIME_OMIT keeps atime, UTIME_NOW sets mtime to now
@@ -173,14 +184,21 @@ fn write_by_other_user_clears_setuid() {
         .unwrap();
     assert!(st.success());
     let st = lstat(&p).unwrap();
-    assert_eq!(st.st_mode & 0o6000, 0, "suid/sgid cleared by an unprivileged write");
+    assert_eq!(
+        st.st_mode & 0o6000,
+        0,
+        "suid/sgid cleared by an unprivileged write"
+    );
     assert_eq!(fs::read(&p).unwrap(), b"xmore\n");
     // permission checks: nobody cannot write a 0644 root file
     fs::write(m.join("ro"), b"1").unwrap();
     fs::set_permissions(m.join("ro"), fs::Permissions::from_mode(0o644)).unwrap();
     let st = std::process::Command::new("sh")
         .arg("-c")
-        .arg(format!("echo x >> '{}' 2>/dev/null", m.join("ro").display()))
+        .arg(format!(
+            "echo x >> '{}' 2>/dev/null",
+            m.join("ro").display()
+        ))
         .uid(65534)
         .gid(65534)
         .status()
@@ -203,7 +221,10 @@ fn directories() {
     let e = filer_entry(&rt, &fc, &root, "d").unwrap();
     assert!(e.is_directory);
     assert_ne!(e.attributes.unwrap().file_mode & GO_DIR, 0);
-    assert_eq!(fs::create_dir(&d).unwrap_err().raw_os_error(), Some(libc::EEXIST));
+    assert_eq!(
+        fs::create_dir(&d).unwrap_err().raw_os_error(),
+        Some(libc::EEXIST)
+    );
     // nlink = 2 + subdirectories; parent mtime moves
     let before = lstat(&d).unwrap();
     std::thread::sleep(Duration::from_millis(20));
@@ -234,10 +255,7 @@ fn directories() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert_eq!(
-        names,
-        ["b", "file"].iter().map(|s| s.to_string()).collect()
-    );
+    assert_eq!(names, ["b", "file"].iter().map(|s| s.to_string()).collect());
     let c = cpath(&d);
     let dirp = unsafe { libc::opendir(c.as_ptr()) };
     assert!(!dirp.is_null());
@@ -300,13 +318,8 @@ fn create_mknod_fifo_unlink() {
     let e = filer_entry(&rt, &fc, &root, "fifo").unwrap();
     assert_ne!(e.attributes.unwrap().file_mode & GO_PIPE, 0);
     // the fifo works (served by the kernel)
-    let fd = check(unsafe {
-        libc::open(
-            cpath(&fifo).as_ptr(),
-            libc::O_RDWR | libc::O_NONBLOCK,
-        )
-    })
-    .unwrap();
+    let fd = check(unsafe { libc::open(cpath(&fifo).as_ptr(), libc::O_RDWR | libc::O_NONBLOCK) })
+        .unwrap();
     let n = unsafe { libc::write(fd, b"pipe".as_ptr().cast(), 4) };
     assert_eq!(n, 4);
     let mut buf = [0u8; 8];
@@ -314,8 +327,7 @@ fn create_mknod_fifo_unlink() {
     assert_eq!(&buf[..n as usize], b"pipe");
     unsafe { libc::close(fd) };
     assert_eq!(
-        check(unsafe { libc::mknod(cpath(&r).as_ptr(), libc::S_IFREG | 0o600, 0) })
-            .unwrap_err(),
+        check(unsafe { libc::mknod(cpath(&r).as_ptr(), libc::S_IFREG | 0o600, 0) }).unwrap_err(),
         libc::EEXIST
     );
 
@@ -539,7 +551,10 @@ fn symlinks_and_hard_links() {
     let m = mount_ours(&w, &root, &[]);
     assert_eq!(fs::read(m.join("h1")).unwrap(), b"changed through h2");
     assert_eq!(lstat(&m.join("h1")).unwrap().st_nlink, 1);
-    assert_eq!(fs::read(m.join("sl")).unwrap_err().raw_os_error(), Some(libc::ENOENT));
+    assert_eq!(
+        fs::read(m.join("sl")).unwrap_err().raw_os_error(),
+        Some(libc::ENOENT)
+    );
 }
 
 #[test]
@@ -615,8 +630,7 @@ fn readdir_ten_thousand_entries() {
         if i % 2 == 0 {
             File::create(&p).unwrap();
         } else {
-            check(unsafe { libc::mknod(cpath(&p).as_ptr(), libc::S_IFREG | 0o644, 0) })
-                .unwrap();
+            check(unsafe { libc::mknod(cpath(&p).as_ptr(), libc::S_IFREG | 0o644, 0) }).unwrap();
         }
     }
     let want: BTreeSet<String> = (0..n).map(|i| format!("file-{i:05}")).collect();
@@ -686,8 +700,7 @@ fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
         return Err(errno());
     }
     let mut buf = vec![0u8; len as usize];
-    let got =
-        unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let got = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     if got < 0 {
         return Err(errno());
     }
@@ -740,14 +753,7 @@ fn xattrs_are_stored_like_weed_mount() {
     // a too small buffer is ERANGE
     let n = std::ffi::CString::new("user.k1").unwrap();
     let mut small = [0u8; 1];
-    let r = unsafe {
-        libc::getxattr(
-            cpath(&p).as_ptr(),
-            n.as_ptr(),
-            small.as_mut_ptr().cast(),
-            1,
-        )
-    };
+    let r = unsafe { libc::getxattr(cpath(&p).as_ptr(), n.as_ptr(), small.as_mut_ptr().cast(), 1) };
     assert_eq!((r, errno()), (-1, libc::ERANGE));
     // stored as extended["xattr-<name>"]
     let e = filer_entry(&rt, &fc, &root, "f").unwrap();
@@ -790,6 +796,7 @@ fn lseek_data_hole_and_fallocate() {
         .read(true)
         .write(true)
         .create(true)
+        .truncate(false)
         .open(&p)
         .unwrap();
     f.write_all_at(b"abc", 0).unwrap();
@@ -861,8 +868,7 @@ fn locks_conflict_between_open_files() {
     // flock(2)
     check(unsafe { libc::flock(f1.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }).unwrap();
     assert_eq!(
-        check(unsafe { libc::flock(f2.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) })
-            .unwrap_err(),
+        check(unsafe { libc::flock(f2.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }).unwrap_err(),
         libc::EWOULDBLOCK
     );
     // ...also from another process

@@ -257,10 +257,7 @@ impl MountGuard {
             is_mounted(&dir)
         });
         if let Some(st) = exited {
-            panic!(
-                "mount process exited early ({st}): {}",
-                self.log_text()
-            );
+            panic!("mount process exited early ({st}): {}", self.log_text());
         }
         assert!(ok, "not mounted within 30 s: {}", self.log_text());
     }
