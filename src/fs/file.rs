@@ -420,6 +420,48 @@ impl OpenFile {
         Some((end, pieces, overlays))
     }
 
+    /// Sorted, merged byte ranges holding data (chunks, uploads in flight, dirty slots), clipped
+    /// to the file size; everything else reads as zeros (holes).
+    pub fn data_ranges(&self) -> Vec<(u64, u64)> {
+        let s = self.state.lock();
+        let size = s.size;
+        let mut r: Vec<(u64, u64)> = Vec::new();
+        if !s.entry.content.is_empty() {
+            r.push((0, s.entry.content.len() as u64));
+        }
+        r.extend(
+            chunks::visible_intervals(&s.resolved)
+                .iter()
+                .map(|iv| (iv.start, iv.stop)),
+        );
+        r.extend(
+            s.inflight
+                .iter()
+                .map(|i| (i.offset, i.offset + i.data.len() as u64)),
+        );
+        let cs = self.chunk_size as u64;
+        for (k, sl) in &s.slots {
+            r.extend(
+                sl.ranges
+                    .iter()
+                    .map(|&(a, b)| (k * cs + a as u64, k * cs + b as u64)),
+            );
+        }
+        r.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+        for (a, b) in r {
+            let (a, b) = (a.min(size), b.min(size));
+            if a >= b {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        out
+    }
+
     /// The entry to commit, with a compacted chunk list and current size.
     pub fn entry_for_commit(&self) -> pb::Entry {
         let mut s = self.state.lock();
@@ -546,6 +588,17 @@ mod tests {
         assert_eq!(read_all(&f, 0, 100), b"012");
         f.truncate(5);
         assert_eq!(read_all(&f, 0, 100), b"012\0\0");
+    }
+
+    #[test]
+    fn data_ranges_merge_and_clip() {
+        let f = file(8);
+        f.write(20, b"xy");
+        f.write(2, b"abcdefgh"); // spans slots 0 and 1
+        f.write(10, b"z");
+        assert_eq!(f.data_ranges(), vec![(2, 11), (20, 22)]);
+        f.truncate(21);
+        assert_eq!(f.data_ranges(), vec![(2, 11), (20, 21)]);
     }
 
     #[test]

@@ -1610,14 +1610,30 @@ impl Fs {
         self.flush_file(&of).await
     }
 
-    /// lseek SEEK_DATA / SEEK_HOLE: the whole file is data (holes read as zeros anyway).
+    /// lseek SEEK_DATA / SEEK_HOLE from the ranges chunks and dirty data cover (bytes no
+    /// chunk covers are holes; the end of the file counts as a hole).
     pub async fn lseek(&self, fh: u64, ino: u64, offset: i64, whence: i32) -> Result<i64> {
         let h = self.handle(fh, ino).await?;
-        let size = h.file.state.lock().size as i64;
+        let size = h.file.state.lock().size;
+        if offset < 0 {
+            return Err(errno(libc::EINVAL, "negative offset"));
+        }
+        let off = offset as u64;
+        if off >= size && (whence == libc::SEEK_DATA || whence == libc::SEEK_HOLE) {
+            return Err(errno(libc::ENXIO, "offset at or beyond EOF"));
+        }
+        let ranges = h.file.data_ranges();
         match whence {
-            libc::SEEK_DATA if offset < size => Ok(offset),
-            libc::SEEK_HOLE if offset < size => Ok(size),
-            libc::SEEK_DATA | libc::SEEK_HOLE => Err(errno(libc::ENXIO, "offset beyond EOF")),
+            libc::SEEK_DATA => ranges
+                .iter()
+                .find(|(_, end)| *end > off)
+                .map(|(start, _)| (*start).max(off) as i64)
+                .ok_or_else(|| errno(libc::ENXIO, "no data after offset")),
+            libc::SEEK_HOLE => Ok(ranges
+                .iter()
+                .find(|(start, end)| *start <= off && off < *end)
+                .map(|(_, end)| *end)
+                .unwrap_or(off) as i64),
             _ => Err(errno(libc::EINVAL, "unsupported whence")),
         }
     }
