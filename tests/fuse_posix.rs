@@ -815,7 +815,18 @@ fn lseek_data_hole_and_fallocate() {
     assert_eq!(seek(0, libc::SEEK_HOLE), Ok(3));
     assert_eq!(seek(3, libc::SEEK_DATA), Err(libc::ENXIO));
     assert_eq!(seek(5, libc::SEEK_HOLE), Err(libc::ENXIO));
-
+    // a sparse file: data at 0 and at 5 MiB (dirty, then committed), a hole between
+    let far = 5u64 << 20;
+    f.write_all_at(b"far", far).unwrap();
+    for _ in 0..2 {
+        assert_eq!(seek(0, libc::SEEK_HOLE), Ok(3));
+        assert_eq!(seek(3, libc::SEEK_HOLE), Ok(3));
+        assert_eq!(seek(3, libc::SEEK_DATA), Ok(far as i64));
+        assert_eq!(seek(far as i64 + 1, libc::SEEK_DATA), Ok(far as i64 + 1));
+        assert_eq!(seek(far as i64, libc::SEEK_HOLE), Ok(far as i64 + 3));
+        f.sync_all().unwrap();
+    }
+    f.set_len(3).unwrap();
     // fallocate mode 0 extends with zeros and changes ctime
     let before = fstat(fd).unwrap();
     std::thread::sleep(Duration::from_millis(20));
