@@ -1714,6 +1714,22 @@ impl Fs {
                 nt.inval_inode(ino);
             }
         }
+        // a name appeared or disappeared: the directories' link counts and times changed
+        let name_changed = match (&n.old_entry, &n.new_entry) {
+            (Some(o), Some(ne)) => {
+                o.name != ne.name || (!n.new_parent_path.is_empty() && n.new_parent_path != dir)
+            }
+            _ => true,
+        };
+        if let (true, Some(nt)) = (name_changed, &notifier) {
+            let mut dirs = vec![self.inodes.ino_of(dir)];
+            if !n.new_parent_path.is_empty() && n.new_parent_path != dir {
+                dirs.push(self.inodes.ino_of(&n.new_parent_path));
+            }
+            for d in dirs.into_iter().flatten() {
+                nt.inval_inode(d);
+            }
+        }
     }
 
     /// After a subscription gap: drop every cached listing and kernel attribute.
