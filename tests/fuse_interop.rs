@@ -149,6 +149,31 @@ fn what_weed_mount_and_http_write_we_read() {
     fs::write(weed.join("wdir/f"), b"in wdir").unwrap();
     assert_reads("weed file", &ours.join("from_weed.bin"), &data);
     assert_reads("weed nested", &ours.join("wdir/f"), b"in wdir");
+    // a directory's link count follows subdirectories made elsewhere (kernel attrs dropped)
+    assert_eq!(fs::metadata(ours.join("wdir")).unwrap().nlink(), 2);
+    fs::create_dir(weed.join("wdir/sub")).unwrap();
+    eventually("nlink after mkdir by weed", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 3
+    });
+    fs::remove_dir(weed.join("wdir/sub")).unwrap();
+    eventually("nlink after rmdir by weed", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 2
+    });
+    // ...also when the filer creates the subdirectory itself (HTTP upload into a new path)
+    w.filer_put(&format!("{root}/wdir/auto/file"), b"auto", "");
+    eventually("nlink after an HTTP upload made a directory", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 3
+    });
+    assert_reads("auto-created path", &ours.join("wdir/auto/file"), b"auto");
 
     // an overwrite of a file we have read (and cached) shows without a remount
     let v2 = pseudo_random(22, data.len());
