@@ -1664,7 +1664,13 @@ impl Fs {
                     nt.inval_entry(pino, &old.name);
                 }
                 match &n.new_entry {
-                    None => self.name_removed(dir, &old.name, old),
+                    None => {
+                        self.name_removed(dir, &old.name, old);
+                        // other names of a hard-linked file now have one link less
+                        if let Some(nt) = &notifier {
+                            nt.inval_inode(entry_inode(&opath, old));
+                        }
+                    }
                     Some(new) => {
                         // renamed by another client: our node ids and open files follow, and
                         // a file of ours it replaced must not be committed again
