@@ -355,3 +355,50 @@ fn open_files_follow_renames_and_deletes_by_others() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(http("victim").as_deref(), Some(&b"new"[..]));
 }
+
+#[test]
+fn hard_links_across_mounts() {
+    let w = shared_server();
+    let root = unique_path("hl");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let nlink = |p: &Path| fs::symlink_metadata(p).map(|m| m.nlink()).unwrap_or(0);
+
+    // ours -> weed
+    fs::write(ours.join("a"), b"one\n").unwrap();
+    fs::hard_link(ours.join("a"), ours.join("b")).unwrap();
+    eventually("weed sees 2 links", || {
+        nlink(&weed.join("a")) == 2 && nlink(&weed.join("b")) == 2
+    });
+    assert_eq!(
+        fs::metadata(weed.join("a")).unwrap().ino(),
+        fs::metadata(weed.join("b")).unwrap().ino()
+    );
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(weed.join("b"))
+        .unwrap();
+    f.write_all(b"two\n").unwrap();
+    drop(f);
+    assert_reads(
+        "append by weed through the other link",
+        &ours.join("a"),
+        b"one\ntwo\n",
+    );
+    assert_reads("and through this link", &ours.join("b"), b"one\ntwo\n");
+
+    // weed -> ours
+    fs::write(weed.join("x"), b"x").unwrap();
+    fs::hard_link(weed.join("x"), weed.join("y")).unwrap();
+    eventually("we see 2 links", || {
+        nlink(&ours.join("x")) == 2 && nlink(&ours.join("y")) == 2
+    });
+    assert_eq!(
+        fs::metadata(ours.join("x")).unwrap().ino(),
+        fs::metadata(ours.join("y")).unwrap().ino()
+    );
+    fs::remove_file(weed.join("x")).unwrap();
+    eventually("x gone", || !ours.join("x").exists());
+    eventually("y has one link", || nlink(&ours.join("y")) == 1);
+    assert_eq!(fs::read(ours.join("y")).unwrap(), b"x");
+}
