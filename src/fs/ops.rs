@@ -235,6 +235,20 @@ impl Fs {
         a
     }
 
+    /// A new inode number for an entry we create. Not the filer's md5(path)+crtime_secs*37
+    /// formula `weed mount` uses: that repeats when a path is reused within a second (write
+    /// `x.lock`, rename it over `x`, create `x.lock` again), and two files with one number look
+    /// like hard links to tar/rsync and mix up open-file state here. Random numbers are
+    /// unique in practice; numbers the kernel knows here are skipped.
+    fn fresh_inode(&self) -> u64 {
+        loop {
+            let ino: u64 = rand::random();
+            if ino > ROOT_INO && self.inodes.path(ino).is_none() && self.open_file(ino).is_none() {
+                return ino;
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn new_entry(
         &self,
@@ -551,9 +565,8 @@ impl Fs {
         self.ensure_absent(&dir, name).await?;
         let path = join(&dir, name);
         let mut e = self.new_entry(name, kind, perm, uid, gid, symlink, rdev);
-        let crtime = e.attributes.as_ref().map(|a| a.crtime).unwrap_or(0);
         if let Some(a) = e.attributes.as_mut() {
-            a.inode = attr::path_inode(&path, crtime);
+            a.inode = self.fresh_inode();
         }
         self.create_on_filer(&dir, &e, true).await?;
         self.meta.upsert(&dir, Arc::new(e.clone()));
@@ -651,8 +664,7 @@ impl Fs {
         }
         let path = join(&dir, name);
         let mut e = self.new_entry(name, Kind::File, mode & 0o7777, uid, gid, "", 0);
-        let crtime = e.attributes.as_ref().map(|a| a.crtime).unwrap_or(0);
-        let ino = attr::path_inode(&path, crtime).max(2);
+        let ino = self.fresh_inode();
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
         }
