@@ -940,3 +940,73 @@ fn locks_conflict_between_open_files() {
         .unwrap();
     assert_eq!(st.code(), Some(3), "lockf in another process must conflict");
 }
+
+#[test]
+fn lock_file_pattern_and_git_work() {
+    let w = shared_server();
+    let root = unique_path("git");
+    let m = mount_ours(&w, &root, &[]);
+    // create x.lock exclusively, rename it over x, again and again within one second: every
+    // new file gets its own inode number, and no stale name survives
+    let mut inos = BTreeSet::new();
+    for i in 0..5 {
+        let lock = m.join("config.lock");
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&lock)
+            .unwrap_or_else(|e| panic!("round {i}: {e}"));
+        f.write_all(format!("v{i}").as_bytes()).unwrap();
+        drop(f);
+        inos.insert(lstat(&lock).unwrap().st_ino);
+        fs::rename(&lock, m.join("config")).unwrap();
+        assert_eq!(lstat(&lock).unwrap_err(), libc::ENOENT, "round {i}");
+        assert_eq!(
+            fs::read(m.join("config")).unwrap(),
+            format!("v{i}").as_bytes()
+        );
+    }
+    assert_eq!(inos.len(), 5, "distinct inode numbers");
+    assert_eq!(w.filer_get(&format!("{root}/config")).unwrap(), b"v4");
+    assert!(w.filer_get(&format!("{root}/config.lock")).is_none());
+
+    // a real git repository: init, commit, gc, fsck, clone
+    let git = |dir: &Path, args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .current_dir(dir)
+            .args(["-c", "user.email=t@example.com", "-c", "user.name=t"])
+            .args(args)
+            .output()
+            .expect("git");
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let repo = m.join("repo");
+    fs::create_dir(&repo).unwrap();
+    git(&repo, &["init", "-q"]);
+    for i in 0..50 {
+        fs::create_dir_all(repo.join(format!("d{}", i % 7))).unwrap();
+        fs::write(
+            repo.join(format!("d{}/f{i}.txt", i % 7)),
+            pseudo_random(i, 1000 + i as usize * 300),
+        )
+        .unwrap();
+    }
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-qm", "one"]);
+    fs::write(repo.join("d0/f0.txt"), b"changed").unwrap();
+    git(&repo, &["commit", "-qam", "two"]);
+    git(&repo, &["gc", "-q"]);
+    git(&repo, &["fsck", "--strict"]);
+    assert_eq!(git(&repo, &["status", "--porcelain"]), "");
+    git(m.path(), &["clone", "-q", "repo", "clone"]);
+    assert_eq!(fs::read(m.join("clone/d0/f0.txt")).unwrap(), b"changed");
+    assert_eq!(
+        fs::read(m.join("clone/d3/f10.txt")).unwrap(),
+        pseudo_random(10, 4000)
+    );
+}
