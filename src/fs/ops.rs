@@ -547,6 +547,43 @@ impl Fs {
         Ok(dir)
     }
 
+    /// Owner group and mode of a new entry in `dir`: a setgid directory passes on its group
+    /// (and, to subdirectories, the setgid bit), as local filesystems do; FUSE leaves this to
+    /// the filesystem. A file keeps a requested setgid bit only if its creator is root or is
+    /// in its group.
+    async fn inherit_group(
+        &self,
+        parent: u64,
+        dir: &str,
+        kind: Kind,
+        perm: u32,
+        uid: u32,
+        gid: u32,
+    ) -> (u32, u32) {
+        let pattr = if parent == ROOT_INO {
+            Some(self.root_attr())
+        } else {
+            let (pd, pn) = split(dir);
+            self.entry_at(&pd, &pn)
+                .await
+                .ok()
+                .map(|e| entry_attr(parent, &e, &self.cfg.ids))
+        };
+        match pattr {
+            Some(p) if p.perm as u32 & libc::S_ISGID != 0 => {
+                let perm = if kind == Kind::Dir {
+                    perm | libc::S_ISGID
+                } else if uid != 0 && p.gid != gid {
+                    perm & !libc::S_ISGID
+                } else {
+                    perm
+                };
+                (perm, p.gid)
+            }
+            _ => (perm, gid),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn make_node(
         &self,
@@ -564,6 +601,7 @@ impl Fs {
         let dir = self.parent_dir(parent).await?;
         self.ensure_absent(&dir, name).await?;
         let path = join(&dir, name);
+        let (perm, gid) = self.inherit_group(parent, &dir, kind, perm, uid, gid).await;
         let mut e = self.new_entry(name, kind, perm, uid, gid, symlink, rdev);
         if let Some(a) = e.attributes.as_mut() {
             a.inode = self.fresh_inode();
@@ -663,7 +701,10 @@ impl Fs {
             Err(e) => return Err(e),
         }
         let path = join(&dir, name);
-        let mut e = self.new_entry(name, Kind::File, mode & 0o7777, uid, gid, "", 0);
+        let (perm, gid) = self
+            .inherit_group(parent, &dir, Kind::File, mode & 0o7777, uid, gid)
+            .await;
+        let mut e = self.new_entry(name, Kind::File, perm, uid, gid, "", 0);
         let ino = self.fresh_inode();
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
