@@ -1010,3 +1010,52 @@ fn lock_file_pattern_and_git_work() {
         pseudo_random(10, 4000)
     );
 }
+
+#[test]
+fn setgid_directories_pass_on_their_group() {
+    let w = shared_server();
+    let m = mount_ours(&w, &unique_path("sgid"), &[]);
+    let d = m.join("shared");
+    fs::create_dir(&d).unwrap();
+    std::os::unix::fs::chown(&d, None, Some(1234)).unwrap();
+    fs::set_permissions(&d, fs::Permissions::from_mode(0o2777)).unwrap();
+    fs::write(d.join("file"), b"x").unwrap();
+    fs::create_dir(d.join("sub")).unwrap();
+    fs::create_dir(d.join("sub/deeper")).unwrap();
+    std::os::unix::fs::symlink("file", d.join("link")).unwrap();
+    check(unsafe { libc::mkfifo(cpath(&d.join("fifo")).as_ptr(), 0o644) }).unwrap();
+    for n in ["file", "sub", "sub/deeper", "link", "fifo"] {
+        assert_eq!(lstat(&d.join(n)).unwrap().st_gid, 1234, "{n}");
+    }
+    assert_ne!(lstat(&d.join("sub")).unwrap().st_mode & libc::S_ISGID, 0);
+    assert_ne!(
+        lstat(&d.join("sub/deeper")).unwrap().st_mode & libc::S_ISGID,
+        0
+    );
+    assert_eq!(lstat(&d.join("file")).unwrap().st_mode & libc::S_ISGID, 0);
+    // a non-member asking for a setgid file gets the group but not the bit
+    let script = format!(
+        "import os\nos.umask(0)\nos.close(os.open('{}', os.O_CREAT|os.O_WRONLY, 0o2777))\n",
+        d.join("by_nobody").display()
+    );
+    let st = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .uid(65534)
+        .gid(65534)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let st = lstat(&d.join("by_nobody")).unwrap();
+    assert_eq!((st.st_uid, st.st_gid), (65534, 1234));
+    assert_eq!(st.st_mode & 0o7777, 0o777);
+    // outside a setgid directory the creator's group is used
+    fs::create_dir(m.join("plain")).unwrap();
+    let st = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("mkdir '{}'", m.join("plain/n").display()))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert_eq!(lstat(&m.join("plain/n")).unwrap().st_gid, 0);
+}
