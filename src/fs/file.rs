@@ -131,7 +131,7 @@ pub struct OpenFile {
     pub max_slots: usize,
 }
 
-/// A planned read: its end (clipped at EOF), the pieces, and dirty bytes laid over them.
+/// A planned read: its end offset, the pieces, and dirty bytes `(offset, data)` laid over them.
 pub type ReadPlan = (u64, Vec<Piece>, Vec<(u64, Bytes)>);
 
 /// A piece of a read: where its bytes come from.

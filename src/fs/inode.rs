@@ -4,9 +4,11 @@
 //! re-imported by a successor process ([`InodeTable::snapshot`] / [`InodeTable::restore`]).
 
 use super::attr::Kind;
+use super::journal::{Journal, JournalOp};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub const ROOT_INO: u64 = 1;
 
@@ -29,12 +31,14 @@ struct Inner {
 
 pub struct InodeTable {
     inner: RwLock<Inner>,
+    journal: RwLock<Option<Arc<Journal>>>,
 }
 
 impl InodeTable {
     pub fn new(root_path: &str) -> Self {
         let t = InodeTable {
             inner: RwLock::new(Inner::default()),
+            journal: RwLock::new(None),
         };
         t.inner.write().by_ino.insert(
             ROOT_INO,
@@ -51,6 +55,62 @@ impl InodeTable {
             .by_path
             .insert(root_path.to_string(), ROOT_INO);
         t
+    }
+
+    /// Starts recording every change to `j` (after writing the current table into it).
+    pub fn set_journal(&self, j: Arc<Journal>) {
+        for r in self.snapshot() {
+            if r.ino != ROOT_INO {
+                self.log(
+                    &j,
+                    JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    },
+                );
+            }
+        }
+        *self.journal.write() = Some(j);
+    }
+
+    fn log(&self, j: &Journal, op: JournalOp) {
+        if let Err(e) = j.append(&op) {
+            tracing::warn!(error = %e, "inode journal append failed");
+        }
+    }
+
+    fn journal(&self, op: JournalOp) {
+        if let Some(j) = self.journal.read().as_ref() {
+            self.log(j, op);
+            let _ = j.maybe_compact(|| {
+                self.snapshot()
+                    .into_iter()
+                    .filter(|r| r.ino != ROOT_INO)
+                    .map(|r| JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    })
+                    .collect()
+            });
+        }
+    }
+
+    /// Rebuilds the table from a journal written by a previous process.
+    pub fn replay(&self, ops: Vec<JournalOp>) {
+        for op in ops {
+            match op {
+                JournalOp::Remember { ino, path, is_dir } => {
+                    let kind = if is_dir { Kind::Dir } else { Kind::File };
+                    self.remember_quiet(ino, &path, kind, true, false);
+                }
+                JournalOp::Forget { ino } => {
+                    self.forget_quiet(ino, u64::MAX);
+                }
+                JournalOp::Rename { from, to } => self.rename_quiet(&from, &to),
+            }
+        }
     }
 
     pub fn path(&self, ino: u64) -> Option<String> {
@@ -70,7 +130,27 @@ impl InodeTable {
     /// Like [`remember`](Self::remember); with `hard_link` the path is added as one more name
     /// of the node instead of replacing the one it has.
     pub fn remember_as(&self, ino: u64, path: &str, kind: Kind, counted: bool, hard_link: bool) {
+        if self.remember_quiet(ino, path, kind, counted, hard_link) {
+            self.journal(JournalOp::Remember {
+                ino,
+                path: path.to_string(),
+                is_dir: kind == Kind::Dir,
+            });
+        }
+    }
+
+    /// Returns whether the node's primary path is new or changed (an added alias is not
+    /// journaled: a successor re-learns it from the kernel's next lookup).
+    fn remember_quiet(
+        &self,
+        ino: u64,
+        path: &str,
+        kind: Kind,
+        counted: bool,
+        hard_link: bool,
+    ) -> bool {
         let mut g = self.inner.write();
+        let mut changed = !g.by_ino.contains_key(&ino);
         let rec = g.by_ino.entry(ino).or_insert_with(|| NodeRecord {
             ino,
             path: path.to_string(),
@@ -88,6 +168,7 @@ impl InodeTable {
                     rec.aliases.push(path.to_string());
                 }
             } else {
+                changed = true;
                 dropped.push(std::mem::replace(&mut rec.path, path.to_string()));
                 dropped.append(&mut rec.aliases);
             }
@@ -98,12 +179,20 @@ impl InodeTable {
             }
         }
         g.by_path.insert(path.to_string(), ino);
+        changed
     }
 
     /// Kernel FORGET: drops the mapping when its lookup count reaches zero.
     pub fn forget(&self, ino: u64, n: u64) {
+        if self.forget_quiet(ino, n) {
+            self.journal(JournalOp::Forget { ino });
+        }
+    }
+
+    /// Returns whether the node was dropped.
+    fn forget_quiet(&self, ino: u64, n: u64) -> bool {
         if ino == ROOT_INO {
-            return;
+            return false;
         }
         let mut g = self.inner.write();
         let gone = match g.by_ino.get_mut(&ino) {
@@ -122,24 +211,36 @@ impl InodeTable {
                 }
             }
         }
+        gone
     }
 
     /// A path was deleted: forget the path mapping (the node id lives on until FORGET). A
     /// hard-linked node keeps being reachable through its other names.
     pub fn unlink_path(&self, path: &str) {
-        let mut g = self.inner.write();
-        let Some(ino) = g.by_path.remove(path) else {
-            return;
-        };
-        if let Some(rec) = g.by_ino.get_mut(&ino) {
-            rec.aliases.retain(|a| a != path);
-            if rec.path == path && !rec.aliases.is_empty() {
-                rec.path = rec.aliases.remove(0);
+        let promoted = {
+            let mut g = self.inner.write();
+            let Some(ino) = g.by_path.remove(path) else {
+                return;
+            };
+            match g.by_ino.get_mut(&ino) {
+                Some(rec) => {
+                    rec.aliases.retain(|a| a != path);
+                    if rec.path == path && !rec.aliases.is_empty() {
+                        rec.path = rec.aliases.remove(0);
+                        Some((ino, rec.path.clone(), rec.is_dir))
+                    } else {
+                        None
+                    }
+                }
+                None => None,
             }
+        };
+        if let Some((ino, path, is_dir)) = promoted {
+            self.journal(JournalOp::Remember { ino, path, is_dir });
         }
     }
 
-    /// Other known names of a hard-linked node.
+    /// Every known name of a node (the primary one first).
     pub fn aliases(&self, ino: u64) -> Vec<String> {
         let g = self.inner.read();
         match g.by_ino.get(&ino) {
@@ -152,6 +253,14 @@ impl InodeTable {
 
     /// `old` (and everything below it) is now at `new`.
     pub fn rename(&self, old: &str, new: &str) {
+        self.rename_quiet(old, new);
+        self.journal(JournalOp::Rename {
+            from: old.to_string(),
+            to: new.to_string(),
+        });
+    }
+
+    fn rename_quiet(&self, old: &str, new: &str) {
         let mut g = self.inner.write();
         let prefix = format!("{}/", old.trim_end_matches('/'));
         let moved: Vec<(String, u64)> = g
@@ -258,5 +367,35 @@ mod tests {
         t.forget(20, 4);
         assert!(t.path(20).is_none());
         assert_eq!(t.ino_of("/m/g"), None);
+    }
+
+    #[test]
+    fn journal_follows_a_promoted_hard_link_name() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.set_journal(j.clone());
+        t.remember(30, "/m/a", Kind::File, true);
+        t.remember_as(30, "/m/b", Kind::File, true, true);
+        t.unlink_path("/m/a");
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(30).unwrap(), "/m/b");
+    }
+
+    #[test]
+    fn journal_rebuilds_the_table() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.remember(10, "/m/a", Kind::Dir, true);
+        t.set_journal(j.clone());
+        t.remember(11, "/m/a/f", Kind::File, true);
+        t.remember(12, "/m/g", Kind::File, true);
+        t.rename("/m/a", "/m/b");
+        t.forget(12, 1);
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(10).unwrap(), "/m/b");
+        assert_eq!(t2.path(11).unwrap(), "/m/b/f");
+        assert!(t2.path(12).is_none());
     }
 }

@@ -1473,7 +1473,8 @@ impl Fs {
 
     // ---------- statfs / quota ----------
 
-    async fn refresh_usage(&self) {
+    /// Re-reads the volume's used bytes (quota accounting).
+    pub async fn refresh_usage(&self) {
         if let Ok(st) = self
             .filer
             .statistics(pb::StatisticsRequest {
