@@ -1059,3 +1059,64 @@ fn setgid_directories_pass_on_their_group() {
     assert!(st.success());
     assert_eq!(lstat(&m.join("plain/n")).unwrap().st_gid, 0);
 }
+
+#[test]
+fn shared_mmap_and_direct_io() {
+    let w = shared_server();
+    let root = unique_path("mmap");
+    let m = mount_ours(&w, &root, &[]);
+    // a shared writable mapping reaches the filer after msync + close
+    let p = m.join("mapped");
+    fs::write(&p, vec![0u8; 3 * 4096]).unwrap();
+    let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let len = 3 * 4096;
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED, "mmap: {}", errno());
+    let map = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+    map[100..110].copy_from_slice(b"0123456789");
+    map[8190..8195].copy_from_slice(b"edges");
+    check(unsafe { libc::msync(addr, len, libc::MS_SYNC) }).unwrap();
+    unsafe { libc::munmap(addr, len) };
+    drop(f);
+    let mut want = vec![0u8; len];
+    want[100..110].copy_from_slice(b"0123456789");
+    want[8190..8195].copy_from_slice(b"edges");
+    assert_eq!(fs::read(&p).unwrap(), want);
+    assert_eq!(w.filer_get(&format!("{root}/mapped")).unwrap(), want);
+
+    // O_DIRECT writes and reads with aligned buffers
+    let q = m.join("direct");
+    let data = pseudo_random(77, 3 << 20);
+    let layout = std::alloc::Layout::from_size_align(data.len(), 4096).unwrap();
+    let buf = unsafe { std::alloc::alloc(layout) };
+    let aligned = unsafe { std::slice::from_raw_parts_mut(buf, data.len()) };
+    aligned.copy_from_slice(&data);
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&q)
+        .unwrap();
+    f.write_all_at(aligned, 0).unwrap();
+    drop(f);
+    aligned.fill(0);
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&q)
+        .unwrap();
+    f.read_exact_at(aligned, 0).unwrap();
+    assert!(aligned == &data[..], "O_DIRECT read back");
+    unsafe { std::alloc::dealloc(buf, layout) };
+    assert!(w.filer_get(&format!("{root}/direct")).unwrap() == data);
+}
