@@ -127,6 +127,10 @@ pub struct OpenFile {
     pub ino: u64,
     pub state: Mutex<FileState>,
     pub uploads_done: Notify,
+    /// Held from building a commit until the filer answered it: two commits of one file in
+    /// flight could reach the filer out of order, and the older chunk list would make the
+    /// filer delete the chunks only the newer one has.
+    pub commit: tokio::sync::Mutex<()>,
     pub chunk_size: usize,
     pub max_slots: usize,
 }
@@ -180,6 +184,7 @@ impl OpenFile {
                 uncommitted: 0,
             }),
             uploads_done: Notify::new(),
+            commit: tokio::sync::Mutex::new(()),
             chunk_size: chunk_size.max(1),
             max_slots: max_slots.max(2),
         }

@@ -1290,6 +1290,7 @@ impl Fs {
             self.start_uploads(of, runs).await;
         }
         of.wait_uploads().await;
+        let _commit = of.commit.lock().await;
         let (dir, dirty, unlinked, err) = {
             let s = of.state.lock();
             (s.dir.clone(), s.meta_dirty, s.unlinked, s.error.clone())
