@@ -172,6 +172,35 @@ fn many_concurrent_writers() {
         &w.filer_get(&format!("{root}/shared")).unwrap(),
         &want,
     );
+
+    // many descriptors of one file, each writing its part and committing (fsync/close)
+    // concurrently: every commit must carry every earlier chunk
+    let p = m.join("many-fds");
+    File::create(&p).unwrap();
+    let part = MIB + 1000;
+    std::thread::scope(|s| {
+        for t in 0..12usize {
+            let p = &p;
+            s.spawn(move || {
+                let data = pseudo_random(300 + t as u64, part);
+                for k in 0..4 {
+                    let f = OpenOptions::new().write(true).open(p).unwrap();
+                    let (a, b) = (k * part / 4, (k + 1) * part / 4);
+                    f.write_all_at(&data[a..b], (t * part + a) as u64).unwrap();
+                    if (t + k) % 2 == 0 {
+                        f.sync_all().unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let want: Vec<u8> = (0..12).flat_map(|t| pseudo_random(300 + t, part)).collect();
+    assert_same("many fds", &fs::read(&p).unwrap(), &want);
+    assert_same(
+        "many fds via filer",
+        &w.filer_get(&format!("{root}/many-fds")).unwrap(),
+        &want,
+    );
 }
 
 #[test]
