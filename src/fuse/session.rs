@@ -132,7 +132,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
             std::fs::create_dir_all(dir).map_err(|e| bad(&format!("cannot create: {e}")))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(bad("does not exist (use -dirAutoCreate)"))
+            return Err(bad("does not exist (use --dirAutoCreate)"))
         }
         Err(e) => {
             return Err(bad(&format!(
@@ -143,7 +143,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
     if !nonempty {
         let mut it = std::fs::read_dir(dir).map_err(|e| bad(&format!("cannot list: {e}")))?;
         if it.next().is_some() {
-            return Err(bad("is not empty (use -nonempty to mount over it)"));
+            return Err(bad("is not empty (use --nonempty to mount over it)"));
         }
     }
     Ok(())
@@ -159,6 +159,8 @@ pub fn fuse_config(opts: &MountOptions, fsname: String) -> fuser::Config {
         O::NoDev,
         O::NoSuid,
         O::CUSTOM("max_read=1048576".into()),
+        // fuser's direct mount drops Subtype; pass it raw so mounts show as fuse.seaweedfs
+        O::CUSTOM("subtype=seaweedfs".into()),
     ];
     if opts.read_only {
         mo.push(O::RO);
