@@ -10,7 +10,11 @@ use bytes::Bytes;
 use std::future::Future;
 use std::sync::Arc;
 
-async fn timed<T, E>(family: &'static str, label: &'static str, f: impl Future<Output = Result<T, E>>) -> Result<T, E> {
+async fn timed<T, E>(
+    family: &'static str,
+    label: &'static str,
+    f: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
     let t = metrics::timer(family, label);
     let r = f.await;
     if r.is_err() {
@@ -28,24 +32,55 @@ pub struct InstrumentedFiler(pub Arc<dyn FilerApi>);
 #[async_trait]
 impl FilerApi for InstrumentedFiler {
     async fn lookup_entry(&self, dir: &str, name: &str) -> FilerResult<pb::Entry> {
-        timed(FILER, "LookupDirectoryEntry", self.0.lookup_entry(dir, name)).await
+        timed(
+            FILER,
+            "LookupDirectoryEntry",
+            self.0.lookup_entry(dir, name),
+        )
+        .await
     }
-    async fn list_page(&self, dir: &str, start_from: &str, inclusive: bool, limit: u32) -> FilerResult<Vec<pb::Entry>> {
-        timed(FILER, "ListEntries", self.0.list_page(dir, start_from, inclusive, limit)).await
+    async fn list_page(
+        &self,
+        dir: &str,
+        start_from: &str,
+        inclusive: bool,
+        limit: u32,
+    ) -> FilerResult<Vec<pb::Entry>> {
+        timed(
+            FILER,
+            "ListEntries",
+            self.0.list_page(dir, start_from, inclusive, limit),
+        )
+        .await
     }
-    async fn create_entry(&self, req: pb::CreateEntryRequest) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
+    async fn create_entry(
+        &self,
+        req: pb::CreateEntryRequest,
+    ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
         timed(FILER, "CreateEntry", self.0.create_entry(req)).await
     }
-    async fn update_entry(&self, req: pb::UpdateEntryRequest) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
+    async fn update_entry(
+        &self,
+        req: pb::UpdateEntryRequest,
+    ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
         timed(FILER, "UpdateEntry", self.0.update_entry(req)).await
     }
-    async fn delete_entry(&self, req: pb::DeleteEntryRequest) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
+    async fn delete_entry(
+        &self,
+        req: pb::DeleteEntryRequest,
+    ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
         timed(FILER, "DeleteEntry", self.0.delete_entry(req)).await
     }
-    async fn rename_entry(&self, req: pb::StreamRenameEntryRequest) -> FilerResult<Vec<pb::StreamRenameEntryResponse>> {
+    async fn rename_entry(
+        &self,
+        req: pb::StreamRenameEntryRequest,
+    ) -> FilerResult<Vec<pb::StreamRenameEntryResponse>> {
         timed(FILER, "StreamRenameEntry", self.0.rename_entry(req)).await
     }
-    async fn assign_volume(&self, req: pb::AssignVolumeRequest) -> FilerResult<pb::AssignVolumeResponse> {
+    async fn assign_volume(
+        &self,
+        req: pb::AssignVolumeRequest,
+    ) -> FilerResult<pb::AssignVolumeResponse> {
         timed(FILER, "AssignVolume", self.0.assign_volume(req)).await
     }
     async fn lookup_volume(&self, volume_id: u32) -> FilerResult<Vec<pb::Location>> {
@@ -57,7 +92,10 @@ impl FilerApi for InstrumentedFiler {
     async fn configuration(&self) -> FilerResult<pb::GetFilerConfigurationResponse> {
         timed(FILER, "GetFilerConfiguration", self.0.configuration()).await
     }
-    async fn subscribe_once(&self, req: pb::SubscribeMetadataRequest) -> FilerResult<MetadataStream> {
+    async fn subscribe_once(
+        &self,
+        req: pb::SubscribeMetadataRequest,
+    ) -> FilerResult<MetadataStream> {
         timed(FILER, "SubscribeMetadata", self.0.subscribe_once(req)).await
     }
     fn http_address(&self) -> String {
@@ -79,7 +117,12 @@ impl ChunkStore for InstrumentedStore {
     async fn fetch_chunk(&self, chunk: &pb::FileChunk) -> VolumeResult<Bytes> {
         timed(VOLUME, "read_chunk", self.0.fetch_chunk(chunk)).await
     }
-    async fn fetch_range(&self, chunk: &pb::FileChunk, offset: u64, len: u64) -> VolumeResult<Bytes> {
+    async fn fetch_range(
+        &self,
+        chunk: &pb::FileChunk,
+        offset: u64,
+        len: u64,
+    ) -> VolumeResult<Bytes> {
         timed(VOLUME, "read_range", self.0.fetch_range(chunk, offset, len)).await
     }
 }
@@ -97,7 +140,11 @@ mod tests {
         let after = metrics::global().render();
         let count = |s: &str| {
             s.lines()
-                .find(|l| l.starts_with("seaweedfs_csi_filer_rpc_errors_total{method=\"LookupDirectoryEntry\"}"))
+                .find(|l| {
+                    l.starts_with(
+                        "seaweedfs_csi_filer_rpc_errors_total{method=\"LookupDirectoryEntry\"}",
+                    )
+                })
                 .and_then(|l| l.rsplit(' ').next())
                 .and_then(|v| v.parse::<u64>().ok())
                 .unwrap_or(0)

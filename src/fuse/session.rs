@@ -45,7 +45,8 @@ pub async fn build_fs(
         ..Default::default()
     })
     .await?;
-    let filer: Arc<dyn FilerApi> = Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
+    let filer: Arc<dyn FilerApi> =
+        Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
     let conf = filer.configuration().await?;
     let store = VolumeClient::new(
         filer.clone(),
