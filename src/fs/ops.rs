@@ -1264,7 +1264,6 @@ impl Fs {
             self.stats
                 .upload_bytes
                 .fetch_add(stats_bytes, Ordering::Relaxed);
-            self.stats.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
             let fs_stats = crate::metrics::global();
             let cache = self.cache.clone();
             tokio::spawn(async move {

@@ -290,6 +290,7 @@ impl MountedVolume {
             fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
         }
         raise_readahead(mountpoint, 4096);
+        register_metrics(&fs);
         let tasks = spawn_background(&fs);
         let conn = connection_id(mountpoint);
         tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
@@ -584,4 +585,83 @@ pub fn abort_connection(id: u32) -> std::io::Result<()> {
         );
     }
     std::fs::write(&abort, b"1")
+}
+
+/// Sessions whose cache and upload counters are exported (`seaweedfs_csi_cache_*`).
+static LIVE: parking_lot::Mutex<Vec<(String, std::sync::Weak<Fs>)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// Registers a session for the per-volume metrics (one collector renders every session).
+fn register_metrics(fs: &Arc<Fs>) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| crate::metrics::global().add_collector(Box::new(render_session_metrics)));
+    let mut live = LIVE.lock();
+    live.retain(|(_, w)| w.strong_count() > 0);
+    live.push((fs.cfg.root.clone(), Arc::downgrade(fs)));
+}
+
+fn render_session_metrics(out: &mut String) {
+    use std::fmt::Write as _;
+    use std::sync::atomic::Ordering::Relaxed;
+    let live: Vec<(String, Arc<Fs>)> = LIVE
+        .lock()
+        .iter()
+        .filter_map(|(v, w)| w.upgrade().map(|f| (v.clone(), f)))
+        .collect();
+    type Get = fn(&Fs) -> u64;
+    let families: [(&str, &str, &str, Get); 7] = [
+        (
+            "seaweedfs_csi_cache_hits_total",
+            "counter",
+            "Chunk reads served from the session cache.",
+            |f| f.cache.stats.hits.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_misses_total",
+            "counter",
+            "Chunk reads that fetched from volume servers.",
+            |f| f.cache.stats.misses.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_evictions_total",
+            "counter",
+            "Chunks evicted from the session cache.",
+            |f| f.cache.stats.evictions.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_served_bytes_total",
+            "counter",
+            "Bytes served from the session cache.",
+            |f| f.cache.stats.bytes_from_cache.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_fetched_bytes_total",
+            "counter",
+            "Bytes fetched from volume servers.",
+            |f| f.cache.stats.bytes_fetched.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_size_bytes",
+            "gauge",
+            "Bytes held by the session cache.",
+            |f| f.cache.weighted_size(),
+        ),
+        (
+            "seaweedfs_csi_upload_queue_depth",
+            "gauge",
+            "Chunk uploads in flight.",
+            |f| f.uploads_in_flight(),
+        ),
+    ];
+    for (name, kind, help, get) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (vol, f) in &live {
+            let _ = writeln!(
+                out,
+                "{name}{{volume=\"{}\"}} {}",
+                vol.replace('\\', "\\\\").replace('"', "\\\""),
+                get(f)
+            );
+        }
+    }
 }
