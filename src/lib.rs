@@ -17,6 +17,7 @@ pub mod fs;
 pub mod fuse;
 pub mod keeper;
 pub mod metrics;
+pub mod metrics_server;
 pub mod pb;
 pub mod security;
 pub mod volume;
