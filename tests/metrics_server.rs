@@ -167,6 +167,32 @@ async fn scrape_sees_ops_and_health() {
     );
 }
 
+/// Every family a scrape returns is documented in docs/METRICS.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_documented() {
+    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let text = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    server.shutdown().await;
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/METRICS.md"),
+    )
+    .unwrap();
+    let families: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(families.len() >= 10, "{text}");
+    for f in families {
+        assert!(doc.contains(&format!("`{f}`")), "{f} is not documented in docs/METRICS.md");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_clients_do_not_hurt_the_server() {
     let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), None)

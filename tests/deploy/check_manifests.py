@@ -280,6 +280,8 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
             p.add(where, "controller must run --components=controller")
         if "livenessProbe" not in plugin:
             p.add(where, "controller plugin container has no livenessProbe")
+        if arg_value(plugin, "--attacher") != str(attacher).lower():
+            p.add(where, f"controller --attacher must be {str(attacher).lower()} to match attachRequired")
     images = " ".join(c["image"] for c in pod_spec(ctrl)["containers"])
     for sidecar in ("csi-provisioner", "csi-resizer", "livenessprobe"):
         if sidecar not in images:
@@ -460,8 +462,8 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     env = {e["name"]: e.get("value") for e in plugin["env"]}
     if env.get("WEED_GRPC_CA") != "/var/run/secrets/app/tls/ca.crt":
         p.add("helm full values", "tlsSecret does not set WEED_GRPC_CA")
-    if env.get("RUST_LOG") != "info,seaweedfs_csi_driver=debug":
-        p.add("helm full values", "logFilter does not reach RUST_LOG")
+    if env.get("WEED_LOGLEVEL") != "info,seaweedfs_csi_driver=debug":
+        p.add("helm full values", "logFilter does not reach WEED_LOGLEVEL")
     mounts = {m["mountPath"] for m in plugin["volumeMounts"]}
     if "/etc/seaweedfs/security.toml" not in mounts:
         p.add("helm full values", "security.toml is not mounted in the node plugin")
@@ -473,8 +475,8 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     gdocs = render_helm(copy.deepcopy(GO_STYLE_VALUES))
     gnode = next(d for d in gdocs if d["kind"] == "DaemonSet" and name_of(d).endswith("-node"))
     genv = {e["name"]: e.get("value") for e in container(gnode, "seaweedfs-csi-plugin")["env"]}
-    if genv.get("RUST_LOG") != "debug":
-        p.add("helm go-style values", f"logVerbosity 4 should give RUST_LOG=debug, got {genv.get('RUST_LOG')}")
+    if genv.get("WEED_V") != "4":
+        p.add("helm go-style values", f"logVerbosity 4 should give WEED_V=4, got {genv.get('WEED_V')}")
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
 

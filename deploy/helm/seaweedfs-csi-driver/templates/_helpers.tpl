@@ -29,17 +29,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.seaweedfsCsiPlugin.image (default .Chart.AppVersion .Values.seaweedfsCsiPlugin.tag) -}}
 {{- end -}}
 
-{{/* RUST_LOG from logFilter, else from the Go-style logVerbosity */}}
-{{- define "seaweedfs-csi-driver.rustLog" -}}
-{{- if .Values.logFilter -}}
-{{- .Values.logFilter -}}
-{{- else if ge (int (default 0 .Values.logVerbosity)) 5 -}}
-trace
-{{- else if ge (int (default 0 .Values.logVerbosity)) 3 -}}
-debug
-{{- else -}}
-info
-{{- end -}}
+{{/* log settings, read by the binary itself (--v / --logLevel via WEED_V / WEED_LOGLEVEL) */}}
+{{- define "seaweedfs-csi-driver.logEnv" -}}
+{{- if .Values.logFilter }}
+- name: WEED_LOGLEVEL
+  value: {{ .Values.logFilter | quote }}
+{{- end }}
+{{- if hasKey .Values "logVerbosity" }}
+- name: WEED_V
+  value: {{ .Values.logVerbosity | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "seaweedfs-csi-driver.securitySource" -}}
@@ -62,8 +61,7 @@ secret:
 
 {{/* env shared by every plugin container */}}
 {{- define "seaweedfs-csi-driver.pluginEnv" -}}
-- name: RUST_LOG
-  value: {{ include "seaweedfs-csi-driver.rustLog" . | quote }}
+{{- include "seaweedfs-csi-driver.logEnv" . }}
 {{- if .Values.tlsSecret }}
 - name: WEED_GRPC_CA
   value: /var/run/secrets/app/tls/ca.crt

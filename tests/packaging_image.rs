@@ -1,0 +1,277 @@
+//! SLOW TEST (release build of the static binary, several minutes the first time).
+//!
+//! The container image is `FROM scratch` plus one static binary (Dockerfile). No container
+//! engine runs here, so this proves the same thing without one: it builds the binary exactly
+//! as the Dockerfile does (scripts/build-static.sh), puts it ALONE into an empty root together
+//! with what a container runtime and the node DaemonSet provide (/dev/fuse and /dev/null from
+//! the host's /dev, /proc, kubelet's /etc/hosts and /etc/resolv.conf, an empty /tmp), chroots
+//! into it with an empty environment and runs `--version`, `--help` and a real `mount` against a
+//! real weed server on 127.0.0.1 (the chroot shares the network namespace). The filer is named
+//! by a host name from the chroot's /etc/hosts, so name resolution of the static binary is
+//! exercised too. Every mount and process is cleaned up on failure.
+
+mod common;
+
+use std::ffi::CString;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Builds (or reuses) the static release binary; returns its path.
+fn build_static() -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo().join("scripts/build-static.sh"))
+        .current_dir(repo())
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run scripts/build-static.sh");
+    assert!(out.status.success(), "static build failed");
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let path = repo().join(path);
+    assert!(path.is_file(), "no binary at {}", path.display());
+    path
+}
+
+fn is_mounted(path: &Path) -> bool {
+    let want = path.to_string_lossy().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+}
+
+fn umount_lazy(path: &Path) {
+    if let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) {
+        unsafe {
+            libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+        }
+    }
+}
+
+/// The empty root: removes itself and everything mounted in it, and kills what runs in it.
+struct Root {
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Root {
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn new(binary: &Path, filer_host: &str) -> Root {
+        let dir = tempfile::Builder::new().prefix("scratch-root").tempdir().unwrap();
+        let r = Root { dir, child: None };
+        let p = r.path();
+        std::fs::copy(binary, p.join("seaweedfs-csi-driver")).unwrap();
+        std::fs::set_permissions(
+            p.join("seaweedfs-csi-driver"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        for d in ["dev", "proc", "etc", "mnt"] {
+            std::fs::create_dir(p.join(d)).unwrap();
+        }
+        std::fs::create_dir(p.join("tmp")).unwrap();
+        std::fs::set_permissions(p.join("tmp"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        // The node DaemonSet mounts the host's /dev; these two nodes are what the binary uses.
+        for (name, major, minor) in [("fuse", 10, 229), ("null", 1, 3)] {
+            let c = CString::new(p.join("dev").join(name).as_os_str().as_encoded_bytes()).unwrap();
+            let rc = unsafe {
+                libc::mknod(
+                    c.as_ptr(),
+                    libc::S_IFCHR | 0o666,
+                    libc::makedev(major, minor),
+                )
+            };
+            assert_eq!(rc, 0, "mknod /dev/{name}: {}", std::io::Error::last_os_error());
+        }
+        // What kubelet writes into every container (a hostAlias for the filer, no DNS server).
+        std::fs::write(
+            p.join("etc/hosts"),
+            format!("127.0.0.1\tlocalhost\n127.0.0.1\t{filer_host}\n"),
+        )
+        .unwrap();
+        std::fs::write(p.join("etc/resolv.conf"), "nameserver 127.0.0.1\noptions ndots:1\n")
+            .unwrap();
+        let proc_dir = CString::new(p.join("proc").as_os_str().as_encoded_bytes()).unwrap();
+        let rc = unsafe {
+            libc::mount(
+                c"proc".as_ptr(),
+                proc_dir.as_ptr(),
+                c"proc".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(rc, 0, "mount proc: {}", std::io::Error::last_os_error());
+        r
+    }
+
+    /// A command that runs `/seaweedfs-csi-driver args...` chrooted into the root, with an
+    /// empty environment (a scratch image has no PATH, HOME, ...).
+    fn command(&self, args: &[&str]) -> Command {
+        let root = CString::new(self.path().as_os_str().as_encoded_bytes()).unwrap();
+        let mut cmd = Command::new("/seaweedfs-csi-driver");
+        cmd.args(args).env_clear().current_dir("/");
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::chroot(root.as_ptr()) != 0 || libc::chdir(c"/".as_ptr()) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> (bool, String) {
+        let out = self.command(args).output().expect("spawn in chroot");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+
+    /// Files in the root other than the mount points and the ones this test put there.
+    fn unexpected_files(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(self.path()).unwrap() {
+            let name = e.unwrap().file_name().to_string_lossy().to_string();
+            if !["seaweedfs-csi-driver", "dev", "proc", "etc", "mnt", "tmp"].contains(&name.as_str())
+            {
+                out.push(name);
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Root {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            common::kill_child(&mut c);
+        }
+        for d in ["mnt", "proc"] {
+            let p = self.path().join(d);
+            for _ in 0..3 {
+                if !is_mounted(&p) {
+                    break;
+                }
+                umount_lazy(&p);
+            }
+        }
+    }
+}
+
+#[test]
+fn scratch_image_runs_and_mounts_slow() {
+    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (chroot, mknod, mount)");
+    let binary = build_static();
+
+    // Static for real: the kernel runs it without any loader or library present.
+    let elf = Command::new("readelf").arg("-lW").arg(&binary).output().unwrap();
+    let elf = String::from_utf8_lossy(&elf.stdout);
+    assert!(!elf.contains("INTERP"), "binary has a program interpreter");
+
+    let weed = common::WeedServer::start();
+    let filer_host = "seaweedfs-filer.test";
+    let mut root = Root::new(&binary, filer_host);
+
+    let (ok, out) = root.run(&["--version"]);
+    assert!(ok, "--version failed in the empty root: {out}");
+    assert!(out.contains(env!("CARGO_PKG_VERSION")), "{out}");
+    let (ok, out) = root.run(&["--help"]);
+    assert!(ok, "--help failed: {out}");
+    assert!(out.contains("mount"), "{out}");
+    let (ok, out) = root.run(&["mount", "--help"]);
+    assert!(ok && out.contains("--filer"), "{out}");
+
+    // A file that exists on the filer before the mount, to read through it.
+    let seeded: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    weed.filer_put("/scratch/seeded.bin", &seeded, "");
+
+    let log_path = weed.path().join("chroot-mount.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let filer = format!("{filer_host}:{}", weed.filer_port);
+    let child = root
+        .command(&[
+            "mount",
+            &format!("--filer={filer}"),
+            "--filer.path=/scratch",
+            "--dir=/mnt",
+        ])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("spawn mount in chroot");
+    root.child = Some(child);
+    let mnt = root.path().join("mnt");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !is_mounted(&mnt) {
+        if let Some(st) = root.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!(
+                "mount exited with {st} before mounting:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not mounted after 30 s:\n{}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Read what the filer had; write a multi-chunk file (uploads go from inside the chroot to
+    // the volume server) and read it back, then check the filer has it.
+    assert_eq!(std::fs::read(mnt.join("seeded.bin")).unwrap(), seeded);
+    let data: Vec<u8> = (0..5u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    std::fs::write(mnt.join("written.bin"), &data).unwrap();
+    let mut back = Vec::new();
+    std::fs::File::open(mnt.join("written.bin"))
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap();
+    assert!(back == data, "read back differs");
+    assert_eq!(weed.filer_get("/scratch/written.bin").unwrap(), data);
+    let names: Vec<String> = std::fs::read_dir(&mnt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(names.contains(&"written.bin".to_string()) && names.contains(&"seeded.bin".to_string()));
+
+    // SIGTERM: the command unmounts and exits cleanly.
+    let mut child = root.child.take().unwrap();
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            root.child = Some(child);
+            panic!("mount did not exit within 20 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(status.success(), "mount exited with {status}:\n{log}");
+    assert!(!is_mounted(&mnt), "still mounted after exit");
+    assert!(root.unexpected_files().is_empty(), "{:?}", root.unexpected_files());
+    println!(
+        "static binary {} bytes; chroot mount log:\n{log}",
+        std::fs::metadata(&binary).unwrap().len()
+    );
+}
