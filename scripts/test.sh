@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The project's test command: formatting, lints, unit and integration tests (real weed, real
+# FUSE mounts; needs root and /dev/fuse).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+mkdir -p target
+# Integration tests start their own weed servers; keep parallelism modest on small machines.
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-2} cargo test --all-targets 2>&1 | tee target/test.log
