@@ -14,9 +14,7 @@ COPY src ./src
 COPY scripts/build-static.sh ./scripts/build-static.sh
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    bin="$(scripts/build-static.sh)" \
- && install -D -m 0755 "$bin" /out/seaweedfs-csi-driver \
- && /out/seaweedfs-csi-driver --version \
+    scripts/build-static.sh --out /out/seaweedfs-csi-driver \
  && mkdir -m 1777 /out/tmp
 
 FROM scratch

@@ -160,7 +160,11 @@ async fn serve_conn(mut stream: TcpStream, health: Option<HealthCheck>) -> std::
         }
         None => (
             String::new(),
-            Response::text(431, "Request Header Fields Too Large", "request head too large\n"),
+            Response::text(
+                431,
+                "Request Header Fields Too Large",
+                "request head too large\n",
+            ),
         ),
     };
     let mut out = format!(
@@ -251,8 +255,7 @@ async fn check_health(health: Option<HealthCheck>) -> Result<(), String> {
     let Some(check) = health else {
         return Ok(());
     };
-    match tokio::time::timeout(HEALTH_TIMEOUT, tokio::task::spawn_blocking(move || check())).await
-    {
+    match tokio::time::timeout(HEALTH_TIMEOUT, tokio::task::spawn_blocking(move || check())).await {
         Ok(Ok(r)) => r,
         Ok(Err(join)) => Err(format!("health check panicked: {join}")),
         Err(_) => Err(format!(
@@ -272,7 +275,10 @@ mod tests {
             parse_request_line("GET /metrics?name[]=x HTTP/1.1\r\nHost: a"),
             ("GET", "/metrics")
         );
-        assert_eq!(parse_request_line("HEAD /healthz HTTP/1.0"), ("HEAD", "/healthz"));
+        assert_eq!(
+            parse_request_line("HEAD /healthz HTTP/1.0"),
+            ("HEAD", "/healthz")
+        );
         assert_eq!(parse_request_line(""), ("", ""));
         assert_eq!(parse_request_line("GET"), ("GET", ""));
     }

@@ -42,7 +42,13 @@ fn flags_in_help(args: &[&str]) -> BTreeSet<String> {
 #[test]
 fn flags_in_help_parses_clap_output() {
     let f = flags_in_help(&["mount"]);
-    for want in ["--filer", "--filer.path", "--dir", "--cacheCapacityMB", "--map.uid"] {
+    for want in [
+        "--filer",
+        "--filer.path",
+        "--dir",
+        "--cacheCapacityMB",
+        "--map.uid",
+    ] {
         assert!(f.contains(want), "{want} missing from {f:?}");
     }
 }
@@ -82,10 +88,19 @@ fn manifests_render_and_validate() {
 fn manifest_flags_are_accepted_by_the_binary() {
     let driver = flags_in_help(&[]);
     let keeper = flags_in_help(&["keeper"]);
-    for f in ["--endpoint", "--filer", "--nodeid", "--driverName", "--components"] {
+    for f in [
+        "--endpoint",
+        "--filer",
+        "--nodeid",
+        "--driverName",
+        "--components",
+    ] {
         assert!(driver.contains(f), "driver mode lacks {f}: {driver:?}");
     }
-    assert!(keeper.contains("--socket"), "keeper lacks --socket: {keeper:?}");
+    assert!(
+        keeper.contains("--socket"),
+        "keeper lacks --socket: {keeper:?}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let flags_json = dir.path().join("flags.json");
     let json = serde_json::json!({ "driver": driver, "keeper": keeper });

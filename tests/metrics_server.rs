@@ -59,7 +59,9 @@ fn assert_exposition_format(text: &str) {
             );
             continue;
         }
-        let (k, v) = l.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {l}"));
+        let (k, v) = l
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("no value: {l}"));
         assert!(v.parse::<f64>().is_ok(), "bad value in {l}");
         let name = k.split('{').next().unwrap();
         assert!(
@@ -73,7 +75,8 @@ fn assert_exposition_format(text: &str) {
         .find_map(|s| name.strip_suffix(s))
         .unwrap_or(name);
         assert!(
-            text.contains(&format!("# TYPE {family} ")) || text.contains(&format!("# TYPE {name} ")),
+            text.contains(&format!("# TYPE {family} "))
+                || text.contains(&format!("# TYPE {name} ")),
             "no TYPE line for {name}"
         );
     }
@@ -126,7 +129,11 @@ async fn scrape_sees_ops_and_health() {
     assert_eq!(status, 200);
     assert_eq!(sample(&after, count) - c0, 4.0, "{after}");
     assert_eq!(sample(&after, errors) - e0, 1.0);
-    assert_eq!(sample(&after, fast) - f0, 3.0, "the slow op must not be in le=0.5");
+    assert_eq!(
+        sample(&after, fast) - f0,
+        3.0,
+        "the slow op must not be in le=0.5"
+    );
     let inf = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",le="+Inf"}"#;
     assert_eq!(sample(&after, inf), sample(&after, count));
     assert!(sample(&after, r#"seaweedfs_csi_fuse_op_seconds_sum{op="mknod"}"#) >= 0.6);
@@ -189,7 +196,10 @@ async fn every_metric_is_documented() {
         .collect();
     assert!(families.len() >= 10, "{text}");
     for f in families {
-        assert!(doc.contains(&format!("`{f}`")), "{f} is not documented in docs/METRICS.md");
+        assert!(
+            doc.contains(&format!("`{f}`")),
+            "{f} is not documented in docs/METRICS.md"
+        );
     }
 }
 

@@ -24,19 +24,110 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Builds (or reuses) the static release binary; returns its path.
-fn build_static() -> PathBuf {
+/// Builds (or reuses) the static release binary and installs the image's copy (debug info
+/// stripped) at `dest`.
+fn build_static(dest: &Path) -> PathBuf {
     let out = Command::new("bash")
         .arg(repo().join("scripts/build-static.sh"))
+        .arg("--out")
+        .arg(dest)
         .current_dir(repo())
         .stderr(Stdio::inherit())
         .output()
         .expect("run scripts/build-static.sh");
     assert!(out.status.success(), "static build failed");
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let path = repo().join(path);
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert_eq!(path, dest);
     assert!(path.is_file(), "no binary at {}", path.display());
     path
+}
+
+/// Loopback address of the test's DNS server (the resolver only speaks to port 53).
+const DNS_ADDR: &str = "127.0.0.77";
+
+/// A tiny DNS server standing in for cluster DNS: A records for `names` point at 127.0.0.1,
+/// AAAA queries get an empty answer, everything else NXDOMAIN. Stops when dropped.
+struct Dns {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    answered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Dns {
+    fn start(names: &[&str]) -> Dns {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let sock = std::net::UdpSocket::bind((DNS_ADDR, 53)).expect("bind DNS on 127.0.0.77:53");
+        sock.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let names: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicUsize::new(0));
+        let (st, an) = (stop.clone(), answered.clone());
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 512];
+            while !st.load(Ordering::Relaxed) {
+                let Ok((n, peer)) = sock.recv_from(&mut buf) else {
+                    continue;
+                };
+                if let Some(reply) = dns_reply(&buf[..n], &names) {
+                    if reply.1 {
+                        an.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = sock.send_to(&reply.0, peer);
+                }
+            }
+        });
+        Dns {
+            stop,
+            answered,
+            thread: Some(thread),
+        }
+    }
+
+    fn answered(&self) -> usize {
+        self.answered.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for Dns {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// (reply, whether it carried an A record) for one query packet.
+fn dns_reply(q: &[u8], names: &[String]) -> Option<(Vec<u8>, bool)> {
+    if q.len() < 17 {
+        return None;
+    }
+    let mut i = 12;
+    let mut labels = Vec::new();
+    while i < q.len() && q[i] != 0 {
+        let l = q[i] as usize;
+        labels.push(String::from_utf8_lossy(q.get(i + 1..i + 1 + l)?).to_ascii_lowercase());
+        i += 1 + l;
+    }
+    let qtype = u16::from_be_bytes([*q.get(i + 1)?, *q.get(i + 2)?]);
+    let question = q.get(12..i + 5)?;
+    let name = labels.join(".");
+    let known = names.contains(&name);
+    let a = known && qtype == 1;
+    let rcode = if known { 0 } else { 3 };
+    let mut r = Vec::with_capacity(64);
+    r.extend_from_slice(&q[0..2]);
+    r.extend_from_slice(&(0x8180u16 | rcode).to_be_bytes());
+    r.extend_from_slice(&1u16.to_be_bytes());
+    r.extend_from_slice(&(a as u16).to_be_bytes());
+    r.extend_from_slice(&[0, 0, 0, 0]);
+    r.extend_from_slice(question);
+    if a {
+        r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4, 127, 0, 0, 1]);
+    }
+    Some((r, a))
 }
 
 fn is_mounted(path: &Path) -> bool {
@@ -66,8 +157,11 @@ impl Root {
         self.dir.path()
     }
 
-    fn new(binary: &Path, filer_host: &str) -> Root {
-        let dir = tempfile::Builder::new().prefix("scratch-root").tempdir().unwrap();
+    fn new(binary: &Path) -> Root {
+        let dir = tempfile::Builder::new()
+            .prefix("scratch-root")
+            .tempdir()
+            .unwrap();
         let r = Root { dir, child: None };
         let p = r.path();
         std::fs::copy(binary, p.join("seaweedfs-csi-driver")).unwrap();
@@ -91,16 +185,23 @@ impl Root {
                     libc::makedev(major, minor),
                 )
             };
-            assert_eq!(rc, 0, "mknod /dev/{name}: {}", std::io::Error::last_os_error());
+            assert_eq!(
+                rc,
+                0,
+                "mknod /dev/{name}: {}",
+                std::io::Error::last_os_error()
+            );
         }
-        // What kubelet writes into every container (a hostAlias for the filer, no DNS server).
+        // What kubelet writes into every container: cluster DNS with the pod's search domains.
+        std::fs::write(p.join("etc/hosts"), "127.0.0.1\tlocalhost\n").unwrap();
         std::fs::write(
-            p.join("etc/hosts"),
-            format!("127.0.0.1\tlocalhost\n127.0.0.1\t{filer_host}\n"),
+            p.join("etc/resolv.conf"),
+            format!(
+                "search seaweedfs.svc.cluster.test svc.cluster.test\nnameserver {DNS_ADDR}\n\
+                 options ndots:5\n"
+            ),
         )
         .unwrap();
-        std::fs::write(p.join("etc/resolv.conf"), "nameserver 127.0.0.1\noptions ndots:1\n")
-            .unwrap();
         let proc_dir = CString::new(p.join("proc").as_os_str().as_encoded_bytes()).unwrap();
         let rc = unsafe {
             libc::mount(
@@ -147,7 +248,8 @@ impl Root {
         let mut out = Vec::new();
         for e in std::fs::read_dir(self.path()).unwrap() {
             let name = e.unwrap().file_name().to_string_lossy().to_string();
-            if !["seaweedfs-csi-driver", "dev", "proc", "etc", "mnt", "tmp"].contains(&name.as_str())
+            if !["seaweedfs-csi-driver", "dev", "proc", "etc", "mnt", "tmp"]
+                .contains(&name.as_str())
             {
                 out.push(name);
             }
@@ -175,17 +277,28 @@ impl Drop for Root {
 
 #[test]
 fn scratch_image_runs_and_mounts_slow() {
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (chroot, mknod, mount)");
-    let binary = build_static();
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "needs root (chroot, mknod, mount)"
+    );
+    let image = tempfile::tempdir().unwrap();
+    let binary = build_static(&image.path().join("seaweedfs-csi-driver"));
 
     // Static for real: the kernel runs it without any loader or library present.
-    let elf = Command::new("readelf").arg("-lW").arg(&binary).output().unwrap();
+    let elf = Command::new("readelf")
+        .arg("-lW")
+        .arg(&binary)
+        .output()
+        .unwrap();
     let elf = String::from_utf8_lossy(&elf.stdout);
     assert!(!elf.contains("INTERP"), "binary has a program interpreter");
 
     let weed = common::WeedServer::start();
-    let filer_host = "seaweedfs-filer.test";
-    let mut root = Root::new(&binary, filer_host);
+    // The filer is addressed like a Kubernetes Service ("seaweedfs-filer" in the pod's
+    // namespace), resolved through the search domains by the test's DNS server.
+    let dns = Dns::start(&["seaweedfs-filer.seaweedfs.svc.cluster.test"]);
+    let mut root = Root::new(&binary);
 
     let (ok, out) = root.run(&["--version"]);
     assert!(ok, "--version failed in the empty root: {out}");
@@ -202,7 +315,7 @@ fn scratch_image_runs_and_mounts_slow() {
 
     let log_path = weed.path().join("chroot-mount.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let filer = format!("{filer_host}:{}", weed.filer_port);
+    let filer = format!("seaweedfs-filer:{}", weed.filer_port);
     let child = root
         .command(&[
             "mount",
@@ -232,10 +345,16 @@ fn scratch_image_runs_and_mounts_slow() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    assert!(
+        dns.answered() > 0,
+        "the filer name was not resolved through DNS"
+    );
     // Read what the filer had; write a multi-chunk file (uploads go from inside the chroot to
     // the volume server) and read it back, then check the filer has it.
     assert_eq!(std::fs::read(mnt.join("seeded.bin")).unwrap(), seeded);
-    let data: Vec<u8> = (0..5u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let data: Vec<u8> = (0..5u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
     std::fs::write(mnt.join("written.bin"), &data).unwrap();
     let mut back = Vec::new();
     std::fs::File::open(mnt.join("written.bin"))
@@ -248,7 +367,9 @@ fn scratch_image_runs_and_mounts_slow() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert!(names.contains(&"written.bin".to_string()) && names.contains(&"seeded.bin".to_string()));
+    assert!(
+        names.contains(&"written.bin".to_string()) && names.contains(&"seeded.bin".to_string())
+    );
 
     // SIGTERM: the command unmounts and exits cleanly.
     let mut child = root.child.take().unwrap();
@@ -269,7 +390,11 @@ fn scratch_image_runs_and_mounts_slow() {
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(status.success(), "mount exited with {status}:\n{log}");
     assert!(!is_mounted(&mnt), "still mounted after exit");
-    assert!(root.unexpected_files().is_empty(), "{:?}", root.unexpected_files());
+    assert!(
+        root.unexpected_files().is_empty(),
+        "{:?}",
+        root.unexpected_files()
+    );
     println!(
         "static binary {} bytes; chroot mount log:\n{log}",
         std::fs::metadata(&binary).unwrap().len()
