@@ -2,6 +2,7 @@
 //! happen, both for synthetic timers and for a real FUSE mount against a real `weed`.
 
 mod common;
+mod csi_common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -303,4 +304,111 @@ async fn real_mount_moves_the_numbers() {
     // The file really reached the filer.
     let got = weed.filer_get("/metricstest/a.bin").unwrap();
     assert_eq!(got.len(), 3 << 20);
+}
+
+/// The driver binary itself: `--metricsPort` serves /healthz and /metrics, and a volume staged
+/// and used through the CSI socket shows up in the numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn driver_serves_metrics_on_its_port() {
+    use csi_common::*;
+    use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("csimetrics")
+        .tempdir()
+        .unwrap();
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=node-1".to_string(),
+        format!("--metricsPort={port}"),
+    ];
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+
+    let (s, body) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!((s, body.as_str()), (200, "ok\n"));
+    let before = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&before, "seaweedfs_csi_staged_volumes"),
+        0.0,
+        "{before}"
+    );
+
+    let c = driver.clients().await;
+    let vol = c
+        .controller
+        .clone()
+        .create_volume(create_req("pvc-metrics", 1 << 30, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("metrics");
+    let target = driver.target_path("pod-a");
+    let mode = Mode::MultiNodeMultiWriter;
+    c.node
+        .clone()
+        .node_stage_volume(stage_req(&vol, &staging, mode))
+        .await
+        .unwrap();
+    c.node
+        .clone()
+        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
+        .await
+        .unwrap();
+    let t = target.clone();
+    tokio::task::spawn_blocking(move || {
+        std::fs::write(t.join("m.bin"), vec![7u8; 3 << 20]).unwrap();
+        assert_eq!(std::fs::read(t.join("m.bin")).unwrap().len(), 3 << 20);
+    })
+    .await
+    .unwrap();
+
+    let during = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&during, "seaweedfs_csi_staged_volumes"),
+        1.0,
+        "{during}"
+    );
+    for op in ["create", "write", "read"] {
+        let series = format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\"}}");
+        assert!(
+            sample(&during, &series) >= 1.0,
+            "{series} not counted:\n{during}"
+        );
+    }
+    assert!(sample(&during, "seaweedfs_csi_uploads_total") >= 1.0);
+    assert_exposition_format(&during);
+
+    c.node
+        .clone()
+        .node_unpublish_volume(unpublish_req(&vol, &target))
+        .await
+        .unwrap();
+    c.node
+        .clone()
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&after, "seaweedfs_csi_staged_volumes"),
+        0.0,
+        "{after}"
+    );
 }
