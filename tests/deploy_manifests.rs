@@ -107,3 +107,62 @@ fn manifest_flags_are_accepted_by_the_binary() {
     std::fs::write(&flags_json, json.to_string()).unwrap();
     run_checker(Some(&flags_json));
 }
+
+/// The image the packaging test imitates is the image the Dockerfile builds: the final stage
+/// is `FROM scratch` with the binary from scripts/build-static.sh and an empty /tmp, nothing
+/// else, and the entrypoint is that binary.
+#[test]
+fn dockerfile_final_stage_is_one_static_binary() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let last_from = lines
+        .iter()
+        .rposition(|l| l.starts_with("FROM "))
+        .expect("a FROM line");
+    assert_eq!(lines[last_from], "FROM scratch");
+    let final_stage = &lines[last_from + 1..];
+    let copies: Vec<&&str> = final_stage
+        .iter()
+        .filter(|l| l.starts_with("COPY"))
+        .collect();
+    assert_eq!(
+        copies,
+        [
+            &"COPY --from=build /out/tmp /tmp",
+            &"COPY --from=build /out/seaweedfs-csi-driver /seaweedfs-csi-driver"
+        ]
+    );
+    for l in final_stage {
+        assert!(
+            l.starts_with("COPY") || l.starts_with("ENTRYPOINT"),
+            "unexpected instruction in the final stage: {l}"
+        );
+    }
+    assert!(final_stage.contains(&r#"ENTRYPOINT ["/seaweedfs-csi-driver"]"#));
+    assert!(
+        text.contains("scripts/build-static.sh --out /out/seaweedfs-csi-driver"),
+        "the image must be built by the script the packaging test runs"
+    );
+    let ignore = std::fs::read_to_string(root.join(".dockerignore")).unwrap();
+    for needed in [
+        "src",
+        "proto",
+        "build.rs",
+        "Cargo.toml",
+        "Cargo.lock",
+        "scripts/build-static.sh",
+    ] {
+        assert!(
+            !ignore
+                .lines()
+                .any(|l| l.trim() == needed || l.trim() == format!("{needed}/")),
+            ".dockerignore excludes {needed}"
+        );
+    }
+    assert!(ignore.lines().any(|l| l.trim() == "target/"));
+}
