@@ -226,7 +226,7 @@ echo "  the filer's HTTP API serves the same file: an ordinary SeaweedFS file"
 
 if curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$work/metrics.txt" 2>/dev/null; then
   say "metrics (http://127.0.0.1:$metrics_port/metrics)"
-  grep -E '^seaweedfs_csi_(fuse_op_seconds_count\{op="(write|read)"|uploads_total|staged_volumes|published_targets)' \
+  grep -E '^seaweedfs_csi_(fuse_op_seconds_count\{op="(write|read)"|uploads_total|staged_volumes)' \
     "$work/metrics.txt" | sed 's/^/  /'
 fi
 

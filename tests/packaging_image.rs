@@ -27,7 +27,20 @@ fn repo() -> PathBuf {
 /// Builds (or reuses) the static release binary and installs the image's copy (debug info
 /// stripped) at `dest`.
 fn build_static(dest: &Path) -> PathBuf {
-    let out = Command::new("bash")
+    let mut cmd = Command::new("bash");
+    // `cargo test` puts CARGO_PKG_* and friends into this process's environment; build scripts
+    // that watch such variables would then see a change and rebuild everything. Build with the
+    // environment a shell (or the Dockerfile) has.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().to_string();
+        if (k == "CARGO" || k.starts_with("CARGO_") || k.starts_with("RUSTC") || k == "OUT_DIR")
+            && k != "CARGO_HOME"
+            && k != "CARGO_TARGET_DIR"
+        {
+            cmd.env_remove(&k);
+        }
+    }
+    let out = cmd
         .arg(repo().join("scripts/build-static.sh"))
         .arg("--out")
         .arg(dest)
