@@ -16,6 +16,7 @@ pub mod csi;
 pub mod filer;
 pub mod fs;
 pub mod fuse;
+pub mod instrumented;
 pub mod keeper;
 pub mod metrics;
 pub mod metrics_server;

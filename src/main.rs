@@ -18,7 +18,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(args),
+        Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(*args),
         Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),
         Some(Command::Memfs(args)) => seaweedfs_csi_driver::fuse::memfs::run(args),
         None => run_driver(cli.driver),

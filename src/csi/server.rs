@@ -165,7 +165,7 @@ where
                             .headers()
                             .get("grpc-message")
                             .and_then(|v| v.to_str().ok())
-                            .map(|m| percent_decode(m))
+                            .map(percent_decode)
                             .unwrap_or_default();
                         let code = tonic::Code::from_i32(code);
                         tracing::warn!(rpc = %method, duration_ms = ms, code = ?code, message = %message, "rpc failed");

@@ -45,7 +45,8 @@ pub async fn build_fs(
         ..Default::default()
     })
     .await?;
-    let filer: Arc<dyn FilerApi> = Arc::new(filer);
+    let filer: Arc<dyn FilerApi> =
+        Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
     let conf = filer.configuration().await?;
     let store = VolumeClient::new(
         filer.clone(),
@@ -60,7 +61,8 @@ pub async fn build_fs(
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
     let cache = ChunkCache::new((opts.cache_capacity_mb << 20) + READAHEAD_BUDGET);
-    let fs = Fs::new(cfg, filer, Arc::new(store), cache);
+    let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
+    let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
     Ok(fs)
 }
@@ -131,7 +133,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
             std::fs::create_dir_all(dir).map_err(|e| bad(&format!("cannot create: {e}")))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(bad("does not exist (use -dirAutoCreate)"))
+            return Err(bad("does not exist (use --dirAutoCreate)"))
         }
         Err(e) => {
             return Err(bad(&format!(
@@ -142,7 +144,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
     if !nonempty {
         let mut it = std::fs::read_dir(dir).map_err(|e| bad(&format!("cannot list: {e}")))?;
         if it.next().is_some() {
-            return Err(bad("is not empty (use -nonempty to mount over it)"));
+            return Err(bad("is not empty (use --nonempty to mount over it)"));
         }
     }
     Ok(())
@@ -158,6 +160,8 @@ pub fn fuse_config(opts: &MountOptions, fsname: String) -> fuser::Config {
         O::NoDev,
         O::NoSuid,
         O::CUSTOM("max_read=1048576".into()),
+        // fuser's direct mount drops Subtype; pass it raw so mounts show as fuse.seaweedfs
+        O::CUSTOM("subtype=seaweedfs".into()),
     ];
     if opts.read_only {
         mo.push(O::RO);
@@ -215,20 +219,24 @@ enum Serving {
     Plain(fuser::BackgroundSession),
     /// Takeover-capable: the fd-keeper holds dups of the connection and of the inode journal;
     /// nothing unmounts unless asked (CSI node plugin).
-    Kept {
-        bg: Option<fuser::BackgroundSession>,
-        keeper: Arc<crate::keeper::KeeperClient>,
-        gate: Arc<super::adapter::Gate>,
-        volume_id: String,
-        opts: MountOptions,
-        init: super::takeover::InitParams,
-    },
+    Kept(Box<KeptSession>),
+}
+
+struct KeptSession {
+    bg: Option<fuser::BackgroundSession>,
+    keeper: Arc<crate::keeper::KeeperClient>,
+    gate: Arc<super::adapter::Gate>,
+    volume_id: String,
+    opts: MountOptions,
+    init: super::takeover::InitParams,
 }
 
 /// One mounted volume served by this process.
 pub struct MountedVolume {
     pub fs: Arc<Fs>,
     pub mountpoint: PathBuf,
+    /// The FUSE connection id (minor of the mount's st_dev), for aborting it.
+    conn: Option<u32>,
     serving: Option<Serving>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -244,7 +252,7 @@ impl MountedVolume {
     /// The CSI volume id of a kept session.
     pub fn volume_id(&self) -> Option<String> {
         match &self.serving {
-            Some(Serving::Kept { volume_id, .. }) => Some(volume_id.clone()),
+            Some(Serving::Kept(k)) => Some(k.volume_id.clone()),
             _ => None,
         }
     }
@@ -276,17 +284,19 @@ impl MountedVolume {
     fn started(fs: Arc<Fs>, mountpoint: &Path, serving: Serving) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
-            Serving::Kept { bg, .. } => bg.as_ref(),
+            Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
             fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
         }
         raise_readahead(mountpoint, 4096);
         let tasks = spawn_background(&fs);
-        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, "serving");
+        let conn = connection_id(mountpoint);
+        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
         MountedVolume {
             fs,
             mountpoint: mountpoint.to_path_buf(),
+            conn,
             serving: Some(serving),
             tasks,
         }
@@ -349,14 +359,14 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: volume_id.to_string(),
             opts: opts.clone(),
             init: mounted.init,
-        };
+        }));
         Ok(Self::started(fs, mountpoint, serving))
     }
 
@@ -423,31 +433,31 @@ impl MountedVolume {
         })?;
         tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
             graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: state.volume_id.clone(),
             opts: state.opts.clone(),
             init,
-        };
+        }));
         Ok(Self::started(fs, &mountpoint, serving))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
     /// The mount stays; the caller exits afterwards without unmounting.
     pub async fn hand_over(mut self) -> Result<(), MountError> {
-        let Some(Serving::Kept {
+        let Some(Serving::Kept(k)) = self.serving.take() else {
+            return self.unmount().await;
+        };
+        let KeptSession {
             bg,
             keeper,
             gate,
             volume_id,
             opts,
             init,
-        }) = self.serving.take()
-        else {
-            return self.unmount().await;
-        };
+        } = *k;
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
@@ -484,41 +494,29 @@ impl MountedVolume {
             t.abort();
         }
         let mp = self.mountpoint.clone();
-        match self.serving.take() {
-            Some(Serving::Plain(bg)) => {
-                tokio::task::spawn_blocking(move || bg.umount_and_join())
-                    .await
-                    .map_err(|e| mount_err(&mp, e.to_string()))?
-                    .map_err(|e| MountError::Mount {
-                        path: mp.clone(),
-                        source: e,
-                    })?;
+        let (bg, keeper) = match self.serving.take() {
+            Some(Serving::Plain(bg)) => (Some(bg), None),
+            Some(Serving::Kept(k)) => (k.bg, Some((k.keeper, k.volume_id))),
+            None => (None, None),
+        };
+        let conn = self.conn;
+        let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let r = super::takeover::unmount(&mp);
+            if let Some((keeper, volume_id)) = keeper {
+                if let Err(e) = keeper.drop_entry(&volume_id) {
+                    tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
+                }
             }
-            Some(Serving::Kept {
-                bg,
-                keeper,
-                volume_id,
-                ..
-            }) => {
-                let mp2 = mp.clone();
-                tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                    super::takeover::unmount(&mp2)?;
-                    if let Some(bg) = bg {
-                        let _ = bg.join();
-                    }
-                    if let Err(e) = keeper.drop_entry(&volume_id) {
-                        tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
-                    }
-                    Ok(())
-                })
-                .await
-                .map_err(|e| mount_err(&mp, e.to_string()))?
-                .map_err(|e| MountError::Mount {
-                    path: mp.clone(),
-                    source: e,
-                })?;
+            if let Some(bg) = bg {
+                join_or_abort(bg, conn);
             }
-            None => {}
+            r
+        })
+        .await
+        .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
+        if let Err(e) = unmounted {
+            // already gone (e.g. replaced by the node service): not an error for us
+            tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
@@ -534,8 +532,56 @@ impl Drop for MountedVolume {
             // dropping a plain session unmounts: never leave a dead mount behind
             Some(Serving::Plain(bg)) => drop(bg),
             // a kept session outlives this object on purpose (the keeper holds it)
-            Some(Serving::Kept { bg, .. }) => std::mem::forget(bg),
+            Some(Serving::Kept(k)) => std::mem::forget(k.bg),
             None => {}
         }
     }
+}
+
+/// The FUSE connection id of a mount: the minor number of its device.
+fn connection_id(mountpoint: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(mountpoint)
+        .ok()
+        .map(|m| libc::minor(m.dev()))
+}
+
+/// Waits for the session threads; if the connection is still referenced elsewhere (a bind
+/// mount that outlived the staging mount), aborts it so they end and nothing hangs.
+fn join_or_abort(bg: fuser::BackgroundSession, conn: Option<u32>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(bg.join());
+    });
+    if rx.recv_timeout(Duration::from_secs(3)).is_ok() {
+        return;
+    }
+    if let Some(id) = conn {
+        match abort_connection(id) {
+            Ok(()) => tracing::warn!(
+                conn = id,
+                "aborted a FUSE connection still referenced after unmount"
+            ),
+            Err(e) => tracing::warn!(conn = id, error = %e, "cannot abort FUSE connection"),
+        }
+    }
+    if rx.recv_timeout(Duration::from_secs(3)).is_err() {
+        tracing::warn!(?conn, "FUSE session threads did not end; leaving them");
+    }
+}
+
+/// Aborts a FUSE connection through fusectl (mounting it if needed).
+pub fn abort_connection(id: u32) -> std::io::Result<()> {
+    let dir = Path::new("/sys/fs/fuse/connections");
+    let abort = dir.join(id.to_string()).join("abort");
+    if !abort.exists() {
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            dir,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
+    }
+    std::fs::write(&abort, b"1")
 }

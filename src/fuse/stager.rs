@@ -140,6 +140,20 @@ impl Stager for FuseStager {
         opts: MountOptions,
         staging_path: &Path,
     ) -> Result<(), StageError> {
+        // A session we still hold for this volume lost its mount (the node service only stages
+        // when nothing alive is mounted): end it before mounting again.
+        let stale = self.sessions.lock().remove(volume_id);
+        if let Some(old) = stale {
+            crate::metrics::global()
+                .staged_volumes
+                .fetch_sub(1, Ordering::Relaxed);
+            tracing::warn!(volume_id, "replacing a session whose mount is gone");
+            match tokio::time::timeout(Duration::from_secs(30), old.unmount()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(volume_id, error = %e, "ending the stale session"),
+                Err(_) => tracing::warn!(volume_id, "ending the stale session timed out"),
+            }
+        }
         let mounted = match &self.keeper {
             Some((_, k)) => {
                 MountedVolume::mount_kept(volume_id, &opts, &self.security, staging_path, k.clone())
@@ -148,19 +162,10 @@ impl Stager for FuseStager {
             None => MountedVolume::mount(&opts, &self.security, staging_path).await,
         }
         .map_err(stage_error)?;
-        let old = self.sessions.lock().insert(volume_id.to_string(), mounted);
+        self.sessions.lock().insert(volume_id.to_string(), mounted);
         crate::metrics::global()
             .staged_volumes
             .fetch_add(1, Ordering::Relaxed);
-        if let Some(old) = old {
-            // a stale session of the same volume elsewhere: end it
-            crate::metrics::global()
-                .staged_volumes
-                .fetch_sub(1, Ordering::Relaxed);
-            if let Err(e) = old.unmount().await {
-                tracing::warn!(volume_id, error = %e, "ending a replaced session failed");
-            }
-        }
         Ok(())
     }
 
