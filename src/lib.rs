@@ -19,6 +19,7 @@ pub mod fuse;
 pub mod instrumented;
 pub mod keeper;
 pub mod metrics;
+pub mod metrics_server;
 pub mod pb;
 pub mod security;
 pub mod volume;

@@ -48,10 +48,14 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         .await?;
         let filer: Arc<dyn FilerApi> = Arc::new(filer);
 
-        if let Some(port) = plan.metrics_port {
-            // TODO(lead): serve crate::metrics on this port once it has an HTTP exporter.
-            tracing::warn!(port, "--metricsPort is not served yet");
-        }
+        // Before the CSI socket: /healthz is the node pod's readiness and liveness probe.
+        let _metrics = match plan.metrics_port {
+            Some(port) => Some(
+                seaweedfs_csi_driver::metrics_server::MetricsServer::start_on_port(port, None)
+                    .await?,
+            ),
+            None => None,
+        };
 
         let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {
