@@ -38,7 +38,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {
             addresses: plan.filers.clone(),
@@ -84,5 +84,8 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         }
         served?;
         Ok(())
-    })
+    });
+    // Adoption claims may still wait on the keeper in blocking threads: do not wait for them.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    result
 }

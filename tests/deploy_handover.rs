@@ -83,10 +83,8 @@ fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
-// Fails today: a plugin started while another serves the CSI socket exits with "another
-// process is serving" instead of waiting for it (src/csi/server.rs). Remove the ignore once
-// the node plugin waits for the socket to be free.
-#[ignore = "node plugin does not yet wait for a busy CSI socket (surge handover)"]
+// The new plugin takes the CSI endpoint over while the old one still runs (maxSurge: 1), then
+// adopts the sessions once the old one has handed them over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn surge_rollout_hands_the_mounts_over() {
     let weed = tokio::task::spawn_blocking(common::WeedServer::start)

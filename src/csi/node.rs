@@ -552,6 +552,7 @@ impl Node for NodeService {
                 publications: HashMap::new(),
             });
         rec.publications.insert(target, Publication { read_only });
+        set_published_gauge(&vols);
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
 
@@ -579,8 +580,12 @@ impl Node for NodeService {
         )
         .await?
         .map_err(|e| Status::internal(format!("remove {}: {e}", target.display())))?;
-        if let Some(rec) = self.volumes.lock().get_mut(volume_id) {
-            rec.publications.remove(&target);
+        {
+            let mut vols = self.volumes.lock();
+            if let Some(rec) = vols.get_mut(volume_id) {
+                rec.publications.remove(&target);
+            }
+            set_published_gauge(&vols);
         }
         tracing::info!(volume_id, target = %target.display(), "volume unpublished");
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
@@ -785,4 +790,12 @@ impl Node for NodeService {
             accessible_topology,
         }))
     }
+}
+
+/// Keeps `seaweedfs_csi_published_targets` equal to the publications this process knows.
+fn set_published_gauge(vols: &HashMap<String, StagedVolume>) {
+    let n: usize = vols.values().map(|v| v.publications.len()).sum();
+    crate::metrics::global()
+        .published_targets
+        .store(n as u64, std::sync::atomic::Ordering::Relaxed);
 }

@@ -160,8 +160,6 @@ pub fn fuse_config(opts: &MountOptions, fsname: String) -> fuser::Config {
         O::NoDev,
         O::NoSuid,
         O::CUSTOM("max_read=1048576".into()),
-        // fuser's direct mount drops Subtype; pass it raw so mounts show as fuse.seaweedfs
-        O::CUSTOM("subtype=seaweedfs".into()),
     ];
     if opts.read_only {
         mo.push(O::RO);
@@ -266,7 +264,12 @@ impl MountedVolume {
         let fs = build_fs(opts, security).await?;
         let adapter =
             super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
-        let config = fuse_config(opts, fsname(opts));
+        let mut config = fuse_config(opts, fsname(opts));
+        // fuser's direct mount drops Subtype; pass it raw so the mount shows as fuse.seaweedfs
+        // (takeover::mount_fresh puts it in the fs type instead)
+        config
+            .mount_options
+            .push(fuser::MountOption::CUSTOM("subtype=seaweedfs".into()));
         let mp = mountpoint.to_path_buf();
         let bg = tokio::task::spawn_blocking(move || {
             let s = fuser::Session::new(adapter, &mp, &config)?;
