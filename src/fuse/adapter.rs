@@ -766,9 +766,9 @@ impl Filesystem for FuseAdapter {
     }
 }
 
-fn dir_attr(_fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
-    match &e.attr {
-        Some(a) => a.clone(),
+fn dir_attr(fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
+    match fs.current_dir_attr(dir_ino, e).or_else(|| e.attr.clone()) {
+        Some(a) => a,
         None => {
             let mut a = fs_root_like(e.ino);
             if e.ino == dir_ino {
