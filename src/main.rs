@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use seaweedfs_csi_driver::cli::{self, Cli, Command, DriverArgs};
+use seaweedfs_csi_driver::csi::server::Endpoint;
 use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::FilerApi;
@@ -74,6 +75,9 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             fuse_stager = Some(s.clone());
             Some(s)
         };
+        // Rolling update (maxSurge): the previous plugin still serves the socket until it gets
+        // SIGTERM; its sessions are claimed above and adopted once it has exited.
+        wait_for_endpoint(&plan.endpoint).await;
         let served = cli::run_driver(plan, filer, stager).await;
         if let Some(s) = fuse_stager {
             s.shutdown().await;
@@ -81,4 +85,31 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         served?;
         Ok(())
     })
+}
+
+/// Waits while another process answers on the unix CSI socket (bounded only by that process:
+/// it stops listening on SIGTERM). A stale socket file is left to the listener setup.
+async fn wait_for_endpoint(endpoint: &Endpoint) {
+    let Endpoint::Unix(path) = endpoint else {
+        return;
+    };
+    let mut logged = false;
+    loop {
+        let p = path.clone();
+        let live = tokio::task::spawn_blocking(move || std::os::unix::net::UnixStream::connect(p).is_ok())
+            .await
+            .unwrap_or(false);
+        if !live {
+            if logged {
+                tracing::info!(socket = %path.display(), "the previous plugin released the CSI socket");
+            }
+            return;
+        }
+        if !logged {
+            tracing::info!(socket = %path.display(),
+                "another plugin serves the CSI socket (rolling update?); waiting for it to stop");
+            logged = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }

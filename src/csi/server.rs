@@ -306,10 +306,11 @@ pub async fn serve(
 
     let (result, socket) = match listener {
         BoundListener::Unix(l, path) => {
+            let ours = socket_id(&path);
             tracing::info!(endpoint = %format!("unix://{}", path.display()), "serving CSI");
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
-            (bounded(served, deadline).await, Some(path))
+            (bounded(served, deadline).await, Some((path, ours)))
         }
         BoundListener::Tcp(l) => {
             tracing::info!(endpoint = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving CSI over TCP");
@@ -318,10 +319,28 @@ pub async fn serve(
             (bounded(served, deadline).await, None)
         }
     };
-    if let Some(p) = socket {
-        let _ = std::fs::remove_file(&p);
+    if let Some((p, ours)) = socket {
+        remove_own_socket(&p, ours);
     }
     result
+}
+
+/// (device, inode) of the socket file at `path`.
+fn socket_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+/// Removes the socket file only if it is still the one we bound: in a rolling update the
+/// successor may already have replaced it once our listener closed.
+fn remove_own_socket(path: &Path, ours: Option<(u64, u64)>) {
+    if ours.is_some() && socket_id(path) == ours {
+        let _ = std::fs::remove_file(path);
+    } else {
+        tracing::info!(socket = %path.display(), "socket now belongs to another process; left in place");
+    }
 }
 
 async fn bounded(
