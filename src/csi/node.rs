@@ -285,8 +285,7 @@ impl NodeService {
         let publications = known.map(|k| k.publications).unwrap_or_default();
         for (target, p) in &publications {
             if matches!(self.state(target).await, Ok(MountState::Dead(_))) {
-                self.unmount_all(target).await?;
-                self.bind(staging, target, p.read_only).await?;
+                self.bind_over_dead(staging, target, p.read_only).await?;
                 tracing::info!(volume_id, target = %target.display(), "re-bound publication");
             }
         }
@@ -436,9 +435,8 @@ impl NodeService {
             match self.state(target).await? {
                 MountState::Healthy => {}
                 MountState::Dead(_) => {
-                    // Lazily detached, never emptied: the dead mount may still hide pod data.
-                    self.unmount_all(target).await?;
-                    self.bind(&rec.staging, target, t.read_only).await?;
+                    self.bind_over_dead(&rec.staging, target, t.read_only)
+                        .await?;
                     tracing::info!(volume_id, target = %target.display(), "re-bound publication");
                 }
                 MountState::NotMounted if target.exists() => {
@@ -470,6 +468,29 @@ impl NodeService {
             },
         );
         Ok(())
+    }
+
+    /// Binds the staging mount over a publication whose mount died, leaving the dead mount
+    /// underneath instead of unmounting it first: in between, the pod would write into the
+    /// node's own directory (data hidden, and lost to the volume, once the new bind covers
+    /// it). The dead layer is shadowed and goes at NodeUnpublish (`unmount_all` removes every
+    /// layer). A mount on top of the old one also propagates into containers that mounted the
+    /// target with HostToContainer propagation; others keep the dead mount until restarted.
+    async fn bind_over_dead(
+        &self,
+        staging: &Path,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<(), Status> {
+        let (s, t) = (staging.to_path_buf(), target.to_path_buf());
+        self.sys("bind mount", move || {
+            if read_only {
+                mounts::bind_mount_readonly(&s, &t)
+            } else {
+                mounts::bind_mount(&s, &t)
+            }
+        })
+        .await
     }
 
     /// Read-only flag of the top mount at `path`, from the mount table.
