@@ -956,18 +956,27 @@ fn errors(r: &PodReport) -> Vec<&Op> {
     r.ops.iter().filter(|o| o.err.is_some()).collect()
 }
 
-/// Every block of the held file that must be there is there.
-fn check_held(weed: &common::WeedServer, v: &Volume, pod: &str, r: &PodReport, must: impl Fn(u64, u64) -> bool) -> usize {
-    assert!(r.held.closed, "pod {pod}: closing the held file failed");
+/// Every block of the held file that must be there (`must(block, write end)`) is there.
+/// Returns (blocks checked, other written blocks that are not on the filer).
+fn check_held(
+    weed: &common::WeedServer,
+    v: &Volume,
+    pod: &str,
+    r: &PodReport,
+    must: impl Fn(u64, u64) -> bool,
+) -> (usize, usize) {
     let data = weed
         .filer_get(&v.filer_path(&r.held.name))
         .unwrap_or_else(|| panic!("{} is not on the filer", r.held.name));
-    let mut checked = 0;
+    let (mut checked, mut lost) = (0, 0);
     for (i, end) in &r.held.written {
+        let at = *i as usize * HELD_BLOCK;
         if !must(*i, *end) {
+            if data.get(at..at + HELD_BLOCK) != Some(held_block(pod, *i).as_slice()) {
+                lost += 1;
+            }
             continue;
         }
-        let at = *i as usize * HELD_BLOCK;
         assert!(
             data.len() >= at + HELD_BLOCK,
             "pod {pod}: held file has {} bytes, block {i} is missing",
@@ -979,7 +988,7 @@ fn check_held(weed: &common::WeedServer, v: &Volume, pod: &str, r: &PodReport, m
         );
         checked += 1;
     }
-    checked
+    (checked, lost)
 }
 
 /// Every file whose close (or fsync) succeeded is on the filer with its content; deleted ones
@@ -1085,7 +1094,8 @@ async fn upgrade_hands_over_every_session_without_errors() {
     let (mut blocks, mut files) = (0, 0);
     for (pod, r) in &reports {
         // A handover flushes everything: every block written, synced or not.
-        blocks += check_held(&weed, &v, pod, r, |_, _| true);
+        assert!(r.held.closed, "pod {pod}: closing the held file failed");
+        blocks += check_held(&weed, &v, pod, r, |_, _| true).0;
         files += check_files(&weed, &v, pod, r);
     }
     println!(
@@ -1142,8 +1152,9 @@ async fn crash_is_adopted_and_synced_data_survives() {
     }
     let an = analyze(&reports, t_event, t_gone);
     assert_eq!(mount_ids(&v.mount_paths()), before, "the mounts must not change");
-    let (mut blocks, mut files) = (0, 0);
+    let (mut blocks, mut files, mut lost_blocks) = (0, 0, 0);
     for (pod, r) in &reports {
+        assert!(r.held.closed, "pod {pod}: closing the held file failed");
         // fsynced before the crash, or written after the new process took over.
         let synced_before = r
             .held
@@ -1153,21 +1164,165 @@ async fn crash_is_adopted_and_synced_data_survives() {
             .map(|(n, _)| *n)
             .max()
             .unwrap_or(0);
-        blocks += check_held(&weed, &v, pod, r, |i, end| {
+        let (checked, lost) = check_held(&weed, &v, pod, r, |i, end| {
             i < synced_before || end > t_gone
         });
+        blocks += checked;
+        lost_blocks += lost;
         files += check_files(&weed, &v, pod, r);
     }
     println!(
         "crash: SIGKILL -> first lookup answered by the new process {:.1} ms (process start, \
          claim, adoption {} ms, RESEND); slowest op across the crash {:.1} ms; {} ops ({} \
-         after); {blocks} held blocks and {files} files verified on the filer; unflushed files \
-         lost with the dead process: {lost:?}",
+         after); {blocks} held blocks and {files} files verified on the filer; lost with the \
+         dead process (written, never synced): {lost_blocks} held blocks, files {lost:?}",
         ms(an.recovery_ns),
         adopt_ms(&fx.procs[b].log()),
         ms(an.max_across_ns),
         an.ops,
         an.ops_after
+    );
+    v.tear_down(&mut c, &fx).await;
+}
+
+/// Kills keeper and driver; checks that the volume's mounts are dead.
+fn lose_keeper_and_driver(fx: &mut Fixture, v: &Volume, keeper: usize, driver: usize) -> u64 {
+    let t = now_ns();
+    for i in [keeper, driver] {
+        fx.procs[i].signal(Signal::SIGKILL);
+        fx.procs[i].wait_exit(BOUND);
+    }
+    for p in v.mount_paths() {
+        assert!(
+            matches!(mounts::mount_state(p).unwrap(), mounts::MountState::Dead(_)),
+            "{} should be dead",
+            p.display()
+        );
+    }
+    t
+}
+
+/// Polls NodeGetVolumeStats on a pod path until the volume is normal; returns when.
+async fn wait_normal(c: &mut Clients, v: &Volume) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let cond = v.stats(c, &v.targets[1]).await;
+        if !cond.abnormal {
+            return now_ns();
+        }
+        assert!(Instant::now() < deadline, "never normal again: {cond:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeper_and_driver_lost_volume_is_staged_and_bound_again() {
+    let _serial = SERIAL.lock().await;
+    let (mut weed, mut fx, v, a) = start_scenario("pvc-fallback").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // 1. Keeper and driver die: nothing holds the connection any more, the mounts are dead.
+    // A new keeper + driver stage and bind the recorded volume again by themselves.
+    let t_event = lose_keeper_and_driver(&mut fx, &v, 0, a);
+    let k2 = fx.start_keeper("keeper-2");
+    let t_spawn = now_ns();
+    let b = fx.spawn_driver("driver-b", &weed.filer_addr());
+    fx.wait_socket(b);
+    let mut c = clients(&fx).await;
+    let t_repaired = wait_normal(&mut c, &v).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    // 2. Again, with the filer down: the first repairs fail and the volume is reported
+    // abnormal until the filer is back.
+    let t_event2 = lose_keeper_and_driver(&mut fx, &v, k2, b);
+    weed.stop_filer();
+    fx.start_keeper("keeper-3");
+    let d = fx.spawn_driver("driver-c", &weed.filer_addr());
+    fx.wait_socket(d);
+    let mut c = clients(&fx).await;
+    fx.procs[d].wait_for("repairing a recorded volume failed", BOUND);
+    for p in v.mount_paths() {
+        let cond = v.stats(&mut c, p).await;
+        assert!(cond.abnormal, "{}: {cond:?}", p.display());
+    }
+    let t_filer = now_ns();
+    weed.start_filer();
+    let t_filer_up = now_ns();
+    let t_normal = wait_normal(&mut c, &v).await;
+    for p in v.mount_paths() {
+        let cond = v.stats(&mut c, p).await;
+        assert!(!cond.abnormal, "{}: {cond:?}", p.display());
+        assert_eq!(mounts::mount_state(p).unwrap(), mounts::MountState::Healthy);
+    }
+    // The staging mount was replaced; each target got the new bind on top of its dead one
+    // (never a moment without a mount, so pods cannot write into the node's directory).
+    let after = mount_ids(&v.mount_paths());
+    let on = |p: &Path| after.iter().filter(|m| m.0 == p).count();
+    assert_eq!(on(&v.staging), 1, "{after:?}");
+    for t in &v.targets {
+        assert_eq!(on(t), 3, "two dead layers and the live one: {after:?}");
+    }
+    assert_eq!(fx.keeper_ids(), vec![v.vol.volume_id.clone()], "kept by the new keeper");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let reports = stop_pods(&mut fx);
+
+    let (mut files, mut blocks) = (0, 0);
+    for (pod, r) in &reports {
+        let mut after_ok: BTreeMap<&str, usize> = BTreeMap::new();
+        for op in &r.ops {
+            if op.start <= t_normal {
+                continue;
+            }
+            if op.worker == "held" {
+                // its fd belongs to the first, dead connection: it stays dead
+                if let Some(e) = op.errno {
+                    assert!(
+                        [libc::ENOTCONN, libc::ECONNABORTED, libc::EIO].contains(&e),
+                        "pod {pod}: held fd: {op:?}"
+                    );
+                }
+                continue;
+            }
+            assert!(
+                op.err.is_none(),
+                "pod {pod}: failed after the repair (losses at {t_event} and {t_event2}, normal \
+                 at {t_normal}): {op:#?} {:#?}",
+                op.file.map(|i| &r.files[i])
+            );
+            *after_ok.entry(op.worker.as_str()).or_default() += 1;
+        }
+        for w in ["files", "probe", "reader"] {
+            assert!(
+                after_ok.get(w).copied().unwrap_or(0) > 0,
+                "pod {pod}: {w} made no progress after the repair"
+            );
+        }
+        println!("  {pod}: ok after the repair: {after_ok:?}");
+        // Everything fsynced or closed (before the losses and on the new mounts) is there.
+        files += check_files(&weed, &v, pod, r);
+        let synced_before = r
+            .held
+            .synced
+            .iter()
+            .filter(|(_, end)| *end < t_event)
+            .map(|(n, _)| *n)
+            .max()
+            .unwrap_or(0);
+        blocks += check_held(&weed, &v, pod, r, |i, _| i < synced_before).0;
+        // And the new mount serves it.
+        let held = std::fs::read(v.targets[0].join(&r.held.name)).unwrap();
+        assert!(held.len() >= synced_before as usize * HELD_BLOCK);
+        assert!(held[..HELD_BLOCK] == held_block(pod, 0));
+    }
+    println!(
+        "keeper+driver lost: kill -> volume normal again (staged + bound by the new driver) \
+         {:.1} ms, of which new driver start -> normal {:.1} ms; with the filer down: abnormal \
+         until it was back, filer start {:.1} ms, filer up -> normal {:.1} ms (retry backoff); \
+         {files} files and {blocks} synced held blocks verified on the filer; mounts now {after:?}",
+        ms(t_repaired - t_event),
+        ms(t_repaired - t_spawn),
+        ms(t_filer_up - t_filer),
+        ms(t_normal - t_filer_up),
     );
     v.tear_down(&mut c, &fx).await;
 }
