@@ -434,9 +434,7 @@ impl DriverArgs {
             (Some(d), _) if d.as_os_str().is_empty() => None,
             (Some(d), _) => Some(d.clone()),
             (None, Endpoint::Unix(sock)) => sock.parent().map(|p| p.join("state")),
-            (None, Endpoint::Tcp(_)) => {
-                Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR))
-            }
+            (None, Endpoint::Tcp(_)) => Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR)),
         }
     }
 

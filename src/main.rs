@@ -96,9 +96,10 @@ async fn wait_for_endpoint(endpoint: &Endpoint) {
     let mut logged = false;
     loop {
         let p = path.clone();
-        let live = tokio::task::spawn_blocking(move || std::os::unix::net::UnixStream::connect(p).is_ok())
-            .await
-            .unwrap_or(false);
+        let live =
+            tokio::task::spawn_blocking(move || std::os::unix::net::UnixStream::connect(p).is_ok())
+                .await
+                .unwrap_or(false);
         if !live {
             if logged {
                 tracing::info!(socket = %path.display(), "the previous plugin released the CSI socket");

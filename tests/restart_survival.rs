@@ -252,10 +252,7 @@ fn files_worker(pod: String, dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) ->
         let n = Some(i);
         let done = (|| {
             let mut f = timed(&log, w, "create", n, || {
-                OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
+                OpenOptions::new().write(true).create_new(true).open(&path)
             })?;
             if timed(&log, w, "write", n, || f.write_all(&data)).is_none() {
                 let _ = close_file(f);
@@ -329,7 +326,9 @@ fn reader_worker(dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) {
             }
             Ok(())
         });
-        timed(&log, w, "stat", None, || std::fs::metadata(dir.join("big.dat")));
+        timed(&log, w, "stat", None, || {
+            std::fs::metadata(dir.join("big.dat"))
+        });
         timed(&log, w, "readdir", None, || {
             std::fs::read_dir(&dir).map(|d| d.count())
         });
@@ -343,13 +342,17 @@ fn probe_worker(pod: String, dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) {
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
         let p = dir.join(format!("{pod}-nx-{n}"));
-        timed(&log, "probe", "lookup", None, || {
-            match std::fs::symlink_metadata(&p) {
+        timed(
+            &log,
+            "probe",
+            "lookup",
+            None,
+            || match std::fs::symlink_metadata(&p) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
                 Err(e) => Err(e),
                 Ok(_) => Err(io::Error::other("a name that was never created exists")),
-            }
-        });
+            },
+        );
         n += 1;
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -393,7 +396,10 @@ fn run_pod(cfg: PodConfig) {
     let deadline = Instant::now() + BOUND;
     let mut report = PodReport::default();
     let all_done = || {
-        held_t.is_finished() && files_t.is_finished() && reader_t.is_finished() && probe_t.is_finished()
+        held_t.is_finished()
+            && files_t.is_finished()
+            && reader_t.is_finished()
+            && probe_t.is_finished()
     };
     while !all_done() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
@@ -613,11 +619,11 @@ impl Pod {
             );
             std::thread::sleep(Duration::from_millis(10));
         };
-        let report: PodReport = serde_json::from_slice(
-            &std::fs::read(self.out.join("report.json"))
-                .unwrap_or_else(|e| panic!("pod {} report ({status}): {e}\n{}", self.name, self.log())),
-        )
-        .unwrap();
+        let report: PodReport =
+            serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap_or_else(
+                |e| panic!("pod {} report ({status}): {e}\n{}", self.name, self.log()),
+            ))
+            .unwrap();
         assert!(
             report.hung.is_empty(),
             "pod {}: workers hung for more than {BOUND:?}: {:?}",
@@ -713,7 +719,11 @@ impl Fixture {
             if std::os::unix::net::UnixStream::connect(self.csi_socket()).is_ok() {
                 return;
             }
-            assert!(Instant::now() < deadline, "{} never served", self.procs[i].name);
+            assert!(
+                Instant::now() < deadline,
+                "{} never served",
+                self.procs[i].name
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -726,10 +736,9 @@ impl Fixture {
     }
 
     fn recorded_volumes(&self) -> usize {
-        let st: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(self.state_dir().join("volumes.json")).unwrap(),
-        )
-        .unwrap();
+        let st: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.state_dir().join("volumes.json")).unwrap())
+                .unwrap();
         st["volumes"].as_object().map(|m| m.len()).unwrap_or(0)
     }
 }
@@ -799,7 +808,12 @@ struct Volume {
 
 impl Volume {
     /// CreateVolume, a 2 MiB file put through the filer, NodeStage, NodePublish x2.
-    async fn provision(c: &mut Clients, weed: &common::WeedServer, fx: &Fixture, name: &str) -> Volume {
+    async fn provision(
+        c: &mut Clients,
+        weed: &common::WeedServer,
+        fx: &Fixture,
+        name: &str,
+    ) -> Volume {
         let vol = c
             .controller
             .create_volume(create_req(name, 0, &[]))
@@ -819,7 +833,9 @@ impl Volume {
             .unwrap();
         let mut targets = Vec::new();
         for pod in ["pod-a", "pod-b"] {
-            let t = fx.path(&format!("kubelet/pods/{pod}/volumes/kubernetes.io~csi/pv/mount"));
+            let t = fx.path(&format!(
+                "kubelet/pods/{pod}/volumes/kubernetes.io~csi/pv/mount"
+            ));
             std::fs::create_dir_all(t.parent().unwrap()).unwrap();
             c.node
                 .node_publish_volume(publish_req(
@@ -882,7 +898,11 @@ impl Volume {
             fx.keeper_ids().is_empty(),
             "the keeper must drop the session at unstage"
         );
-        assert_eq!(fx.recorded_volumes(), 0, "state file still records the volume");
+        assert_eq!(
+            fx.recorded_volumes(),
+            0,
+            "state file still records the volume"
+        );
     }
 }
 
@@ -943,12 +963,18 @@ fn analyze(reports: &[(String, PodReport)], t_event: u64, t_gone: u64) -> Analys
                 "  {pod}/{w}: {n} ops, {after} ok after the event, slowest {:.1} ms",
                 ms(*worst)
             );
-            assert!(*after > 0, "pod {pod}: {w} made no progress after the event");
+            assert!(
+                *after > 0,
+                "pod {pod}: {w} made no progress after the event"
+            );
             a.ops += n;
             a.ops_after += after;
         }
     }
-    assert!(a.recovery_ns != u64::MAX, "no lookup succeeded after the event");
+    assert!(
+        a.recovery_ns != u64::MAX,
+        "no lookup succeeded after the event"
+    );
     a
 }
 
@@ -1012,7 +1038,11 @@ fn check_files(weed: &common::WeedServer, v: &Volume, pod: &str, r: &PodReport) 
         }
         let got = weed.filer_get(&v.filer_path(&f.name));
         if f.deleted {
-            assert!(got.is_none(), "pod {pod}: deleted {} is still on the filer", f.name);
+            assert!(
+                got.is_none(),
+                "pod {pod}: deleted {} is still on the filer",
+                f.name
+            );
         } else {
             let got = got.unwrap_or_else(|| panic!("pod {pod}: {} is not on the filer", f.name));
             assert!(
@@ -1030,7 +1060,10 @@ fn check_files(weed: &common::WeedServer, v: &Volume, pod: &str, r: &PodReport) 
 
 /// Claim granted -> session served, from the new driver's log.
 fn adopt_ms(log: &str) -> u64 {
-    let l = log.lines().find(|l| l.contains("session adopted")).unwrap_or("");
+    let l = log
+        .lines()
+        .find(|l| l.contains("session adopted"))
+        .unwrap_or("");
     l.split("took_ms=")
         .nth(1)
         .and_then(|v| v.split_whitespace().next())
@@ -1101,7 +1134,11 @@ async fn upgrade_hands_over_every_session_without_errors() {
         );
     }
     let an = analyze(&reports, t_event, t_gone);
-    assert_eq!(mount_ids(&v.mount_paths()), before, "the mounts must not change");
+    assert_eq!(
+        mount_ids(&v.mount_paths()),
+        before,
+        "the mounts must not change"
+    );
     let (mut blocks, mut files) = (0, 0);
     for (pod, r) in &reports {
         // A handover flushes everything: every block written, synced or not.
@@ -1156,7 +1193,10 @@ async fn crash_is_adopted_and_synced_data_survives() {
                     && op.errno.is_none()
                     && op.file.is_some_and(|b| {
                         b as u64 >= synced_before
-                            && r.held.written.iter().any(|(i, end)| *i == b as u64 && *end < t_gone)
+                            && r.held
+                                .written
+                                .iter()
+                                .any(|(i, end)| *i == b as u64 && *end < t_gone)
                     })
             } else {
                 op.errno == Some(libc::ENOENT)
@@ -1167,11 +1207,19 @@ async fn crash_is_adopted_and_synced_data_survives() {
                     })
             };
             assert!(expected, "pod {pod}: operation failed: {op:#?}");
-            lost.push(format!("{pod}: {} {}", op.op, op.err.as_deref().unwrap_or("")));
+            lost.push(format!(
+                "{pod}: {} {}",
+                op.op,
+                op.err.as_deref().unwrap_or("")
+            ));
         }
     }
     let an = analyze(&reports, t_event, t_gone);
-    assert_eq!(mount_ids(&v.mount_paths()), before, "the mounts must not change");
+    assert_eq!(
+        mount_ids(&v.mount_paths()),
+        before,
+        "the mounts must not change"
+    );
     let (mut blocks, mut files, mut lost_blocks) = (0, 0, 0);
     for (pod, r) in &reports {
         assert!(r.held.closed, "pod {pod}: closing the held file failed");
@@ -1276,7 +1324,11 @@ async fn keeper_and_driver_lost_volume_is_staged_and_bound_again() {
     for t in &v.targets {
         assert_eq!(on(t), 3, "two dead layers and the live one: {after:?}");
     }
-    assert_eq!(fx.keeper_ids(), vec![v.vol.volume_id.clone()], "kept by the new keeper");
+    assert_eq!(
+        fx.keeper_ids(),
+        vec![v.vol.volume_id.clone()],
+        "kept by the new keeper"
+    );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let reports = stop_pods(&mut fx);
 

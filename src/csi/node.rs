@@ -378,8 +378,10 @@ impl NodeService {
         for attempt in 0.. {
             match self.recover_volume(volume_id, attempt).await {
                 Ok(()) => return,
-                Err(e) => tracing::warn!(volume_id, attempt, error = %e.message(), retry_in = ?delay,
-                    "repairing a recorded volume failed"),
+                Err(e) => {
+                    tracing::warn!(volume_id, attempt, error = %e.message(), retry_in = ?delay,
+                    "repairing a recorded volume failed")
+                }
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(30));

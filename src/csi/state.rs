@@ -301,7 +301,8 @@ mod tests {
             })
             .count();
         assert_eq!(aside, 1);
-        s.record_stage("v", Path::new("/s"), true, &opts("/x")).unwrap();
+        s.record_stage("v", Path::new("/s"), true, &opts("/x"))
+            .unwrap();
         assert!(s.get("v").unwrap().unwrap().read_only);
     }
 
