@@ -148,7 +148,7 @@ pub struct DriverArgs {
     /// itself when their FUSE sessions are lost for good (default: `state` next to a unix
     /// endpoint's socket, else /var/lib/seaweedfs-csi/state; empty = off)
     #[arg(long = "stateDir", env = "WEED_STATEDIR")]
-    pub state_dir: Option<PathBuf>,
+    pub state_dir: Option<String>,
 }
 
 /// Log format.
@@ -430,9 +430,9 @@ impl DriverArgs {
     /// `--stateDir`, defaulting to the plugin's own socket directory (a hostPath that outlives
     /// the container, one per driver instance); an empty value turns recording off.
     pub fn state_dir(&self, endpoint: &Endpoint) -> Option<PathBuf> {
-        match (&self.state_dir, endpoint) {
-            (Some(d), _) if d.as_os_str().is_empty() => None,
-            (Some(d), _) => Some(d.clone()),
+        match (self.state_dir.as_deref().map(str::trim), endpoint) {
+            (Some(""), _) => None,
+            (Some(d), _) => Some(PathBuf::from(d)),
             (None, Endpoint::Unix(sock)) => sock.parent().map(|p| p.join("state")),
             (None, Endpoint::Tcp(_)) => Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR)),
         }
@@ -650,6 +650,21 @@ mod tests {
             .unwrap();
         assert_eq!(plan.node.topology.len(), 2);
         assert_eq!(plan.node.topology["zone"], "a");
+    }
+
+    #[test]
+    fn state_dir_defaults_next_to_the_socket_and_can_be_turned_off() {
+        let plan = |args: &[&str]| parse(args).driver.plan().unwrap().state_dir;
+        assert_eq!(
+            plan(&["--endpoint=unix:///csi/csi.sock"]),
+            Some(PathBuf::from("/csi/state"))
+        );
+        assert_eq!(
+            plan(&["--endpoint=tcp://127.0.0.1:1"]),
+            Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR))
+        );
+        assert_eq!(plan(&["--stateDir=/x/y"]), Some(PathBuf::from("/x/y")));
+        assert_eq!(plan(&["--stateDir="]), None);
     }
 
     #[test]
