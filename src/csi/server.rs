@@ -267,8 +267,8 @@ impl BoundListener {
 }
 
 /// Serves until `shutdown` resolves, then lets in-flight RPCs finish for up to
-/// [`SHUTDOWN_GRACE`]. Removes the unix socket afterwards. Mounts are never touched here: pods
-/// keep their volumes across a plugin restart.
+/// [`SHUTDOWN_GRACE`]. Removes the unix socket file as soon as shutdown begins. Mounts are
+/// never touched here: pods keep their volumes across a plugin restart.
 pub async fn serve(
     listener: BoundListener,
     services: CsiServices,
@@ -304,42 +304,29 @@ pub async fn serve(
         }
     };
 
-    let (result, socket) = match listener {
+    // A unix socket file is removed when shutdown begins (below); a stale file left by a
+    // failure is replaced at the next start (`prepare_socket_path`).
+    match listener {
         BoundListener::Unix(l, path) => {
-            let ours = socket_id(&path);
             tracing::info!(endpoint = %format!("unix://{}", path.display()), "serving CSI");
+            // Give the path up as soon as we stop accepting, while our listener still holds
+            // it: a successor (rolling update) may bind it while we drain, and removing it
+            // later could delete the successor's socket.
+            let p = path.clone();
+            let stopping = async move {
+                stopping.await;
+                let _ = std::fs::remove_file(&p);
+            };
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
-            (bounded(served, deadline).await, Some((path, ours)))
+            bounded(served, deadline).await
         }
         BoundListener::Tcp(l) => {
             tracing::info!(endpoint = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving CSI over TCP");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
-            (bounded(served, deadline).await, None)
+            bounded(served, deadline).await
         }
-    };
-    if let Some((p, ours)) = socket {
-        remove_own_socket(&p, ours);
-    }
-    result
-}
-
-/// (device, inode) of the socket file at `path`.
-fn socket_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino()))
-}
-
-/// Removes the socket file only if it is still the one we bound: in a rolling update the
-/// successor may already have replaced it once our listener closed.
-fn remove_own_socket(path: &Path, ours: Option<(u64, u64)>) {
-    if ours.is_some() && socket_id(path) == ours {
-        let _ = std::fs::remove_file(path);
-    } else {
-        tracing::info!(socket = %path.display(), "socket now belongs to another process; left in place");
     }
 }
 
