@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use seaweedfs_csi_driver::cli::{self, Cli, Command, DriverArgs};
-use seaweedfs_csi_driver::csi::server::Endpoint;
+use seaweedfs_csi_driver::csi::server::{shutdown_signal, Endpoint};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::FilerApi;
@@ -77,8 +77,15 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         };
         // Rolling update (maxSurge): the previous plugin still serves the socket until it gets
         // SIGTERM; its sessions are claimed above and adopted once it has exited.
-        wait_for_endpoint(&plan.endpoint).await;
-        let served = cli::run_driver(plan, filer, stager).await;
+        let stopped = tokio::select! {
+            _ = wait_for_endpoint(&plan.endpoint) => false,
+            _ = shutdown_signal() => true,
+        };
+        let served = if stopped {
+            Ok(())
+        } else {
+            cli::run_driver(plan, filer, stager).await
+        };
         if let Some(s) = fuse_stager {
             s.shutdown().await;
         }
@@ -93,7 +100,7 @@ async fn wait_for_endpoint(endpoint: &Endpoint) {
     let Endpoint::Unix(path) = endpoint else {
         return;
     };
-    let mut logged = false;
+    let mut waited = 0u64;
     loop {
         let p = path.clone();
         let live =
@@ -101,16 +108,19 @@ async fn wait_for_endpoint(endpoint: &Endpoint) {
                 .await
                 .unwrap_or(false);
         if !live {
-            if logged {
+            if waited > 0 {
                 tracing::info!(socket = %path.display(), "the previous plugin released the CSI socket");
             }
             return;
         }
-        if !logged {
+        if waited == 0 {
             tracing::info!(socket = %path.display(),
                 "another plugin serves the CSI socket (rolling update?); waiting for it to stop");
-            logged = true;
+        } else if waited % 600 == 0 {
+            tracing::warn!(socket = %path.display(), waited_secs = waited / 10,
+                "the CSI socket is still served by another process");
         }
+        waited += 1;
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
