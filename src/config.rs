@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 /// How chunk data is fetched from / sent to volume servers (`-volumeServerAccess`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum VolumeServerAccess {
     /// `Location.url`
     #[default]
@@ -29,7 +29,8 @@ impl std::str::FromStr for VolumeServerAccess {
 }
 
 /// Everything one mounted volume (one FUSE session) needs. Mirrors `weed mount` flags.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct MountOptions {
     /// Filer HTTP addresses (`host:port` or `host:port.grpcPort`).
     pub filers: Vec<String>,

@@ -10,6 +10,7 @@
 //! - [`csi`]: CSI Identity/Controller/Node services.
 pub mod cache;
 pub mod chunks;
+pub mod cli;
 pub mod config;
 pub mod csi;
 pub mod filer;

@@ -32,8 +32,8 @@ pub enum SecurityError {
     Tls(String),
 }
 
-/// Security settings the client needs.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Security settings the client needs. `Debug` redacts the JWT keys.
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct SecurityConfig {
     /// `[grpc] ca`: CA for filer gRPC mTLS.
     pub grpc_ca: Option<PathBuf>,
@@ -53,6 +53,28 @@ pub struct SecurityConfig {
     pub https_cert: Option<PathBuf>,
     pub https_key: Option<PathBuf>,
     pub https_insecure_skip_verify: bool,
+}
+
+impl std::fmt::Debug for SecurityConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redact = |k: &Option<String>| k.as_ref().map(|_| "<redacted>");
+        f.debug_struct("SecurityConfig")
+            .field("grpc_ca", &self.grpc_ca)
+            .field("grpc_client_cert", &self.grpc_client_cert)
+            .field("grpc_client_key", &self.grpc_client_key)
+            .field("jwt_read_key", &redact(&self.jwt_read_key))
+            .field("jwt_read_expires_secs", &self.jwt_read_expires_secs)
+            .field("jwt_filer_key", &redact(&self.jwt_filer_key))
+            .field("https_client_enabled", &self.https_client_enabled)
+            .field("https_ca", &self.https_ca)
+            .field("https_cert", &self.https_cert)
+            .field("https_key", &self.https_key)
+            .field(
+                "https_insecure_skip_verify",
+                &self.https_insecure_skip_verify,
+            )
+            .finish()
+    }
 }
 
 /// Every key we read, as written in security.toml (each overridable by [`env_name`]).
@@ -486,6 +508,11 @@ insecure_skip_verify = false
         assert!(c.https_client_enabled);
         assert!(!c.https_insecure_skip_verify);
         assert!(c.grpc_tls_enabled());
+        let dbg = format!("{c:?}");
+        assert!(
+            !dbg.contains("read-secret") && !dbg.contains("filer-secret"),
+            "{dbg}"
+        );
     }
 
     #[test]

@@ -3,9 +3,10 @@
 //! - entries keyed by full path; `/` always exists;
 //! - `CreateEntry` is an upsert keeping the old `crtime` and `inode`; `o_excl` refuses existing
 //!   entries; a file over a directory is `IsADirectory`, a directory over a file `AlreadyExists`;
-//!   a parent that is a file is `NotADirectory`; names over 255 bytes are `NameTooLong`; missing
-//!   parents are created unless `skip_check_parent_directory` (then orphans are allowed, like the
-//!   real filer);
+//!   names over 255 bytes are `NameTooLong`; missing parents are created unless
+//!   `skip_check_parent_directory` (then orphans are allowed). Like filer 4.48, a child under a
+//!   regular file is accepted and turns that file into a directory (mode `ModeDir|0755`, content
+//!   kept): callers must check parents themselves;
 //! - inode 0 is assigned as `u64::from_be_bytes(md5(path)[0..8]) + crtime * 37` (wrapping);
 //! - `DeleteEntry` of a missing entry succeeds, a non-empty directory needs `is_recursive`;
 //! - rename moves whole subtrees and returns one event per moved entry;
@@ -51,9 +52,10 @@ struct Shared {
     total_size: AtomicU64,
 }
 
-#[derive(Default)]
 struct State {
     entries: BTreeMap<String, pb::Entry>,
+    /// Live subscribers; every logged event is also sent here.
+    tx: broadcast::Sender<pb::SubscribeMetadataResponse>,
     log: Vec<pb::SubscribeMetadataResponse>,
     last_ts: i64,
 }
@@ -143,7 +145,6 @@ impl State {
 
     fn log_event(
         &mut self,
-        tx: &broadcast::Sender<pb::SubscribeMetadataResponse>,
         directory: &str,
         old_entry: Option<pb::Entry>,
         new_entry: Option<pb::Entry>,
@@ -167,7 +168,7 @@ impl State {
             ..Default::default()
         };
         self.log.push(ev.clone());
-        let _ = tx.send(ev.clone());
+        let _ = self.tx.send(ev.clone());
         ev
     }
 }
@@ -228,7 +229,7 @@ fn matches_subscription(
     let by_prefix = prefixes
         .iter()
         .any(|p| src.starts_with(p) || (!dst.is_empty() && dst.starts_with(p)));
-    by_prefix || req.directories.iter().any(|d| *d == ev.directory)
+    by_prefix || req.directories.contains(&ev.directory)
 }
 
 impl MockFiler {
@@ -237,7 +238,12 @@ impl MockFiler {
         let (disconnect, _) = watch::channel(0);
         MockFiler {
             shared: Arc::new(Shared {
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    entries: BTreeMap::new(),
+                    tx: events.clone(),
+                    log: Vec::new(),
+                    last_ts: 0,
+                }),
                 events,
                 disconnect,
                 faults: Mutex::new(None),
@@ -382,7 +388,6 @@ impl FilerApi for MockFiler {
         let path = join(&dir, &entry.name);
         check_name(&entry.name, &path)?;
         let sigs = self.sigs(&req.signatures);
-        let tx = &self.shared.events;
         let mut st = self.shared.state.lock();
         if st.exists(&dir) && !st.is_dir(&dir) {
             return Err(FilerError::NotADirectory(format!(
@@ -432,8 +437,19 @@ impl FilerApi for MockFiler {
                 };
                 e.attributes.as_mut().unwrap().inode = inode_for(&m, now);
                 st.entries.insert(m.clone(), e.clone());
-                st.log_event(tx, &pd, None, Some(e), &pd, &sigs, false);
+                st.log_event(&pd, None, Some(e), &pd, &sigs, false);
             }
+        }
+        if let Some(parent) = st.entries.get(&dir).filter(|p| !p.is_directory).cloned() {
+            let mut promoted = parent.clone();
+            promoted.is_directory = true;
+            promoted
+                .attributes
+                .get_or_insert_with(Default::default)
+                .file_mode = MODE_DIR | 0o755;
+            st.entries.insert(dir.clone(), promoted.clone());
+            let (pd, _) = split(&dir);
+            st.log_event(&pd, Some(parent), Some(promoted), &pd, &sigs, false);
         }
         let attrs = entry.attributes.get_or_insert_with(Default::default);
         if let Some(o) = old.as_ref().and_then(|o| o.attributes.as_ref()) {
@@ -448,7 +464,6 @@ impl FilerApi for MockFiler {
         }
         st.entries.insert(path, entry.clone());
         Ok(Some(st.log_event(
-            tx,
             &dir,
             old,
             Some(entry),
@@ -482,7 +497,6 @@ impl FilerApi for MockFiler {
         }
         st.entries.insert(path, entry.clone());
         Ok(Some(st.log_event(
-            &self.shared.events,
             &dir,
             Some(old),
             Some(entry),
@@ -516,7 +530,6 @@ impl FilerApi for MockFiler {
         }
         st.entries.remove(&path);
         Ok(Some(st.log_event(
-            &self.shared.events,
             &dir,
             Some(old),
             None,
@@ -535,7 +548,6 @@ impl FilerApi for MockFiler {
         let (src, dst) = (join(&od, &req.old_name), join(&nd, &req.new_name));
         check_name(&req.new_name, &dst)?;
         let sigs = self.sigs(&req.signatures);
-        let tx = &self.shared.events;
         let mut st = self.shared.state.lock();
         let Some(src_entry) = st.entries.get(&src).cloned() else {
             return Err(FilerError::NotFound(format!(
@@ -591,7 +603,7 @@ impl FilerApi for MockFiler {
             let mut new = old.clone();
             new.name = to_name;
             st.entries.insert(to, new.clone());
-            let ev = st.log_event(tx, &from_dir, Some(old), Some(new), &to_dir, &sigs, false);
+            let ev = st.log_event(&from_dir, Some(old), Some(new), &to_dir, &sigs, false);
             out.push(pb::StreamRenameEntryResponse {
                 directory: ev.directory,
                 event_notification: ev.event_notification,

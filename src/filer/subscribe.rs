@@ -31,10 +31,13 @@ pub struct SubscribeOptions {
     pub path_prefix: String,
     /// More prefixes (e.g. `"/etc/seaweedfs/filer.conf"`).
     pub extra_prefixes: Vec<String>,
-    /// Start position in nanoseconds since the epoch (usually "now" at mount time).
+    /// Start position in nanoseconds since the epoch (usually "now" at mount time); 0 replays
+    /// the filer's whole metadata log.
     pub since_ns: i64,
 }
 
+// Events are the common case and Resync is rare, so boxing the event would only add allocations.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum SubscriptionEvent {
     /// One metadata event (never a batch: `events` is empty).

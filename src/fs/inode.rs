@@ -4,9 +4,11 @@
 //! re-imported by a successor process ([`InodeTable::snapshot`] / [`InodeTable::restore`]).
 
 use super::attr::Kind;
+use super::journal::{Journal, JournalOp};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub const ROOT_INO: u64 = 1;
 
@@ -26,12 +28,14 @@ struct Inner {
 
 pub struct InodeTable {
     inner: RwLock<Inner>,
+    journal: RwLock<Option<Arc<Journal>>>,
 }
 
 impl InodeTable {
     pub fn new(root_path: &str) -> Self {
         let t = InodeTable {
             inner: RwLock::new(Inner::default()),
+            journal: RwLock::new(None),
         };
         t.inner.write().by_ino.insert(
             ROOT_INO,
@@ -49,6 +53,62 @@ impl InodeTable {
         t
     }
 
+    /// Starts recording every change to `j` (after writing the current table into it).
+    pub fn set_journal(&self, j: Arc<Journal>) {
+        for r in self.snapshot() {
+            if r.ino != ROOT_INO {
+                self.log(
+                    &j,
+                    JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    },
+                );
+            }
+        }
+        *self.journal.write() = Some(j);
+    }
+
+    fn log(&self, j: &Journal, op: JournalOp) {
+        if let Err(e) = j.append(&op) {
+            tracing::warn!(error = %e, "inode journal append failed");
+        }
+    }
+
+    fn journal(&self, op: JournalOp) {
+        if let Some(j) = self.journal.read().as_ref() {
+            self.log(j, op);
+            let _ = j.maybe_compact(|| {
+                self.snapshot()
+                    .into_iter()
+                    .filter(|r| r.ino != ROOT_INO)
+                    .map(|r| JournalOp::Remember {
+                        ino: r.ino,
+                        path: r.path,
+                        is_dir: r.is_dir,
+                    })
+                    .collect()
+            });
+        }
+    }
+
+    /// Rebuilds the table from a journal written by a previous process.
+    pub fn replay(&self, ops: Vec<JournalOp>) {
+        for op in ops {
+            match op {
+                JournalOp::Remember { ino, path, is_dir } => {
+                    let kind = if is_dir { Kind::Dir } else { Kind::File };
+                    self.remember_quiet(ino, &path, kind, true);
+                }
+                JournalOp::Forget { ino } => {
+                    self.forget_quiet(ino, u64::MAX);
+                }
+                JournalOp::Rename { from, to } => self.rename_quiet(&from, &to),
+            }
+        }
+    }
+
     pub fn path(&self, ino: u64) -> Option<String> {
         self.inner.read().by_ino.get(&ino).map(|n| n.path.clone())
     }
@@ -59,7 +119,19 @@ impl InodeTable {
 
     /// Records that the kernel now knows `ino` as `path` (one more lookup when `counted`).
     pub fn remember(&self, ino: u64, path: &str, kind: Kind, counted: bool) {
+        if self.remember_quiet(ino, path, kind, counted) {
+            self.journal(JournalOp::Remember {
+                ino,
+                path: path.to_string(),
+                is_dir: kind == Kind::Dir,
+            });
+        }
+    }
+
+    /// Returns whether the mapping is new or changed.
+    fn remember_quiet(&self, ino: u64, path: &str, kind: Kind, counted: bool) -> bool {
         let mut g = self.inner.write();
+        let mut changed = !g.by_ino.contains_key(&ino);
         let rec = g.by_ino.entry(ino).or_insert_with(|| NodeRecord {
             ino,
             path: path.to_string(),
@@ -70,18 +142,27 @@ impl InodeTable {
             rec.nlookup += 1;
         }
         if rec.path != path {
+            changed = true;
             let old = std::mem::replace(&mut rec.path, path.to_string());
             if g.by_path.get(&old) == Some(&ino) {
                 g.by_path.remove(&old);
             }
         }
         g.by_path.insert(path.to_string(), ino);
+        changed
     }
 
     /// Kernel FORGET: drops the mapping when its lookup count reaches zero.
     pub fn forget(&self, ino: u64, n: u64) {
+        if self.forget_quiet(ino, n) {
+            self.journal(JournalOp::Forget { ino });
+        }
+    }
+
+    /// Returns whether the node was dropped.
+    fn forget_quiet(&self, ino: u64, n: u64) -> bool {
         if ino == ROOT_INO {
-            return;
+            return false;
         }
         let mut g = self.inner.write();
         let gone = match g.by_ino.get_mut(&ino) {
@@ -98,6 +179,7 @@ impl InodeTable {
                 }
             }
         }
+        gone
     }
 
     /// A path was deleted: forget the path mapping (the node id lives on until FORGET).
@@ -108,6 +190,14 @@ impl InodeTable {
 
     /// `old` (and everything below it) is now at `new`.
     pub fn rename(&self, old: &str, new: &str) {
+        self.rename_quiet(old, new);
+        self.journal(JournalOp::Rename {
+            from: old.to_string(),
+            to: new.to_string(),
+        });
+    }
+
+    fn rename_quiet(&self, old: &str, new: &str) {
         let mut g = self.inner.write();
         let prefix = format!("{}/", old.trim_end_matches('/'));
         let moved: Vec<(String, u64)> = g
@@ -188,5 +278,22 @@ mod tests {
         assert_eq!(split("/m/b/f"), ("/m/b".to_string(), "f".to_string()));
         assert_eq!(split("/x"), ("/".to_string(), "x".to_string()));
         assert_eq!(join("/", "x"), "/x");
+    }
+
+    #[test]
+    fn journal_rebuilds_the_table() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.remember(10, "/m/a", Kind::Dir, true);
+        t.set_journal(j.clone());
+        t.remember(11, "/m/a/f", Kind::File, true);
+        t.remember(12, "/m/g", Kind::File, true);
+        t.rename("/m/a", "/m/b");
+        t.forget(12, 1);
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(10).unwrap(), "/m/b");
+        assert_eq!(t2.path(11).unwrap(), "/m/b/f");
+        assert!(t2.path(12).is_none());
     }
 }

@@ -5,6 +5,7 @@
 pub mod attr;
 pub mod file;
 pub mod inode;
+pub mod journal;
 pub mod meta;
 mod ops;
 mod read;

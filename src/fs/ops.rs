@@ -1291,7 +1291,8 @@ impl Fs {
 
     // ---------- statfs / quota ----------
 
-    async fn refresh_usage(&self) {
+    /// Re-reads the volume's used bytes (quota accounting).
+    pub async fn refresh_usage(&self) {
         if let Ok(st) = self
             .filer
             .statistics(pb::StatisticsRequest {

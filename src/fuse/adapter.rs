@@ -12,6 +12,7 @@ use fuser::{
 use std::ffi::OsStr;
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -22,11 +23,58 @@ pub struct FuseAdapter {
     fs: Arc<Fs>,
     rt: tokio::runtime::Handle,
     init_hook: Option<InitHook>,
+    gate: Arc<Gate>,
+}
+
+/// Lets a handover stop answering new requests: once closed, requests are left unanswered
+/// (the successor gets them again through FUSE_NOTIFY_RESEND), and `wait_idle` waits for the
+/// ones already running.
+#[derive(Default)]
+pub struct Gate {
+    closed: AtomicBool,
+    active: AtomicUsize,
+}
+
+impl Gate {
+    fn enter(&self) -> bool {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.closed.load(Ordering::SeqCst) {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    fn leave(&self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Stops admitting requests and waits (bounded) until none is running.
+    pub async fn close_and_wait(&self, timeout: std::time::Duration) -> bool {
+        self.closed.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.active.load(Ordering::SeqCst) > 0 {
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        true
+    }
 }
 
 impl FuseAdapter {
     pub fn new(fs: Arc<Fs>, rt: tokio::runtime::Handle, init_hook: Option<InitHook>) -> Self {
-        FuseAdapter { fs, rt, init_hook }
+        FuseAdapter {
+            fs,
+            rt,
+            init_hook,
+            gate: Arc::default(),
+        }
+    }
+
+    pub fn gate(&self) -> Arc<Gate> {
+        self.gate.clone()
     }
 }
 
@@ -94,8 +142,13 @@ fn time(t: Option<TimeOrNow>) -> Option<SystemTime> {
 
 macro_rules! run {
     ($self:ident, $op:literal, $reply:ident, |$fs:ident| $body:expr, |$v:ident| $ok:expr) => {{
+        if !$self.gate.enter() {
+            // handing over: the successor answers this request after FUSE_NOTIFY_RESEND
+            std::mem::forget($reply);
+            return;
+        }
         let $fs = $self.fs.clone();
-
+        let gate = $self.gate.clone();
         $self.rt.spawn(async move {
             let _timer = crate::metrics::fuse_op($op);
             match $body {
@@ -106,6 +159,7 @@ macro_rules! run {
                     $reply.error(err(&e))
                 }
             }
+            gate.leave();
         });
     }};
 }

@@ -102,7 +102,19 @@ pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
             f.flush_dir_times().await;
         }
     });
-    vec![sub, events, flusher]
+    let f = fs.clone();
+    let health = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            let ok = tokio::time::timeout(Duration::from_secs(5), f.filer.configuration()).await;
+            f.set_healthy(matches!(ok, Ok(Ok(_))));
+            if f.quota() > 0 {
+                f.refresh_usage().await;
+            }
+        }
+    });
+    vec![sub, events, flusher, health]
 }
 
 /// Checks that `dir` can be mounted on: exists (or is created), is a directory, is empty
@@ -184,15 +196,61 @@ pub fn fsname(opts: &MountOptions) -> String {
     )
 }
 
+/// What a successor needs to serve a volume it adopts (stored in the keeper's blob).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VolumeState {
+    pub volume_id: String,
+    pub opts: MountOptions,
+    /// The inode table at a graceful handover (after a crash the journal memfd has it).
+    pub inodes: Vec<crate::fs::inode::NodeRecord>,
+    /// True when the previous process flushed everything and stopped serving on purpose.
+    pub graceful: bool,
+}
+
+type Blob = super::takeover::Handover<VolumeState>;
+
+/// How a session is served.
+enum Serving {
+    /// fuser owns the mount; dropping the session unmounts (the `mount` command).
+    Plain(fuser::BackgroundSession),
+    /// Takeover-capable: the fd-keeper holds dups of the connection and of the inode journal;
+    /// nothing unmounts unless asked (CSI node plugin).
+    Kept {
+        bg: Option<fuser::BackgroundSession>,
+        keeper: Arc<crate::keeper::KeeperClient>,
+        gate: Arc<super::adapter::Gate>,
+        volume_id: String,
+        opts: MountOptions,
+        init: super::takeover::InitParams,
+    },
+}
+
 /// One mounted volume served by this process.
 pub struct MountedVolume {
     pub fs: Arc<Fs>,
     pub mountpoint: PathBuf,
-    bg: Option<fuser::BackgroundSession>,
+    /// The FUSE connection id (minor of the mount's st_dev), for aborting it.
+    conn: Option<u32>,
+    serving: Option<Serving>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
+fn mount_err(path: &Path, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> MountError {
+    MountError::Mount {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    }
+}
+
 impl MountedVolume {
+    /// The CSI volume id of a kept session.
+    pub fn volume_id(&self) -> Option<String> {
+        match &self.serving {
+            Some(Serving::Kept { volume_id, .. }) => Some(volume_id.clone()),
+            _ => None,
+        }
+    }
+
     /// Builds the filesystem and mounts it at `mountpoint` (which must be checked already).
     pub async fn mount(
         opts: &MountOptions,
@@ -209,44 +267,250 @@ impl MountedVolume {
             s.spawn()
         })
         .await
-        .map_err(|e| MountError::Mount {
-            path: mountpoint.to_path_buf(),
-            source: std::io::Error::other(e),
-        })?
+        .map_err(|e| mount_err(mountpoint, e.to_string()))?
         .map_err(|e| MountError::Mount {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
-        raise_readahead(mountpoint, 4096);
-        let tasks = spawn_background(&fs);
-        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, "mounted");
-        Ok(MountedVolume {
-            fs,
-            mountpoint: mountpoint.to_path_buf(),
-            bg: Some(bg),
-            tasks,
-        })
+        Ok(Self::started(fs, mountpoint, Serving::Plain(bg)))
     }
 
-    /// Flushes everything dirty, then unmounts.
+    fn started(fs: Arc<Fs>, mountpoint: &Path, serving: Serving) -> Self {
+        let bg = match &serving {
+            Serving::Plain(bg) => Some(bg),
+            Serving::Kept { bg, .. } => bg.as_ref(),
+        };
+        if let Some(bg) = bg {
+            fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
+        }
+        raise_readahead(mountpoint, 4096);
+        let tasks = spawn_background(&fs);
+        let conn = connection_id(mountpoint);
+        tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
+        MountedVolume {
+            fs,
+            mountpoint: mountpoint.to_path_buf(),
+            conn,
+            serving: Some(serving),
+            tasks,
+        }
+    }
+
+    /// Mounts a takeover-capable session whose fds the keeper holds.
+    pub async fn mount_kept(
+        volume_id: &str,
+        opts: &MountOptions,
+        security: &SecurityConfig,
+        mountpoint: &Path,
+        keeper: Arc<crate::keeper::KeeperClient>,
+    ) -> Result<Self, MountError> {
+        let fs = build_fs(opts, security).await?;
+        let journal =
+            Arc::new(crate::fs::journal::Journal::create().map_err(|e| mount_err(mountpoint, e))?);
+        fs.inodes.set_journal(journal.clone());
+        let adapter =
+            super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
+        let gate = adapter.gate();
+        let config = fuse_config(opts, fsname(opts));
+        let mp = mountpoint.to_path_buf();
+        let mounted = tokio::task::spawn_blocking(move || {
+            super::takeover::mount_fresh(adapter, &mp, &config)
+        })
+        .await
+        .map_err(|e| mount_err(mountpoint, e.to_string()))?
+        .map_err(|e| MountError::Mount {
+            path: mountpoint.to_path_buf(),
+            source: e,
+        })?;
+        let state = VolumeState {
+            volume_id: volume_id.to_string(),
+            opts: opts.clone(),
+            inodes: Vec::new(),
+            graceful: false,
+        };
+        let blob = Blob::new(mountpoint.to_path_buf(), mounted.init.clone(), state)
+            .to_bytes()
+            .map_err(|e| mount_err(mountpoint, e))?;
+        let k = keeper.clone();
+        let id = volume_id.to_string();
+        let fd = mounted.fd;
+        let jfd = journal
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| mount_err(mountpoint, e))?;
+        let put = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsFd;
+            k.put(&id, &blob, &[fd.as_fd(), jfd.as_fd()])
+        })
+        .await
+        .map_err(|e| mount_err(mountpoint, e.to_string()))?;
+        if let Err(e) = put {
+            // without the keeper the session would not survive us: do not serve it
+            let _ = super::takeover::unmount(mountpoint);
+            return Err(mount_err(mountpoint, format!("fd-keeper: {e}")));
+        }
+        let bg = mounted.session.spawn().map_err(|e| MountError::Mount {
+            path: mountpoint.to_path_buf(),
+            source: e,
+        })?;
+        let serving = Serving::Kept {
+            bg: Some(bg),
+            keeper,
+            gate,
+            volume_id: volume_id.to_string(),
+            opts: opts.clone(),
+            init: mounted.init,
+        };
+        Ok(Self::started(fs, mountpoint, serving))
+    }
+
+    /// Adopts a session a previous process left with the keeper (crash or upgrade). `keeper`
+    /// must be the connection that was granted the claim.
+    pub async fn adopt(
+        entry: crate::keeper::KeptEntry,
+        security: &SecurityConfig,
+        keeper: Arc<crate::keeper::KeeperClient>,
+    ) -> Result<Self, MountError> {
+        let blob = Blob::from_bytes(&entry.blob).map_err(|e| mount_err(Path::new("?"), e))?;
+        let mountpoint = blob.mountpoint.clone();
+        let mut fds = entry.fds.into_iter();
+        let fuse_fd = fds
+            .next()
+            .ok_or_else(|| mount_err(&mountpoint, "keeper entry has no FUSE fd"))?;
+        let journal = match fds.next() {
+            Some(fd) => Arc::new(
+                crate::fs::journal::Journal::open(fd).map_err(|e| mount_err(&mountpoint, e))?,
+            ),
+            None => Arc::new(
+                crate::fs::journal::Journal::create().map_err(|e| mount_err(&mountpoint, e))?,
+            ),
+        };
+        let state = blob.state;
+        // The kernel queues requests meanwhile; keep trying while the filer is unreachable.
+        let mut delay = Duration::from_millis(200);
+        let fs = loop {
+            match build_fs(&state.opts, security).await {
+                Ok(fs) => break fs,
+                Err(e) => {
+                    tracing::warn!(volume_id = %state.volume_id, error = %e, "adopt: filer not ready, retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        };
+        fs.inodes.restore(state.inodes.clone());
+        match journal.replay() {
+            Ok(ops) => fs.inodes.replay(ops),
+            Err(e) => {
+                tracing::warn!(error = %e, "inode journal unreadable; unknown node ids will get ESTALE")
+            }
+        }
+        fs.inodes.set_journal(journal);
+        let adapter =
+            super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
+        let gate = adapter.gate();
+        let config = fuse_config(&state.opts, fsname(&state.opts));
+        let init = blob.init.clone();
+        let init2 = init.clone();
+        let session = tokio::task::spawn_blocking(move || {
+            super::takeover::adopt(adapter, fuse_fd, &init2, &config)
+        })
+        .await
+        .map_err(|e| mount_err(&mountpoint, e.to_string()))?
+        .map_err(|e| MountError::Mount {
+            path: mountpoint.clone(),
+            source: e,
+        })?;
+        let bg = session.spawn().map_err(|e| MountError::Mount {
+            path: mountpoint.clone(),
+            source: e,
+        })?;
+        tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
+            graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
+        let serving = Serving::Kept {
+            bg: Some(bg),
+            keeper,
+            gate,
+            volume_id: state.volume_id.clone(),
+            opts: state.opts.clone(),
+            init,
+        };
+        Ok(Self::started(fs, &mountpoint, serving))
+    }
+
+    /// Graceful handover: stop answering, flush everything, leave the state for the successor.
+    /// The mount stays; the caller exits afterwards without unmounting.
+    pub async fn hand_over(mut self) -> Result<(), MountError> {
+        let Some(Serving::Kept {
+            bg,
+            keeper,
+            gate,
+            volume_id,
+            opts,
+            init,
+        }) = self.serving.take()
+        else {
+            return self.unmount().await;
+        };
+        if !gate.close_and_wait(Duration::from_secs(30)).await {
+            tracing::warn!(volume_id, "requests still running at handover");
+        }
+        let flushed = self.fs.flush_all().await;
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        let state = VolumeState {
+            volume_id: volume_id.clone(),
+            opts,
+            inodes: self.fs.inodes.snapshot(),
+            graceful: true,
+        };
+        let blob = Blob::new(self.mountpoint.clone(), init, state)
+            .to_bytes()
+            .map_err(|e| mount_err(&self.mountpoint, e))?;
+        let id = volume_id.clone();
+        let k = keeper.clone();
+        tokio::task::spawn_blocking(move || k.update_blob(&id, &blob))
+            .await
+            .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?
+            .map_err(|e| mount_err(&self.mountpoint, format!("fd-keeper: {e}")))?;
+        // Leave the fuser threads blocked on the fd; process exit releases them.
+        std::mem::forget(bg);
+        std::mem::forget(keeper);
+        tracing::info!(volume_id, "handed over");
+        flushed.map_err(MountError::Fs)
+    }
+
+    /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
     pub async fn unmount(mut self) -> Result<(), MountError> {
         let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
         }
-        if let Some(bg) = self.bg.take() {
-            let mp = self.mountpoint.clone();
-            tokio::task::spawn_blocking(move || bg.umount_and_join())
-                .await
-                .map_err(|e| MountError::Mount {
-                    path: mp.clone(),
-                    source: std::io::Error::other(e),
-                })?
-                .map_err(|e| MountError::Mount {
-                    path: mp,
-                    source: e,
-                })?;
+        let mp = self.mountpoint.clone();
+        let (bg, keeper) = match self.serving.take() {
+            Some(Serving::Plain(bg)) => (Some(bg), None),
+            Some(Serving::Kept { bg, keeper, volume_id, .. }) => (bg, Some((keeper, volume_id))),
+            None => (None, None),
+        };
+        let conn = self.conn;
+        let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let r = super::takeover::unmount(&mp);
+            if let Some((keeper, volume_id)) = keeper {
+                if let Err(e) = keeper.drop_entry(&volume_id) {
+                    tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
+                }
+            }
+            if let Some(bg) = bg {
+                join_or_abort(bg, conn);
+            }
+            r
+        })
+        .await
+        .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
+        if let Err(e) = unmounted {
+            // already gone (e.g. replaced by the node service): not an error for us
+            tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
@@ -258,7 +522,49 @@ impl Drop for MountedVolume {
         for t in self.tasks.drain(..) {
             t.abort();
         }
-        // dropping the background session unmounts: never leave a dead mount behind
-        self.bg.take();
+        match self.serving.take() {
+            // dropping a plain session unmounts: never leave a dead mount behind
+            Some(Serving::Plain(bg)) => drop(bg),
+            // a kept session outlives this object on purpose (the keeper holds it)
+            Some(Serving::Kept { bg, .. }) => std::mem::forget(bg),
+            None => {}
+        }
     }
+}
+
+/// The FUSE connection id of a mount: the minor number of its device.
+fn connection_id(mountpoint: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(mountpoint).ok().map(|m| libc::minor(m.dev()))
+}
+
+/// Waits for the session threads; if the connection is still referenced elsewhere (a bind
+/// mount that outlived the staging mount), aborts it so they end and nothing hangs.
+fn join_or_abort(bg: fuser::BackgroundSession, conn: Option<u32>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(bg.join());
+    });
+    if rx.recv_timeout(Duration::from_secs(3)).is_ok() {
+        return;
+    }
+    if let Some(id) = conn {
+        match abort_connection(id) {
+            Ok(()) => tracing::warn!(conn = id, "aborted a FUSE connection still referenced after unmount"),
+            Err(e) => tracing::warn!(conn = id, error = %e, "cannot abort FUSE connection"),
+        }
+    }
+    if rx.recv_timeout(Duration::from_secs(3)).is_err() {
+        tracing::warn!(?conn, "FUSE session threads did not end; leaving them");
+    }
+}
+
+/// Aborts a FUSE connection through fusectl (mounting it if needed).
+pub fn abort_connection(id: u32) -> std::io::Result<()> {
+    let dir = Path::new("/sys/fs/fuse/connections");
+    let abort = dir.join(id.to_string()).join("abort");
+    if !abort.exists() {
+        let _ = nix::mount::mount(Some("fusectl"), dir, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+    }
+    std::fs::write(&abort, b"1")
 }

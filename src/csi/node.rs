@@ -1,0 +1,777 @@
+//! CSI Node service: one FUSE session per staged volume (through a [`Stager`]), bind-mounted
+//! onto each pod's target path.
+//!
+//! Every RPC is idempotent and runs under a per-volume lock. Decisions are made from the real
+//! mount table, not only from memory, so they hold after a plugin restart: a dead mount (the
+//! FUSE daemon is gone, the kernel answers ENOTCONN) is treated as not mounted and replaced, a
+//! live one is left alone. On any failure nothing stays mounted that was not mounted before.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tonic::{Request, Response, Status};
+
+use super::mounts::{self, MountError, MountState};
+use super::params::{self, VolumeDefaults};
+use super::stager::{StageError, Stager};
+use super::{require_capability, require_field, CapabilityRequest, KeyedLocks};
+use crate::config::MountOptions;
+use crate::pb::csi::node_server::Node;
+use crate::pb::csi::node_service_capability::{self, rpc};
+use crate::pb::csi::volume_capability::access_mode::Mode;
+use crate::pb::csi::volume_usage::Unit;
+use crate::pb::csi::*;
+
+/// Node-wide settings.
+#[derive(Debug, Clone, Default)]
+pub struct NodeConfig {
+    pub node_id: String,
+    /// 0 = no limit.
+    pub max_volumes_per_node: i64,
+    /// Segments returned as `accessible_topology` (empty = none).
+    pub topology: HashMap<String, String>,
+    pub defaults: VolumeDefaults,
+}
+
+/// Bounds for calls that can block on a hung filesystem.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeTimeouts {
+    /// One mount-state check or mount syscall.
+    pub syscall: Duration,
+    /// Starting a FUSE session (talks to the filer).
+    pub stage: Duration,
+    /// statfs for NodeGetVolumeStats.
+    pub stats: Duration,
+}
+
+impl Default for NodeTimeouts {
+    fn default() -> Self {
+        NodeTimeouts {
+            syscall: Duration::from_secs(30),
+            stage: Duration::from_secs(60),
+            stats: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Publication {
+    read_only: bool,
+}
+
+/// What this process knows about a staged volume. Rebuilt lazily after a restart.
+#[derive(Debug, Clone)]
+struct StagedVolume {
+    staging: PathBuf,
+    read_only: bool,
+    /// Options of the session (None when only learned from the mount table after a restart).
+    opts: Option<MountOptions>,
+    publications: HashMap<PathBuf, Publication>,
+}
+
+pub struct NodeService {
+    stager: Arc<dyn Stager>,
+    config: NodeConfig,
+    timeouts: NodeTimeouts,
+    locks: KeyedLocks,
+    volumes: Mutex<HashMap<String, StagedVolume>>,
+}
+
+fn stage_status(e: StageError) -> Status {
+    let msg = e.to_string();
+    match e {
+        StageError::InvalidOptions(_) => Status::invalid_argument(msg),
+        StageError::NotFound(_) | StageError::NotStaged(_) => Status::not_found(msg),
+        StageError::Unavailable(_) => Status::unavailable(msg),
+        StageError::Timeout(_) => Status::deadline_exceeded(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+fn mount_status(what: &str, e: MountError) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}
+
+/// A required absolute path without `..` components.
+fn abs_path(value: &str, name: &str) -> Result<PathBuf, Status> {
+    require_field(value, name)?;
+    let p = Path::new(value);
+    if !p.is_absolute() {
+        return Err(Status::invalid_argument(format!(
+            "{name} must be an absolute path, got {value:?}"
+        )));
+    }
+    if p.components().any(|c| c == Component::ParentDir) {
+        return Err(Status::invalid_argument(format!(
+            "{name} must not contain '..', got {value:?}"
+        )));
+    }
+    Ok(p.to_path_buf())
+}
+
+fn rpc_cap(t: rpc::Type) -> NodeServiceCapability {
+    NodeServiceCapability {
+        r#type: Some(node_service_capability::Type::Rpc(
+            node_service_capability::Rpc { r#type: t as i32 },
+        )),
+    }
+}
+
+fn clamp_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl NodeService {
+    pub fn new(stager: Arc<dyn Stager>, config: NodeConfig) -> Self {
+        Self::with_timeouts(stager, config, NodeTimeouts::default())
+    }
+
+    pub fn with_timeouts(
+        stager: Arc<dyn Stager>,
+        config: NodeConfig,
+        timeouts: NodeTimeouts,
+    ) -> Self {
+        NodeService {
+            stager,
+            config,
+            timeouts,
+            locks: KeyedLocks::new(),
+            volumes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Runs a blocking filesystem call off the async workers, bounded in time: a hung FUSE
+    /// mount blocks the thread, not the RPC.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        what: &str,
+        limit: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, Status> {
+        match tokio::time::timeout(limit, tokio::task::spawn_blocking(f)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(join)) => Err(Status::internal(format!("{what}: {join}"))),
+            Err(_) => Err(Status::unavailable(format!(
+                "{what}: no answer within {limit:?} (hung filesystem?)"
+            ))),
+        }
+    }
+
+    async fn state(&self, path: &Path) -> Result<MountState, Status> {
+        let p = path.to_path_buf();
+        self.blocking("mount state", self.timeouts.syscall, move || {
+            mounts::mount_state(&p)
+        })
+        .await?
+        .map_err(|e| mount_status("mount state", e))
+    }
+
+    async fn sys<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce() -> Result<T, MountError> + Send + 'static,
+    ) -> Result<T, Status> {
+        self.blocking(what, self.timeouts.syscall, f)
+            .await?
+            .map_err(|e| mount_status(what, e))
+    }
+
+    async fn unmount_all(&self, path: &Path) -> Result<(), Status> {
+        let p = path.to_path_buf();
+        let out = self.sys("unmount", move || mounts::unmount_all(&p)).await?;
+        if out == mounts::Unmounted::Detached {
+            tracing::warn!(path = %path.display(), "dead mount lazily detached");
+        }
+        Ok(())
+    }
+
+    async fn ensure_dir(&self, path: &Path) -> Result<(), Status> {
+        let p = path.to_path_buf();
+        self.blocking("mkdir", self.timeouts.syscall, move || {
+            mounts::ensure_dir(&p)
+        })
+        .await?
+        .map_err(|e| Status::internal(format!("create {}: {e}", path.display())))
+    }
+
+    /// Stages a volume at a path where nothing (alive) is mounted; leaves nothing mounted on
+    /// failure, whatever the stager did.
+    async fn stage_fresh(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging: &Path,
+    ) -> Result<(), Status> {
+        self.ensure_dir(staging).await?;
+        let res = with_timeout(
+            self.timeouts.stage,
+            self.stager.stage(volume_id, opts, staging),
+        )
+        .await;
+        if let Err(e) = res {
+            tracing::warn!(volume_id, staging = %staging.display(), error = %e, "stage failed; cleaning up");
+            if let Err(ce) = self.unmount_all(staging).await {
+                tracing::error!(volume_id, staging = %staging.display(), error = %ce.message(), "cleanup after failed stage");
+            }
+            return Err(stage_status(e));
+        }
+        Ok(())
+    }
+
+    /// Replaces a dead staging mount with a new session, then re-binds the publications this
+    /// process knows about whose binds died with it.
+    async fn repair_staging(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        ctx: &HashMap<String, String>,
+        cap: &CapabilityRequest,
+    ) -> Result<(), Status> {
+        tracing::warn!(volume_id, staging = %staging.display(), "staging mount is dead; staging again");
+        if self.stager.health(volume_id).is_some() {
+            if let Err(e) = self.stager.unstage(volume_id, staging).await {
+                tracing::warn!(volume_id, error = %e, "ending the dead session failed");
+            }
+        }
+        self.unmount_all(staging).await?;
+        let known = self.volumes.lock().get(volume_id).cloned();
+        let opts = match known.as_ref().and_then(|k| k.opts.clone()) {
+            Some(o) => o,
+            None => {
+                let ro = cap.read_only_mode() || cap.ro_flag();
+                params::resolve_mount_options(volume_id, ctx, &self.config.defaults, ro)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?
+            }
+        };
+        let read_only = opts.read_only;
+        self.stage_fresh(volume_id, opts.clone(), staging).await?;
+        let publications = known.map(|k| k.publications).unwrap_or_default();
+        for (target, p) in &publications {
+            if matches!(self.state(target).await, Ok(MountState::Dead(_))) {
+                self.unmount_all(target).await?;
+                self.bind(staging, target, p.read_only).await?;
+                tracing::info!(volume_id, target = %target.display(), "re-bound publication");
+            }
+        }
+        self.volumes.lock().insert(
+            volume_id.to_string(),
+            StagedVolume {
+                staging: staging.to_path_buf(),
+                read_only,
+                opts: Some(opts),
+                publications,
+            },
+        );
+        Ok(())
+    }
+
+    async fn bind(&self, staging: &Path, target: &Path, read_only: bool) -> Result<(), Status> {
+        let (s, t) = (staging.to_path_buf(), target.to_path_buf());
+        let res = self
+            .sys("bind mount", move || {
+                if read_only {
+                    mounts::bind_mount_readonly(&s, &t)
+                } else {
+                    mounts::bind_mount(&s, &t)
+                }
+            })
+            .await;
+        if res.is_err() {
+            // A timed-out bind may still complete later; make sure it does not stay.
+            let _ = self.unmount_all(target).await;
+        }
+        res
+    }
+
+    /// Read-only flag of the top mount at `path`, from the mount table.
+    async fn mounted_read_only(&self, path: &Path) -> Result<Option<bool>, Status> {
+        let p = path.to_path_buf();
+        let table = self.sys("read mountinfo", mounts::read_mountinfo).await?;
+        Ok(table
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == p)
+            .map(|m| m.is_read_only()))
+    }
+}
+
+async fn with_timeout<T>(
+    limit: Duration,
+    fut: impl Future<Output = Result<T, StageError>>,
+) -> Result<T, StageError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(StageError::Timeout(format!("no answer within {limit:?}"))),
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        let staging = abs_path(&req.staging_target_path, "staging_target_path")?;
+        let cap = require_capability(req.volume_capability.as_ref())?;
+        let volume_id = req.volume_id.as_str();
+        let read_only = cap.read_only_mode() || cap.ro_flag();
+        let opts = params::resolve_mount_options(
+            volume_id,
+            &req.volume_context,
+            &self.config.defaults,
+            read_only,
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+
+        let _guard = self.locks.lock(volume_id).await;
+        let known = self.volumes.lock().get(volume_id).cloned();
+        if let Some(k) = &known {
+            if k.staging != staging {
+                if matches!(self.state(&k.staging).await?, MountState::Healthy) {
+                    return Err(Status::failed_precondition(format!(
+                        "volume {volume_id} is already staged at {}",
+                        k.staging.display()
+                    )));
+                }
+                self.volumes.lock().remove(volume_id);
+            } else if k.read_only != read_only {
+                return Err(Status::already_exists(format!(
+                    "volume {volume_id} is staged {} at {}; the request asks for {}",
+                    if k.read_only {
+                        "read-only"
+                    } else {
+                        "read-write"
+                    },
+                    staging.display(),
+                    if read_only { "read-only" } else { "read-write" },
+                )));
+            }
+        }
+
+        match self.state(&staging).await? {
+            MountState::Healthy => {
+                tracing::info!(volume_id, staging = %staging.display(), "already staged");
+                self.volumes
+                    .lock()
+                    .entry(volume_id.to_string())
+                    .or_insert_with(|| StagedVolume {
+                        staging: staging.clone(),
+                        read_only,
+                        opts: Some(opts),
+                        publications: HashMap::new(),
+                    });
+                return Ok(Response::new(NodeStageVolumeResponse {}));
+            }
+            MountState::Dead(errno) => {
+                tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
+                if self.stager.health(volume_id).is_some() {
+                    if let Err(e) = self.stager.unstage(volume_id, &staging).await {
+                        tracing::warn!(volume_id, error = %e, "ending the dead session failed");
+                    }
+                }
+                self.unmount_all(&staging).await?;
+            }
+            MountState::NotMounted => {}
+        }
+
+        self.stage_fresh(volume_id, opts.clone(), &staging).await?;
+        tracing::info!(
+            volume_id,
+            staging = %staging.display(),
+            filer_path = %opts.filer_path,
+            read_only,
+            quota_bytes = opts.quota_bytes,
+            "volume staged"
+        );
+        let publications = known
+            .filter(|k| k.staging == staging)
+            .map(|k| k.publications)
+            .unwrap_or_default();
+        self.volumes.lock().insert(
+            volume_id.to_string(),
+            StagedVolume {
+                staging,
+                read_only,
+                opts: Some(opts),
+                publications,
+            },
+        );
+        Ok(Response::new(NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        let staging = abs_path(&req.staging_target_path, "staging_target_path")?;
+        let volume_id = req.volume_id.as_str();
+
+        let _guard = self.locks.lock(volume_id).await;
+        if self.stager.health(volume_id).is_some() {
+            if let Err(e) = with_timeout(
+                self.timeouts.stage,
+                self.stager.unstage(volume_id, &staging),
+            )
+            .await
+            {
+                // Still unmount below: a session that cannot end cleanly must not keep the path.
+                tracing::warn!(volume_id, error = %e, "ending the session failed");
+            }
+        }
+        if !matches!(self.state(&staging).await?, MountState::NotMounted) {
+            self.unmount_all(&staging).await?;
+        }
+        let p = staging.clone();
+        match self
+            .blocking("remove staging dir", self.timeouts.syscall, move || {
+                mounts::remove_mount_dir(&p)
+            })
+            .await?
+        {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(volume_id, staging = %staging.display(), error = %e, "staging dir left in place")
+            }
+        }
+        self.volumes.lock().remove(volume_id);
+        tracing::info!(volume_id, staging = %staging.display(), "volume unstaged");
+        Ok(Response::new(NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        let target = abs_path(&req.target_path, "target_path")?;
+        let cap = require_capability(req.volume_capability.as_ref())?;
+        if req.staging_target_path.trim().is_empty() {
+            // The spec's code for a missing staging path when STAGE_UNSTAGE_VOLUME is advertised.
+            return Err(Status::failed_precondition(
+                "staging_target_path is required: stage the volume first",
+            ));
+        }
+        let staging = abs_path(&req.staging_target_path, "staging_target_path")?;
+        if target == staging {
+            return Err(Status::invalid_argument(
+                "target_path must differ from staging_target_path",
+            ));
+        }
+        let volume_id = req.volume_id.as_str();
+        let read_only = req.readonly || cap.ro_flag() || cap.read_only_mode();
+
+        let _guard = self.locks.lock(volume_id).await;
+        match self.state(&staging).await? {
+            MountState::Healthy => {}
+            MountState::Dead(_) => {
+                self.repair_staging(volume_id, &staging, &req.volume_context, &cap)
+                    .await?
+            }
+            MountState::NotMounted => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume_id} is not staged at {}",
+                    staging.display()
+                )));
+            }
+        }
+
+        if cap.mode == Mode::SingleNodeSingleWriter {
+            let others: Vec<PathBuf> = self
+                .volumes
+                .lock()
+                .get(volume_id)
+                .map(|k| {
+                    k.publications
+                        .keys()
+                        .filter(|t| **t != target)
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            for other in others {
+                if !matches!(self.state(&other).await, Ok(MountState::NotMounted)) {
+                    return Err(Status::failed_precondition(format!(
+                        "volume {volume_id} is SINGLE_NODE_SINGLE_WRITER and already published at {}",
+                        other.display()
+                    )));
+                }
+            }
+        }
+
+        match self.state(&target).await? {
+            MountState::Healthy => {
+                if let Some(ro) = self.mounted_read_only(&target).await? {
+                    if ro != read_only {
+                        return Err(Status::already_exists(format!(
+                            "{} is already published {}",
+                            target.display(),
+                            if ro { "read-only" } else { "read-write" }
+                        )));
+                    }
+                }
+                tracing::info!(volume_id, target = %target.display(), "already published");
+            }
+            state => {
+                if let MountState::Dead(errno) = state {
+                    tracing::warn!(volume_id, target = %target.display(), %errno, "dead publish mount; replacing it");
+                    self.unmount_all(&target).await?;
+                }
+                self.ensure_dir(&target).await?;
+                self.bind(&staging, &target, read_only).await?;
+                tracing::info!(volume_id, target = %target.display(), read_only, "volume published");
+            }
+        }
+
+        let mut vols = self.volumes.lock();
+        let rec = vols
+            .entry(volume_id.to_string())
+            .or_insert_with(|| StagedVolume {
+                staging: staging.clone(),
+                read_only: cap.read_only_mode() || cap.ro_flag(),
+                opts: None,
+                publications: HashMap::new(),
+            });
+        rec.publications.insert(target, Publication { read_only });
+        Ok(Response::new(NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        let target = abs_path(&req.target_path, "target_path")?;
+        let volume_id = req.volume_id.as_str();
+
+        let _guard = self.locks.lock(volume_id).await;
+        if !matches!(self.state(&target).await?, MountState::NotMounted) {
+            self.unmount_all(&target).await?;
+        }
+        let p = target.clone();
+        self.blocking(
+            "remove target",
+            self.timeouts.syscall,
+            move || match mounts::remove_mount_dir(&p) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => std::fs::remove_file(&p),
+                other => other,
+            },
+        )
+        .await?
+        .map_err(|e| Status::internal(format!("remove {}: {e}", target.display())))?;
+        if let Some(rec) = self.volumes.lock().get_mut(volume_id) {
+            rec.publications.remove(&target);
+        }
+        tracing::info!(volume_id, target = %target.display(), "volume unpublished");
+        Ok(Response::new(NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        require_field(&req.volume_path, "volume_path")?;
+        let volume_id = req.volume_id.as_str();
+        let path = PathBuf::from(&req.volume_path);
+        let not_found = || {
+            Status::not_found(format!(
+                "volume {volume_id} is not mounted at {}",
+                req.volume_path
+            ))
+        };
+        if !path.is_absolute() {
+            return Err(not_found());
+        }
+        let abnormal = |message: String| {
+            Response::new(NodeGetVolumeStatsResponse {
+                usage: vec![],
+                volume_condition: Some(VolumeCondition {
+                    abnormal: true,
+                    message,
+                }),
+            })
+        };
+        let p = path.clone();
+        let state = match self
+            .blocking("mount state", self.timeouts.stats, move || {
+                mounts::mount_state(&p)
+            })
+            .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => match e.errno() {
+                Some(nix::errno::Errno::ENOENT) => return Err(not_found()),
+                _ => return Ok(abnormal(format!("cannot check the mount: {e}"))),
+            },
+            Err(s) => return Ok(abnormal(s.message().to_string())),
+        };
+        match state {
+            MountState::NotMounted => return Err(not_found()),
+            MountState::Dead(errno) => {
+                return Ok(abnormal(format!(
+                    "the FUSE session is gone ({errno}); the volume needs to be staged again"
+                )))
+            }
+            MountState::Healthy => {}
+        }
+        let p = path.clone();
+        let st = match self
+            .blocking("statfs", self.timeouts.stats, move || {
+                nix::sys::statvfs::statvfs(&p)
+            })
+            .await
+        {
+            Ok(Ok(st)) => st,
+            Ok(Err(errno)) => return Ok(abnormal(format!("statfs failed: {errno}"))),
+            Err(s) => return Ok(abnormal(s.message().to_string())),
+        };
+        let frsize = st.fragment_size() as u64;
+        let blocks = st.blocks() as u64;
+        let bfree = st.blocks_free() as u64;
+        let bavail = st.blocks_available() as u64;
+        let mut usage = vec![VolumeUsage {
+            total: clamp_i64(blocks.saturating_mul(frsize)),
+            available: clamp_i64(bavail.saturating_mul(frsize)),
+            used: clamp_i64(blocks.saturating_sub(bfree).saturating_mul(frsize)),
+            unit: Unit::Bytes as i32,
+        }];
+        // Filers that report "unlimited" inodes (i64::MAX-ish counts) would only produce noise.
+        let files = st.files() as u64;
+        if files > 0 && files < (1u64 << 62) {
+            let ffree = st.files_free() as u64;
+            usage.push(VolumeUsage {
+                total: clamp_i64(files),
+                available: clamp_i64(st.files_available() as u64),
+                used: clamp_i64(files.saturating_sub(ffree)),
+                unit: Unit::Inodes as i32,
+            });
+        }
+        let volume_condition = match self.stager.health(volume_id) {
+            Some(h) => VolumeCondition {
+                abnormal: !h.healthy,
+                message: h.message,
+            },
+            None => VolumeCondition {
+                abnormal: false,
+                message: String::new(),
+            },
+        };
+        Ok(Response::new(NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(volume_condition),
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        require_field(&req.volume_id, "volume_id")?;
+        require_field(&req.volume_path, "volume_path")?;
+        if let Some(cap) = req.volume_capability.as_ref() {
+            super::check_capability(cap).map_err(Status::invalid_argument)?;
+        }
+        let volume_id = req.volume_id.as_str();
+        let (required, limit) = req
+            .capacity_range
+            .as_ref()
+            .map(|r| (r.required_bytes, r.limit_bytes))
+            .unwrap_or((0, 0));
+        if required < 0 || limit < 0 {
+            return Err(Status::invalid_argument(
+                "capacity_range values must not be negative",
+            ));
+        }
+        let bytes = if required > 0 { required } else { limit };
+        // 1 byte or less means "no quota", as in the Go driver.
+        let quota = if bytes <= 1 { 0 } else { bytes as u64 };
+
+        let _guard = self.locks.lock(volume_id).await;
+        if self.stager.health(volume_id).is_some() {
+            with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
+                .await
+                .map_err(stage_status)?;
+            if let Some(o) = self
+                .volumes
+                .lock()
+                .get_mut(volume_id)
+                .and_then(|v| v.opts.as_mut())
+            {
+                o.quota_bytes = quota;
+            }
+            tracing::info!(volume_id, quota, "quota applied");
+            return Ok(Response::new(NodeExpandVolumeResponse {
+                capacity_bytes: bytes,
+            }));
+        }
+        let path = PathBuf::from(&req.volume_path);
+        let not_found =
+            || Status::not_found(format!("volume {volume_id} is not staged on this node"));
+        if !path.is_absolute() {
+            return Err(not_found());
+        }
+        match self.state(&path).await {
+            Ok(MountState::Healthy) => {
+                // Mounted but not served by this process: the quota applies at the next stage.
+                if let Some(o) = self
+                    .volumes
+                    .lock()
+                    .get_mut(volume_id)
+                    .and_then(|v| v.opts.as_mut())
+                {
+                    o.quota_bytes = quota;
+                }
+                tracing::warn!(
+                    volume_id,
+                    quota,
+                    "volume not served by this process; quota applies when staged again"
+                );
+                Ok(Response::new(NodeExpandVolumeResponse {
+                    capacity_bytes: bytes,
+                }))
+            }
+            _ => Err(not_found()),
+        }
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(NodeGetCapabilitiesResponse {
+            capabilities: vec![
+                rpc_cap(rpc::Type::StageUnstageVolume),
+                rpc_cap(rpc::Type::GetVolumeStats),
+                rpc_cap(rpc::Type::ExpandVolume),
+                rpc_cap(rpc::Type::VolumeCondition),
+                rpc_cap(rpc::Type::SingleNodeMultiWriter),
+            ],
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _request: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        let accessible_topology = (!self.config.topology.is_empty()).then(|| Topology {
+            segments: self.config.topology.clone(),
+        });
+        Ok(Response::new(NodeGetInfoResponse {
+            node_id: self.config.node_id.clone(),
+            max_volumes_per_node: self.config.max_volumes_per_node.max(0),
+            accessible_topology,
+        }))
+    }
+}

@@ -1,0 +1,199 @@
+//! The real [`Stager`]: one in-process FUSE session per staged volume.
+
+use super::session::{MountError, MountedVolume};
+use crate::config::MountOptions;
+use crate::csi::stager::{StageError, Stager, VolumeHealth};
+use crate::filer::FilerError;
+use crate::keeper::KeeperClient;
+use crate::security::SecurityConfig;
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct FuseStager {
+    security: SecurityConfig,
+    sessions: Mutex<HashMap<String, MountedVolume>>,
+    /// With an fd-keeper, sessions survive this process (crash or upgrade).
+    keeper: Option<(PathBuf, Arc<KeeperClient>)>,
+}
+
+impl FuseStager {
+    /// Sessions end with this process.
+    pub fn new(security: SecurityConfig) -> Self {
+        FuseStager {
+            security,
+            sessions: Mutex::new(HashMap::new()),
+            keeper: None,
+        }
+    }
+
+    /// Sessions are takeover-capable: their fds are held by the keeper at `socket`.
+    pub fn with_keeper(security: SecurityConfig, socket: &Path) -> Result<Self, StageError> {
+        let client = KeeperClient::connect(socket)
+            .map_err(|e| StageError::Other(format!("fd-keeper at {}: {e}", socket.display())))?;
+        Ok(FuseStager {
+            security,
+            sessions: Mutex::new(HashMap::new()),
+            keeper: Some((socket.to_path_buf(), Arc::new(client))),
+        })
+    }
+
+    /// Adopts, in the background, every session a previous process left with the keeper. A
+    /// session still served by a live predecessor (rolling update) is adopted as soon as that
+    /// process exits. Returns the number of sessions found.
+    pub fn adopt_all(self: &Arc<Self>) -> usize {
+        let Some((socket, main)) = &self.keeper else {
+            return 0;
+        };
+        let ids = match main.list() {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::error!(error = %e, "fd-keeper list failed; nothing adopted");
+                return 0;
+            }
+        };
+        for id in &ids {
+            let me = self.clone();
+            let socket = socket.clone();
+            let id = id.clone();
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let claimed =
+                    tokio::task::spawn_blocking(move || -> Result<(KeeperClient, _), String> {
+                        loop {
+                            // a timed-out connection is poisoned: claim again on a fresh one
+                            let conn = KeeperClient::connect(&socket).map_err(|e| e.to_string())?;
+                            match conn.claim(&id, Duration::from_secs(3600)) {
+                                Ok(entry) => return Ok((conn, entry)),
+                                Err(crate::keeper::KeeperError::Timeout) => continue,
+                                Err(e) => return Err(format!("claim {id}: {e}")),
+                            }
+                        }
+                    })
+                    .await;
+                let (conn, entry) = match claimed {
+                    Ok(Ok(v)) => v,
+                    Ok(Err(e)) => return tracing::error!(error = %e, "adopt failed"),
+                    Err(e) => return tracing::error!(error = %e, "adopt task failed"),
+                };
+                match MountedVolume::adopt(entry, &me.security, Arc::new(conn)).await {
+                    Ok(m) => {
+                        let vid = m.volume_id().unwrap_or_default();
+                        tracing::info!(volume_id = %vid, took_ms = started.elapsed().as_millis() as u64, "session adopted");
+                        crate::metrics::global()
+                            .staged_volumes
+                            .fetch_add(1, Ordering::Relaxed);
+                        me.sessions.lock().insert(vid, m);
+                    }
+                    Err(e) => tracing::error!(error = %e, "adopting a session failed"),
+                }
+            });
+        }
+        ids.len()
+    }
+
+    /// At process exit: with a keeper, hand every session over (flushed, left mounted for the
+    /// successor); without one, flush what is dirty (the mounts die with the process).
+    pub async fn shutdown(&self) {
+        let sessions: Vec<(String, MountedVolume)> = self.sessions.lock().drain().collect();
+        for (id, m) in sessions {
+            let r = if self.keeper.is_some() {
+                m.hand_over().await
+            } else {
+                let r = m.fs.flush_all().await.map_err(Into::into);
+                std::mem::forget(m);
+                r
+            };
+            if let Err(e) = r {
+                tracing::error!(volume_id = %id, error = %e, "shutdown of a session failed");
+            }
+        }
+    }
+
+    /// Volume ids served by this process.
+    pub fn volumes(&self) -> Vec<String> {
+        self.sessions.lock().keys().cloned().collect()
+    }
+}
+
+fn stage_error(e: MountError) -> StageError {
+    match e {
+        MountError::Filer(FilerError::NotFound(m)) => StageError::NotFound(m),
+        MountError::Filer(FilerError::Unavailable(m)) => StageError::Unavailable(m),
+        MountError::Filer(FilerError::Timeout(m)) => StageError::Timeout(m),
+        MountError::Filer(FilerError::InvalidArgument(m)) => StageError::InvalidOptions(m),
+        MountError::Fs(f) if f.errno == libc::ENOENT => StageError::NotFound(f.msg),
+        MountError::Fs(f) if f.errno == libc::ENOTDIR => StageError::InvalidOptions(f.msg),
+        other => StageError::Mount(other.to_string()),
+    }
+}
+
+#[async_trait]
+impl Stager for FuseStager {
+    async fn stage(
+        &self,
+        volume_id: &str,
+        opts: MountOptions,
+        staging_path: &Path,
+    ) -> Result<(), StageError> {
+        // A session we still hold for this volume lost its mount (the node service only stages
+        // when nothing alive is mounted): end it before mounting again.
+        let stale = self.sessions.lock().remove(volume_id);
+        if let Some(old) = stale {
+            crate::metrics::global().staged_volumes.fetch_sub(1, Ordering::Relaxed);
+            tracing::warn!(volume_id, "replacing a session whose mount is gone");
+            match tokio::time::timeout(Duration::from_secs(30), old.unmount()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(volume_id, error = %e, "ending the stale session"),
+                Err(_) => tracing::warn!(volume_id, "ending the stale session timed out"),
+            }
+        }
+        let mounted = match &self.keeper {
+            Some((_, k)) => {
+                MountedVolume::mount_kept(volume_id, &opts, &self.security, staging_path, k.clone())
+                    .await
+            }
+            None => MountedVolume::mount(&opts, &self.security, staging_path).await,
+        }
+        .map_err(stage_error)?;
+        self.sessions.lock().insert(volume_id.to_string(), mounted);
+        crate::metrics::global().staged_volumes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn unstage(&self, volume_id: &str, _staging_path: &Path) -> Result<(), StageError> {
+        let Some(mounted) = self.sessions.lock().remove(volume_id) else {
+            return Ok(());
+        };
+        crate::metrics::global()
+            .staged_volumes
+            .fetch_sub(1, Ordering::Relaxed);
+        mounted
+            .unmount()
+            .await
+            .map_err(|e| StageError::Unmount(e.to_string()))
+    }
+
+    fn health(&self, volume_id: &str) -> Option<VolumeHealth> {
+        let s = self.sessions.lock();
+        let m = s.get(volume_id)?;
+        Some(if m.fs.is_healthy() {
+            VolumeHealth::healthy()
+        } else {
+            VolumeHealth::unhealthy("filer connection lost; serving from cache until it returns")
+        })
+    }
+
+    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
+        let s = self.sessions.lock();
+        let m = s
+            .get(volume_id)
+            .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
+        m.fs.set_quota(bytes);
+        Ok(())
+    }
+}

@@ -1,0 +1,866 @@
+//! The driver binary on a unix socket, driven like kubelet and the sidecars drive it, against a
+//! real SeaweedFS, with real mounts. `CSI_TEST_STAGER=fuse` runs it with the FUSE stager.
+
+#[allow(unused_imports)]
+mod common;
+mod csi_common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use csi_common::*;
+use seaweedfs_csi_driver::csi::mounts::{self, MountState};
+use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
+use seaweedfs_csi_driver::pb::csi::*;
+use tonic::Code;
+
+fn assert_no_mounts_below(d: &Driver, what: &str) {
+    let m = d.mounts();
+    assert!(m.is_empty(), "{what}: stray mounts {m:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn full_lifecycle_like_kubelet() {
+    let weed = common::WeedServer::start();
+    let driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+
+    // Identity.
+    let info = c
+        .identity
+        .get_plugin_info(GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.name, "seaweedfs-csi-driver");
+    assert_eq!(info.vendor_version, env!("CARGO_PKG_VERSION"));
+    let probe = c
+        .identity
+        .probe(ProbeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(probe.ready, Some(true));
+
+    // CreateVolume: a bucket directory on the real filer; repeated = same volume.
+    let req = create_req("PVC-Lifecycle-1", 1 << 30, &[("replication", "000")]);
+    let vol = c
+        .controller
+        .create_volume(req.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(vol.volume_id, "/buckets/pvc-lifecycle-1");
+    assert_eq!(vol.capacity_bytes, 1 << 30);
+    assert!(
+        filer_has(&weed.filer_addr(), "/buckets/pvc-lifecycle-1"),
+        "volume dir on the filer"
+    );
+    let again = c
+        .controller
+        .create_volume(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again.volume_id, vol.volume_id);
+    assert_eq!(again.volume_context, vol.volume_context);
+
+    // ValidateVolumeCapabilities confirms every supported mode.
+    let caps: Vec<VolumeCapability> = seaweedfs_csi_driver::csi::SUPPORTED_ACCESS_MODES
+        .iter()
+        .map(|m| mount_cap(*m))
+        .collect();
+    let v = c
+        .controller
+        .validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_capabilities: caps,
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(v.confirmed.unwrap().volume_capabilities.len(), 7);
+
+    // Attacher on by default: ControllerPublish is a checked no-op.
+    c.controller
+        .controller_publish_volume(ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "test-node".into(),
+            volume_capability: Some(mount_cap(Mode::MultiNodeMultiWriter)),
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    // Stage twice.
+    let staging = driver.staging_path("pv1");
+    for _ in 0..2 {
+        c.node
+            .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+            .await
+            .unwrap();
+    }
+    assert!(mounts::is_mount_point(&staging).unwrap());
+    assert_eq!(
+        mounts::mounts_under(&staging).unwrap().len(),
+        1,
+        "one session, not two"
+    );
+
+    // Publish to three targets (the last read-only), each twice.
+    let targets: Vec<PathBuf> = (0..3)
+        .map(|i| driver.target_path(&format!("pod-{i}")))
+        .collect();
+    for (i, t) in targets.iter().enumerate() {
+        for _ in 0..2 {
+            c.node
+                .node_publish_volume(publish_req(
+                    &vol,
+                    &staging,
+                    t,
+                    i == 2,
+                    Mode::MultiNodeMultiWriter,
+                ))
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            mounts::mounts_under(t).unwrap().len(),
+            1,
+            "{} mounted once",
+            t.display()
+        );
+    }
+    std::fs::write(targets[0].join("hello.txt"), b"written by pod-0").unwrap();
+    assert_eq!(
+        std::fs::read(targets[1].join("hello.txt")).unwrap(),
+        b"written by pod-0"
+    );
+    assert_eq!(
+        std::fs::read(targets[2].join("hello.txt")).unwrap(),
+        b"written by pod-0"
+    );
+    let err = std::fs::write(targets[2].join("nope.txt"), b"x").unwrap_err();
+    assert_eq!(
+        err.raw_os_error(),
+        Some(libc::EROFS),
+        "readonly target rejects writes"
+    );
+    // Publishing the read-only target read-write is an incompatible re-publish.
+    let r = c
+        .node
+        .node_publish_volume(publish_req(
+            &vol,
+            &staging,
+            &targets[2],
+            false,
+            Mode::MultiNodeMultiWriter,
+        ))
+        .await;
+    assert_eq!(code(r), Code::AlreadyExists);
+    if driver.stager == Stager::Fuse {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        let got = weed.filer_get("/buckets/pvc-lifecycle-1/hello.txt");
+        assert_eq!(
+            got.as_deref(),
+            Some(&b"written by pod-0"[..]),
+            "data reached the filer"
+        );
+    }
+
+    // Stats on a target: bytes, condition normal.
+    let stats = c
+        .node
+        .node_get_volume_stats(NodeGetVolumeStatsRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: targets[0].display().to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let bytes = stats
+        .usage
+        .iter()
+        .find(|u| u.unit == volume_usage::Unit::Bytes as i32)
+        .expect("bytes usage");
+    assert!(
+        bytes.total > 0 && bytes.available >= 0 && bytes.used >= 0,
+        "{bytes:?}"
+    );
+    assert_eq!(stats.volume_condition.map(|c| c.abnormal), Some(false));
+
+    // Online expansion: controller records, node applies the quota.
+    let exp = c
+        .controller
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 2 << 30,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(exp.node_expansion_required);
+    let nexp = c
+        .node
+        .node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: targets[0].display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 2 << 30,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(nexp.capacity_bytes, 2 << 30);
+
+    // Unpublish (twice each): mounts and target dirs gone.
+    for t in &targets {
+        for _ in 0..2 {
+            c.node
+                .node_unpublish_volume(unpublish_req(&vol, t))
+                .await
+                .unwrap();
+        }
+        assert!(!t.exists(), "{} removed", t.display());
+    }
+    // Unstage twice.
+    for _ in 0..2 {
+        c.node
+            .node_unstage_volume(unstage_req(&vol, &staging))
+            .await
+            .unwrap();
+    }
+    assert_no_mounts_below(&driver, "after unstage");
+
+    c.controller
+        .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "test-node".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // Delete twice: directory and data gone.
+    for _ in 0..2 {
+        c.controller
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert!(
+        !filer_has(&weed.filer_addr(), "/buckets/pvc-lifecycle-1"),
+        "volume dir deleted"
+    );
+
+    // Every RPC was logged with its duration, secrets never.
+    let log = driver.log();
+    for rpc in [
+        "CreateVolume",
+        "NodeStageVolume",
+        "NodePublishVolume",
+        "NodeUnstageVolume",
+        "DeleteVolume",
+    ] {
+        assert!(log.contains(&format!("rpc={rpc}")), "{rpc} not logged");
+    }
+    assert!(log.contains("duration_ms"));
+    assert!(!log.contains("do-not-log-me"), "a secret reached the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_publish_of_one_volume_to_ten_targets() {
+    let weed = common::WeedServer::start();
+    let driver = Driver::start(&weed.filer_addr(), &[]);
+    let c = driver.clients().await;
+    let vol = c
+        .controller
+        .clone()
+        .create_volume(create_req("pvc-concurrent", 0, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("pvc");
+
+    // Ten concurrent stages of the same volume: one session.
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let mut node = c.node.clone();
+        let req = stage_req(&vol, &staging, Mode::MultiNodeMultiWriter);
+        tasks.push(tokio::spawn(async move {
+            node.node_stage_volume(req).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(mounts::mounts_under(&staging).unwrap().len(), 1);
+
+    // Ten targets, each published twice, all at once.
+    let targets: Arc<Vec<PathBuf>> = Arc::new(
+        (0..10)
+            .map(|i| driver.target_path(&format!("p{i}")))
+            .collect(),
+    );
+    let mut tasks = Vec::new();
+    for round in 0..2 {
+        for (i, t) in targets.iter().enumerate() {
+            let mut node = c.node.clone();
+            let req = publish_req(&vol, &staging, t, i % 3 == 0, Mode::MultiNodeMultiWriter);
+            tasks.push(tokio::spawn(async move {
+                (round, node.node_publish_volume(req).await.map(|_| ()))
+            }));
+        }
+    }
+    for t in tasks {
+        let (round, r) = t.await.unwrap();
+        r.unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    for (i, t) in targets.iter().enumerate() {
+        let ms = mounts::mounts_under(t).unwrap();
+        assert_eq!(ms.len(), 1, "{} has {} mounts", t.display(), ms.len());
+        assert_eq!(ms[0].is_read_only(), i % 3 == 0);
+    }
+    std::fs::write(targets[1].join("f"), b"shared").unwrap();
+    for t in targets.iter() {
+        assert_eq!(std::fs::read(t.join("f")).unwrap(), b"shared");
+    }
+
+    let mut tasks = Vec::new();
+    for t in targets.iter() {
+        let mut node = c.node.clone();
+        let req = unpublish_req(&vol, t);
+        tasks.push(tokio::spawn(async move {
+            node.node_unpublish_volume(req).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    c.node
+        .clone()
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after concurrent unpublish/unstage");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_requests_get_clear_codes_and_mount_nothing() {
+    let weed = common::WeedServer::start();
+    let driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+    let vol = c
+        .controller
+        .create_volume(create_req("pvc-bad", 0, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("bad");
+    let target = driver.target_path("pod-bad");
+    let s = |p: &PathBuf| p.display().to_string();
+
+    // Stage.
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.volume_id.clear();
+    assert_eq!(
+        code(c.node.node_stage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.staging_target_path.clear();
+    assert_eq!(
+        code(c.node.node_stage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.staging_target_path = "relative/globalmount".into();
+    assert_eq!(
+        code(c.node.node_stage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.staging_target_path = format!("{}/../escape", s(&staging));
+    assert_eq!(
+        code(c.node.node_stage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.volume_capability = None;
+    assert_eq!(
+        code(c.node.node_stage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.volume_capability = Some(block_cap(Mode::SingleNodeWriter));
+    let err = c.node.node_stage_volume(r).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("block access type is not supported"),
+        "{}",
+        err.message()
+    );
+    let mut r = stage_req(&vol, &staging, Mode::SingleNodeWriter);
+    r.volume_context.insert("replication".into(), "lots".into());
+    let err = c.node.node_stage_volume(r).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("replication"), "{}", err.message());
+    assert_no_mounts_below(&driver, "after bad stages");
+
+    // Publish.
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.volume_id.clear();
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.target_path.clear();
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.target_path = "pods/x/mount".into();
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.volume_capability = None;
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.volume_capability = Some(block_cap(Mode::SingleNodeWriter));
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let mut r = publish_req(&vol, &staging, &target, false, Mode::SingleNodeWriter);
+    r.staging_target_path.clear();
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::FailedPrecondition
+    );
+    let other_staging = driver.staging_path("never-staged");
+    let r = publish_req(&vol, &other_staging, &target, false, Mode::SingleNodeWriter);
+    assert_eq!(
+        code(c.node.node_publish_volume(r).await),
+        Code::FailedPrecondition,
+        "not staged there"
+    );
+    assert!(
+        !mounts::is_mount_point(&target).unwrap(),
+        "no publish mount after bad requests"
+    );
+    assert_eq!(
+        driver.mounts(),
+        vec![staging.clone()],
+        "only the staging mount"
+    );
+
+    // Unpublish / unstage / stats / expand.
+    let r = NodeUnpublishVolumeRequest {
+        volume_id: String::new(),
+        target_path: s(&target),
+    };
+    assert_eq!(
+        code(c.node.node_unpublish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let r = NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: String::new(),
+    };
+    assert_eq!(
+        code(c.node.node_unpublish_volume(r).await),
+        Code::InvalidArgument
+    );
+    let r = NodeUnstageVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: "rel".into(),
+    };
+    assert_eq!(
+        code(c.node.node_unstage_volume(r).await),
+        Code::InvalidArgument
+    );
+    let r = NodeGetVolumeStatsRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_path: s(&target),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(c.node.node_get_volume_stats(r).await),
+        Code::NotFound,
+        "nothing published at target"
+    );
+    let r = NodeGetVolumeStatsRequest {
+        volume_id: "unknown".into(),
+        volume_path: "/does/not/exist".into(),
+        ..Default::default()
+    };
+    assert_eq!(code(c.node.node_get_volume_stats(r).await), Code::NotFound);
+    let r = NodeExpandVolumeRequest {
+        volume_id: "unknown".into(),
+        volume_path: "/does/not/exist".into(),
+        ..Default::default()
+    };
+    assert_eq!(code(c.node.node_expand_volume(r).await), Code::NotFound);
+
+    // Controller.
+    assert_eq!(
+        code(c.controller.create_volume(create_req("", 0, &[])).await),
+        Code::InvalidArgument
+    );
+    let mut r = create_req("pvc-block", 0, &[]);
+    r.volume_capabilities = vec![block_cap(Mode::SingleNodeWriter)];
+    assert_eq!(
+        code(c.controller.create_volume(r).await),
+        Code::InvalidArgument
+    );
+    let r = DeleteVolumeRequest {
+        volume_id: "/buckets".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(c.controller.delete_volume(r).await),
+        Code::InvalidArgument
+    );
+    assert!(
+        filer_has(&weed.filer_addr(), "/buckets/pvc-bad"),
+        "refused delete touched nothing"
+    );
+    let r = ValidateVolumeCapabilitiesRequest {
+        volume_id: "/buckets/missing-volume".into(),
+        volume_capabilities: vec![mount_cap(Mode::SingleNodeWriter)],
+        ..Default::default()
+    };
+    assert_eq!(
+        code(c.controller.validate_volume_capabilities(r).await),
+        Code::NotFound
+    );
+    let r = ValidateVolumeCapabilitiesRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_capabilities: vec![block_cap(Mode::SingleNodeWriter)],
+        ..Default::default()
+    };
+    let v = c
+        .controller
+        .validate_volume_capabilities(r)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        v.confirmed.is_none() && v.message.contains("block"),
+        "{v:?}"
+    );
+    assert_eq!(
+        code(
+            c.controller
+                .list_volumes(ListVolumesRequest::default())
+                .await
+        ),
+        Code::Unimplemented
+    );
+    assert_eq!(
+        code(
+            c.controller
+                .get_capacity(GetCapacityRequest::default())
+                .await
+        ),
+        Code::Unimplemented
+    );
+
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "at the end");
+}
+
+/// After a plugin crash: a live staging mount is left alone, a dead one (what a dead FUSE
+/// daemon leaves behind) is detected, reported and replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn restart_keeps_live_mounts_and_repairs_dead_ones() {
+    let weed = common::WeedServer::start();
+    let mut driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+    let vol = c
+        .controller
+        .create_volume(create_req("pvc-restart", 0, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("restart");
+    let t1 = driver.target_path("pod-1");
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(
+            &vol,
+            &staging,
+            &t1,
+            false,
+            Mode::MultiNodeMultiWriter,
+        ))
+        .await
+        .unwrap();
+    std::fs::write(t1.join("before"), b"1").unwrap();
+    let staging_id = |p: &PathBuf| {
+        mounts::mounts_under(p)
+            .unwrap()
+            .iter()
+            .map(|m| m.mount_id)
+            .max()
+    };
+    let live_id = staging_id(&staging);
+
+    driver.kill();
+    driver.restart();
+    let mut c = driver.clients().await;
+    if driver.stager == Stager::Fake {
+        // The fake's bind outlives the process: a live mount the new process must leave alone.
+        c.node
+            .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+            .await
+            .unwrap();
+        assert_eq!(
+            staging_id(&staging),
+            live_id,
+            "live staging mount untouched"
+        );
+        c.node
+            .node_publish_volume(publish_req(
+                &vol,
+                &staging,
+                &t1,
+                false,
+                Mode::MultiNodeMultiWriter,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(mounts::mounts_under(&t1).unwrap().len(), 1);
+        assert_eq!(std::fs::read(t1.join("before")).unwrap(), b"1");
+
+        // Now the session dies: replace the staging mount with a dead FUSE mount.
+        mounts::unmount_all(&staging).unwrap();
+        mounts::mount_dead_fuse(&staging).unwrap();
+    }
+    assert!(
+        matches!(mounts::mount_state(&staging).unwrap(), MountState::Dead(_)),
+        "staging should be dead now"
+    );
+
+    // Stats on the staging path report the dead session.
+    let stats = c
+        .node
+        .node_get_volume_stats(NodeGetVolumeStatsRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: staging.display().to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cond = stats.volume_condition.unwrap();
+    assert!(cond.abnormal, "{cond:?}");
+
+    // Publishing a new pod repairs the staging mount first.
+    let t2 = driver.target_path("pod-2");
+    c.node
+        .node_publish_volume(publish_req(
+            &vol,
+            &staging,
+            &t2,
+            false,
+            Mode::MultiNodeMultiWriter,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(mounts::mount_state(&staging).unwrap(), MountState::Healthy);
+    assert_eq!(
+        std::fs::read(t2.join("before")).unwrap(),
+        b"1",
+        "same data after repair"
+    );
+
+    // NodeStage on a dead staging path repairs as well.
+    mounts::unmount_all(&staging).unwrap();
+    mounts::mount_dead_fuse(&staging).unwrap();
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+        .await
+        .unwrap();
+    assert_eq!(mounts::mount_state(&staging).unwrap(), MountState::Healthy);
+
+    // A dead publish mount is replaced by a publish and removed by an unpublish.
+    mounts::unmount_all(&t2).unwrap();
+    mounts::mount_dead_fuse(&t2).unwrap();
+    c.node
+        .node_publish_volume(publish_req(
+            &vol,
+            &staging,
+            &t2,
+            false,
+            Mode::MultiNodeMultiWriter,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(t2.join("before")).unwrap(), b"1");
+    mounts::unmount_all(&t1).unwrap();
+    mounts::mount_dead_fuse(&t1).unwrap();
+    let pin = nix::fcntl::open(
+        &t1,
+        nix::fcntl::OFlag::O_PATH,
+        nix::sys::stat::Mode::empty(),
+    )
+    .unwrap();
+    c.node
+        .node_unpublish_volume(unpublish_req(&vol, &t1))
+        .await
+        .unwrap();
+    nix::unistd::close(pin).unwrap();
+    assert!(!t1.exists());
+    c.node
+        .node_unpublish_volume(unpublish_req(&vol, &t2))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after cleanup");
+}
+
+/// SIGTERM: exits 0, removes its socket, and leaves volumes mounted (pods keep working).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_shuts_down_gracefully_without_unmounting() {
+    let weed = common::WeedServer::start();
+    let mut driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+    let vol = c
+        .controller
+        .create_volume(create_req("pvc-term", 0, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("term");
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    drop(c);
+    let status = driver.terminate().expect("was running");
+    assert!(status.success(), "exit status {status}");
+    assert!(!driver.socket.exists(), "socket removed on shutdown");
+    if driver.stager == Stager::Fake {
+        assert!(
+            mounts::is_mount_point(&staging).unwrap(),
+            "volumes stay mounted across a plugin restart"
+        );
+    }
+    assert!(driver.log().contains("SIGTERM received"));
+}
+
+/// Go-style command lines and WEED_* environment variables configure the binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn go_style_flags_and_env_vars() {
+    let weed = common::WeedServer::start();
+    let dir = tempfile::Builder::new()
+        .prefix("csitest")
+        .tempdir()
+        .unwrap();
+    let socket = dir.path().join("csi.sock");
+    let scratch = dir.path().join("scratch");
+    let args = vec![
+        "-driverName=custom.csi.example.com".to_string(),
+        "-components=controller".to_string(),
+        "-attacher=false".to_string(),
+        "-mountEndpoint=unix:///tmp/ignored.sock".to_string(),
+        format!("-fakeStager={}", scratch.display()),
+    ];
+    let env = vec![
+        (
+            "WEED_ENDPOINT".to_string(),
+            format!("unix://{}", socket.display()),
+        ),
+        ("WEED_FILER".to_string(), weed.filer_addr()),
+        ("WEED_LOGFORMAT".to_string(), "json".to_string()),
+    ];
+    let driver = Driver::start_raw(dir, socket, Stager::Fake, args, env);
+    let mut c = driver.clients().await;
+    let info = c
+        .identity
+        .get_plugin_info(GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.name, "custom.csi.example.com");
+    let caps = c
+        .controller
+        .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities;
+    assert_eq!(
+        caps.len(),
+        3,
+        "no PUBLISH_UNPUBLISH_VOLUME with -attacher=false"
+    );
+    // Controller only: the node service is not registered.
+    assert_eq!(
+        code(
+            c.node
+                .node_get_capabilities(NodeGetCapabilitiesRequest {})
+                .await
+        ),
+        Code::Unimplemented
+    );
+    let log = driver.log();
+    assert!(
+        log.contains("mountEndpoint") && log.contains("ignored"),
+        "warning about --mountEndpoint"
+    );
+    let first = log
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    assert!(
+        serde_json::from_str::<serde_json::Value>(first).is_ok(),
+        "json log line: {first}"
+    );
+}

@@ -1,0 +1,476 @@
+//! Node service served in-process on a real unix socket with the FakeStager, so faults can be
+//! injected into the stager and its calls inspected. Real mounts throughout.
+
+mod csi_common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use csi_common::*;
+use seaweedfs_csi_driver::csi::identity::IdentityService;
+use seaweedfs_csi_driver::csi::mounts::{self, MountState};
+use seaweedfs_csi_driver::csi::node::{NodeConfig, NodeService};
+use seaweedfs_csi_driver::csi::params::VolumeDefaults;
+use seaweedfs_csi_driver::csi::server::{self, BoundListener, CsiServices, Endpoint};
+use seaweedfs_csi_driver::csi::stager::{FakeStager, StageError, StagerCall};
+use seaweedfs_csi_driver::filer::mock::MockFiler;
+use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
+use seaweedfs_csi_driver::pb::csi::*;
+use tonic::Code;
+
+struct Harness {
+    dir: tempfile::TempDir,
+    stager: Arc<FakeStager>,
+    clients: Clients,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        let dir = tempfile::Builder::new()
+            .prefix("csifaults")
+            .tempdir()
+            .unwrap();
+        let stager = Arc::new(FakeStager::new(dir.path().join("scratch")).unwrap());
+        let config = NodeConfig {
+            node_id: "n1".into(),
+            max_volumes_per_node: 0,
+            topology: [("zone".to_string(), "z1".to_string())].into(),
+            defaults: VolumeDefaults {
+                base: seaweedfs_csi_driver::config::MountOptions {
+                    filers: vec!["f:8888".into()],
+                    ..Default::default()
+                },
+                cache_root: Some(PathBuf::from("/var/cache/test")),
+                ..Default::default()
+            },
+        };
+        let services = CsiServices {
+            identity: IdentityService::new("test.csi", Arc::new(MockFiler::new()), true),
+            controller: None,
+            node: Some(NodeService::new(stager.clone(), config)),
+        };
+        let socket = dir.path().join("csi.sock");
+        let listener = BoundListener::bind(&Endpoint::Unix(socket.clone()))
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(async move {
+            server::serve(listener, services, async move {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+        let clients = Clients::connect(&socket).await;
+        Harness {
+            dir,
+            stager,
+            clients,
+            stop: Some(tx),
+            served: Some(served),
+        }
+    }
+
+    fn staging(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join(format!("staging/{name}"));
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    fn target(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join(format!("pods/{name}/mount"));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p
+    }
+
+    fn mounts(&self) -> Vec<PathBuf> {
+        mounts_below(self.dir.path())
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(h) = self.served.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(15), h).await;
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        unmount_below(self.dir.path());
+    }
+}
+
+fn volume(id: &str, ctx: &[(&str, &str)]) -> Volume {
+    Volume {
+        volume_id: id.into(),
+        volume_context: ctx
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn is_mounted(p: &Path) -> bool {
+    mounts::is_mount_point(p).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_stage_leaves_nothing_mounted_and_can_be_retried() {
+    let h = Harness::start().await;
+    let mut node = h.clients.node.clone();
+    let vol = volume("/buckets/faulty", &[]);
+    let staging = h.staging("faulty");
+
+    h.stager
+        .fail_next_stage(StageError::Unavailable("filer down (injected)".into()));
+    let err = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(err.message().contains("injected"));
+    assert!(h.mounts().is_empty(), "stray mounts: {:?}", h.mounts());
+
+    h.stager.fail_next_stage(StageError::InvalidOptions(
+        "bad filer address (injected)".into(),
+    ));
+    let err = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(h.mounts().is_empty());
+
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert!(is_mounted(&staging));
+    assert_eq!(h.stager.stage_count(), 3);
+
+    // Unstage still unmounts when the stager fails to end the session.
+    h.stager
+        .fail_next_unstage(StageError::Unmount("stuck (injected)".into()));
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert!(h.mounts().is_empty());
+    assert!(!staging.exists(), "empty staging dir removed");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn options_reach_the_stager() {
+    let h = Harness::start().await;
+    let mut node = h.clients.node.clone();
+    let vol = volume(
+        "/buckets/opts",
+        &[
+            ("volumeCapacity", "1073741824"),
+            ("collection", "c9"),
+            ("csi.storage.k8s.io/pod.name", "p"),
+        ],
+    );
+    let staging = h.staging("opts");
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeReaderOnly))
+        .await
+        .unwrap();
+    let opts = h.stager.session_options("/buckets/opts").unwrap();
+    assert!(opts.read_only, "reader-only mode stages read-only");
+    assert_eq!(opts.quota_bytes, 1 << 30);
+    assert_eq!(opts.collection, "c9");
+    assert_eq!(opts.filer_path, "/buckets/opts");
+    assert_eq!(opts.filers, vec!["f:8888".to_string()]);
+    assert!(opts.cache_dir.unwrap().starts_with("/var/cache/test"));
+    assert_eq!(
+        std::fs::write(staging.join("x"), b"x")
+            .unwrap_err()
+            .raw_os_error(),
+        Some(libc::EROFS),
+        "read-only session"
+    );
+    // Same volume and path, now read-write: incompatible.
+    let r = node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await;
+    assert_eq!(code(r), Code::AlreadyExists);
+    // The same volume at another staging path while the first is live.
+    let r = node
+        .node_stage_volume(stage_req(
+            &vol,
+            &h.staging("elsewhere"),
+            Mode::MultiNodeReaderOnly,
+        ))
+        .await;
+    assert_eq!(code(r), Code::FailedPrecondition);
+
+    // Reader-only publish binds read-only even without the readonly flag.
+    let t = h.target("ro");
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t,
+        false,
+        Mode::MultiNodeReaderOnly,
+    ))
+    .await
+    .unwrap();
+    assert!(mounts::read_mountinfo()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_point == t && m.is_read_only()));
+
+    // Expansion goes to the stager as a quota.
+    let r = NodeExpandVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_path: t.display().to_string(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 3 << 30,
+            limit_bytes: 0,
+        }),
+        ..Default::default()
+    };
+    assert_eq!(
+        node.node_expand_volume(r)
+            .await
+            .unwrap()
+            .into_inner()
+            .capacity_bytes,
+        3 << 30
+    );
+    assert_eq!(
+        h.stager
+            .session_options("/buckets/opts")
+            .unwrap()
+            .quota_bytes,
+        3 << 30
+    );
+    assert!(h
+        .stager
+        .calls()
+        .iter()
+        .any(|c| matches!(c, StagerCall::SetQuota { bytes, .. } if *bytes == 3 << 30)));
+
+    // Bad parameters never reach the stager.
+    let before = h.stager.stage_count();
+    let bad = volume("/buckets/bad", &[("ttl", "forever")]);
+    let r = node
+        .node_stage_volume(stage_req(&bad, &h.staging("bad"), Mode::SingleNodeWriter))
+        .await;
+    assert_eq!(code(r), Code::InvalidArgument);
+    assert_eq!(h.stager.stage_count(), before);
+
+    node.node_unpublish_volume(unpublish_req(&vol, &t))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert!(h.mounts().is_empty());
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn health_is_reported_in_volume_stats() {
+    let h = Harness::start().await;
+    let mut node = h.clients.node.clone();
+    let vol = volume("/buckets/health", &[]);
+    let staging = h.staging("health");
+    let t = h.target("p");
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
+    let stats = |node: &mut seaweedfs_csi_driver::pb::csi::node_client::NodeClient<_>| {
+        let r = NodeGetVolumeStatsRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: t.display().to_string(),
+            ..Default::default()
+        };
+        let mut node = node.clone();
+        async move { node.node_get_volume_stats(r).await.unwrap().into_inner() }
+    };
+    let s = stats(&mut node).await;
+    assert!(!s.volume_condition.as_ref().unwrap().abnormal);
+    assert!(s
+        .usage
+        .iter()
+        .any(|u| u.unit == volume_usage::Unit::Bytes as i32 && u.total > 0));
+
+    h.stager
+        .set_unhealthy(&vol.volume_id, "filer unreachable for 30s (injected)");
+    let s = stats(&mut node).await;
+    let c = s.volume_condition.unwrap();
+    assert!(c.abnormal);
+    assert!(c.message.contains("filer unreachable"));
+    assert!(
+        !s.usage.is_empty(),
+        "usage still reported while the session is unhealthy"
+    );
+    h.stager.set_healthy(&vol.volume_id);
+
+    let info = node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.node_id, "n1");
+    assert_eq!(info.accessible_topology.unwrap().segments["zone"], "z1");
+    let caps = h
+        .clients
+        .identity
+        .clone()
+        .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities;
+    assert_eq!(
+        caps.len(),
+        3,
+        "topology adds VOLUME_ACCESSIBILITY_CONSTRAINTS"
+    );
+
+    node.node_unpublish_volume(unpublish_req(&vol, &t))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_are_serialised_per_volume_only() {
+    let h = Harness::start().await;
+    h.stager.set_stage_delay_ms(200);
+    let vol_a = volume("/buckets/a", &[]);
+    let staging_a = h.staging("a");
+
+    // Ten concurrent stages of one volume: one stage call, no overlap inside the stager.
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let mut node = h.clients.node.clone();
+        let r = stage_req(&vol_a, &staging_a, Mode::SingleNodeWriter);
+        tasks.push(tokio::spawn(async move {
+            node.node_stage_volume(r).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(h.stager.stage_count(), 1);
+    assert!(!h.stager.overlap_seen());
+
+    // Eight different volumes staged at once take about one delay, not eight.
+    let start = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let mut node = h.clients.node.clone();
+        let v = volume(&format!("/buckets/v{i}"), &[]);
+        let s = h.staging(&format!("v{i}"));
+        tasks.push(tokio::spawn(async move {
+            node.node_stage_volume(stage_req(&v, &s, Mode::SingleNodeWriter))
+                .await
+                .map(|_| (v, s))
+        }));
+    }
+    let mut staged = Vec::new();
+    for t in tasks {
+        staged.push(t.await.unwrap().unwrap());
+    }
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(1200),
+        "different volumes waited for each other: {took:?}"
+    );
+    assert_eq!(h.stager.stage_count(), 9);
+
+    let mut node = h.clients.node.clone();
+    for (v, s) in &staged {
+        node.node_unstage_volume(unstage_req(v, s)).await.unwrap();
+    }
+    node.node_unstage_volume(unstage_req(&vol_a, &staging_a))
+        .await
+        .unwrap();
+    assert!(h.mounts().is_empty(), "{:?}", h.mounts());
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_session_is_restaged_and_dead_binds_rebound() {
+    let h = Harness::start().await;
+    let mut node = h.clients.node.clone();
+    let vol = volume("/buckets/dead", &[]);
+    let staging = h.staging("dead");
+    let t1 = h.target("one");
+    node.node_stage_volume(stage_req(&vol, &staging, Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t1,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
+    std::fs::write(t1.join("keep"), b"k").unwrap();
+
+    // The session dies: the staging mount and the pod's bind both answer ENOTCONN.
+    mounts::unmount_all(&t1).unwrap();
+    mounts::unmount_all(&staging).unwrap();
+    mounts::mount_dead_fuse(&staging).unwrap();
+    mounts::mount_dead_fuse(&t1).unwrap();
+    assert!(matches!(
+        mounts::mount_state(&t1).unwrap(),
+        MountState::Dead(_)
+    ));
+
+    // The next publish (another pod) re-stages and re-binds the known dead publication too.
+    let t2 = h.target("two");
+    node.node_publish_volume(publish_req(
+        &vol,
+        &staging,
+        &t2,
+        false,
+        Mode::SingleNodeWriter,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(h.stager.stage_count(), 2);
+    assert_eq!(mounts::mount_state(&staging).unwrap(), MountState::Healthy);
+    assert_eq!(
+        mounts::mount_state(&t1).unwrap(),
+        MountState::Healthy,
+        "dead bind re-bound"
+    );
+    assert_eq!(std::fs::read(t1.join("keep")).unwrap(), b"k");
+    assert_eq!(std::fs::read(t2.join("keep")).unwrap(), b"k");
+
+    for t in [&t1, &t2] {
+        node.node_unpublish_volume(unpublish_req(&vol, t))
+            .await
+            .unwrap();
+    }
+    node.node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert!(h.mounts().is_empty(), "{:?}", h.mounts());
+    h.shutdown().await;
+}
