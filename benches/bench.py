@@ -476,10 +476,12 @@ class Bench:
         rnd = random.Random(1234)
         self.ref = bytearray(rnd.randbytes(MiB))
         self.memfs_ok = None
+        self.recording = False  # setup mounts are not measured
 
-    def record(self, workload, impl, value):
+    def record(self, workload, impl, value, quiet=False):
         self.results.setdefault(workload, {}).setdefault(impl, []).append(value)
-        log(f"  {workload:28s} {impl:8s} {value:.4g}")
+        if not quiet:
+            log(f"  {workload:28s} {impl:8s} {value:.4g}")
 
     def new_dir(self, name):
         self.seq += 1
@@ -492,6 +494,8 @@ class Bench:
         ra = self.args.readahead_kb if impl == "weed-ra" else None
         m = Mount(self, kind, self.new_dir(f"{impl}-{name}"), cache_dir=cache, readahead_kb=ra).start()
         self.meta.setdefault("readahead_kb", {})[impl] = m.readahead_kb
+        if impl in ("ours", "weed") and self.recording:
+            self.record("mount time (ms)", impl, m.mount_time * 1000, quiet=True)
         return m
 
     def cpu_of(self, m):
@@ -530,8 +534,7 @@ class Bench:
         a = self.args
         for impl in order:
             m = self.mount(impl, "write")
-            self.record("mount time (ms)", impl, m.mount_time * 1000)
-            os.stat(m.mnt)
+            log(f"  mount time {impl} {m.mount_time * 1000:.1f} ms")
             time.sleep(2)
             self.record("idle RSS (MiB)", impl, m.stats()[1])
             c0 = self.cpu_of(m)
@@ -594,16 +597,20 @@ class Bench:
             m.stop()
 
     def phase_ls(self, order):
+        """Short and noisy: three cold listings (each after drop_caches and a fresh mount) and
+        three warm ones per round; the round's median is recorded."""
         a = self.args
         for impl in order:
-            drop_caches()
-            m = self.mount(impl, "ls")
-            d = os.path.join(m.mnt, "ls5000")
-            self.record("ls -l cold (entries/s)", impl, a.ls_entries / ls_l(d, a.ls_entries))
-            # short and noisy: the median of three listings
-            warm = statistics.median(ls_l(d, a.ls_entries) for _ in range(3))
-            self.record("ls -l warm (entries/s)", impl, a.ls_entries / warm)
-            m.stop()
+            cold, warm = [], []
+            for _ in range(3):
+                drop_caches()
+                m = self.mount(impl, "ls")
+                d = os.path.join(m.mnt, "ls5000")
+                cold.append(ls_l(d, a.ls_entries))
+                warm.append(ls_l(d, a.ls_entries))
+                m.stop()
+            self.record("ls -l cold (entries/s)", impl, a.ls_entries / statistics.median(cold))
+            self.record("ls -l warm (entries/s)", impl, a.ls_entries / statistics.median(warm))
 
     def phase_parallel(self, order, rnd, impls_ra):
         a = self.args
@@ -661,6 +668,7 @@ class Bench:
             m.stop()
 
     def cleanup_round(self, rnd):
+        self.recording = False
         m = self.mount("ours", "clean")
         for impl in ("ours", "weed"):
             try:
@@ -674,6 +682,7 @@ class Bench:
         self.setup()
         only = set(a.only.split(",")) if a.only else None
         ra = ["weed-ra"] if a.weed_readahead else []
+        self.recording = True
         for rnd in range(a.rounds):
             order = ["ours", "weed"] if rnd % 2 == 0 else ["weed", "ours"]
             log(f"round {rnd + 1}/{a.rounds}: order {order}")
@@ -692,6 +701,7 @@ class Bench:
                 fn()
             if not a.keep_files:
                 self.cleanup_round(rnd)
+                self.recording = True
 
 
 # ---------------------------------------------------------------- report
