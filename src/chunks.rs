@@ -418,7 +418,7 @@ mod tests {
         let mut expect = offset;
         for p in read_plan(&ivs, offset, len, size) {
             assert_eq!(p.file_offset(), expect, "pieces must be contiguous");
-            assert!(p.len() > 0);
+            assert!(!p.is_empty());
             expect += p.len();
             match p {
                 ReadPiece::Zero { len, .. } => out.extend(std::iter::repeat_n(0u8, len as usize)),

@@ -38,7 +38,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Mount a filer path in the foreground (like `weed mount`).
-    Mount(crate::fuse::mount_cmd::MountArgs),
+    Mount(Box<crate::fuse::mount_cmd::MountArgs>),
     /// Hold /dev/fuse descriptors so FUSE sessions survive plugin restarts (sidecar role).
     Keeper(crate::keeper::KeeperArgs),
     /// A trivial in-memory FUSE filesystem (tests and the benchmark ceiling).

@@ -132,13 +132,15 @@ enum Response {
 // ---------------------------------------------------------------------------------------------
 // Messages with fds
 
-/// poll(2) over `fds` (fd, wanted events); returns the received events per fd. `timeout_ms`
-/// < 0 waits forever. (libc directly: the crate's nix build has no `poll` feature.)
-fn poll_fds(fds: &[(BorrowedFd<'_>, i16)], timeout_ms: i32) -> nix::Result<Vec<i16>> {
+/// poll(2) over `fds` (fd, wanted events; `None` = skip the slot); returns the received
+/// events per slot. `timeout_ms` < 0 waits forever. (libc directly: the crate's nix build
+/// has no `poll` feature.)
+fn poll_fds(fds: &[(Option<BorrowedFd<'_>>, i16)], timeout_ms: i32) -> nix::Result<Vec<i16>> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|(fd, ev)| libc::pollfd {
-            fd: fd.as_raw_fd(),
+            // poll ignores negative fds (a skipped slot would otherwise still report HUP).
+            fd: fd.map_or(-1, |f| f.as_raw_fd()),
             events: *ev,
             revents: 0,
         })
@@ -345,15 +347,15 @@ impl KeeperServer {
             let (stop_ready, listen_ready, ready) = {
                 let mut want = Vec::with_capacity(ids.len() + 2);
                 // Once draining, the stop fd stays readable: stop watching it.
-                want.push((stop, if draining { 0 } else { libc::POLLIN }));
+                want.push(((!draining).then_some(stop), libc::POLLIN));
                 let accept = if self.conns.len() < MAX_CONNS {
                     libc::POLLIN
                 } else {
                     0
                 };
-                want.push((self.listener.as_fd(), accept));
+                want.push((Some(self.listener.as_fd()), accept));
                 for id in &ids {
-                    want.push((self.conns[id].as_fd(), libc::POLLIN));
+                    want.push((Some(self.conns[id].as_fd()), libc::POLLIN));
                 }
                 let rev = match poll_fds(&want, -1) {
                     Ok(r) => r,
@@ -759,7 +761,7 @@ impl KeeperClient {
                 return Err(KeeperError::Timeout);
             }
             let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-            match poll_fds(&[(fd.as_fd(), libc::POLLIN)], ms) {
+            match poll_fds(&[(Some(fd.as_fd()), libc::POLLIN)], ms) {
                 Err(Errno::EINTR) => continue,
                 Ok(r) if r[0] == 0 => continue,
                 Ok(_) => {}

@@ -20,7 +20,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(args),
+        Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(*args),
         Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),
         Some(Command::Memfs(args)) => seaweedfs_csi_driver::fuse::memfs::run(args),
         None => run_driver(cli.driver),
@@ -40,7 +40,7 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let security = SecurityConfig::load()?;
         let filer = GrpcFiler::connect(FilerClientOptions {
             addresses: plan.filers.clone(),
@@ -50,10 +50,14 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         .await?;
         let filer: Arc<dyn FilerApi> = Arc::new(filer);
 
-        if let Some(port) = plan.metrics_port {
-            // TODO(lead): serve crate::metrics on this port once it has an HTTP exporter.
-            tracing::warn!(port, "--metricsPort is not served yet");
-        }
+        // Before the CSI socket: /healthz is the node pod's readiness and liveness probe.
+        let _metrics = match plan.metrics_port {
+            Some(port) => Some(
+                seaweedfs_csi_driver::metrics_server::MetricsServer::start_on_port(port, None)
+                    .await?,
+            ),
+            None => None,
+        };
 
         let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {
@@ -82,5 +86,8 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         }
         served?;
         Ok(())
-    })
+    });
+    // Adoption claims may still wait on the keeper in blocking threads: do not wait for them.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    result
 }

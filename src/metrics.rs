@@ -37,6 +37,9 @@ impl Hist {
     }
 }
 
+/// Appends metric lines at scrape time.
+pub type Collector = Box<dyn Fn(&mut String) + Send + Sync>;
+
 #[derive(Default)]
 pub struct Metrics {
     pub uploads_ok: AtomicU64,
@@ -46,7 +49,7 @@ pub struct Metrics {
     /// name{label="value"} -> histogram (FUSE ops, filer RPCs, volume-server requests).
     hists: Mutex<BTreeMap<(&'static str, String), Hist>>,
     /// Gauges/counters supplied by sessions at render time.
-    collectors: Mutex<Vec<Box<dyn Fn(&mut String) + Send + Sync>>>,
+    collectors: Mutex<Vec<Collector>>,
 }
 
 impl Metrics {
@@ -67,7 +70,7 @@ impl Metrics {
     }
 
     /// Registers a closure that appends metric lines at every scrape.
-    pub fn add_collector(&self, f: Box<dyn Fn(&mut String) + Send + Sync>) {
+    pub fn add_collector(&self, f: Collector) {
         self.collectors.lock().push(f);
     }
 

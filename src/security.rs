@@ -136,7 +136,11 @@ impl SecurityConfig {
                     break;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(SecurityError::Read { path: p, source: e }),
+                Err(e) => {
+                    // e.g. the working directory is a dead mount: not a reason to fail
+                    tracing::warn!(path = %p.display(), error = %e, "cannot read security.toml candidate; skipping");
+                    continue;
+                }
             }
         }
         Self::from_table(&table, env)

@@ -112,7 +112,7 @@ impl Ctx {
         Ok(())
     }
 
-    async fn publish(&self, v: &Volume, target: &PathBuf, mode: Mode) -> CaseResult {
+    async fn publish(&self, v: &Volume, target: &std::path::Path, mode: Mode) -> CaseResult {
         let req = publish_req(v, &self.staging, target, false, mode);
         ok(
             self.c.node.clone().node_publish_volume(req).await,
@@ -121,7 +121,7 @@ impl Ctx {
         self.reg
             .lock()
             .publishes
-            .push((v.volume_id.clone(), target.clone()));
+            .push((v.volume_id.clone(), target.to_path_buf()));
         Ok(())
     }
 

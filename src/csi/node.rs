@@ -46,6 +46,8 @@ pub struct NodeTimeouts {
     pub stage: Duration,
     /// statfs for NodeGetVolumeStats.
     pub stats: Duration,
+    /// Telling the stager to end a session whose mount is already dead (best effort).
+    pub end_dead_session: Duration,
 }
 
 impl Default for NodeTimeouts {
@@ -54,6 +56,7 @@ impl Default for NodeTimeouts {
             syscall: Duration::from_secs(30),
             stage: Duration::from_secs(60),
             stats: Duration::from_secs(10),
+            end_dead_session: Duration::from_secs(10),
         }
     }
 }
@@ -232,11 +235,7 @@ impl NodeService {
         cap: &CapabilityRequest,
     ) -> Result<(), Status> {
         tracing::warn!(volume_id, staging = %staging.display(), "staging mount is dead; staging again");
-        if self.stager.health(volume_id).is_some() {
-            if let Err(e) = self.stager.unstage(volume_id, staging).await {
-                tracing::warn!(volume_id, error = %e, "ending the dead session failed");
-            }
-        }
+        self.end_dead_session(volume_id, staging).await;
         self.unmount_all(staging).await?;
         let known = self.volumes.lock().get(volume_id).cloned();
         let opts = match known.as_ref().and_then(|k| k.opts.clone()) {
@@ -267,6 +266,22 @@ impl NodeService {
             },
         );
         Ok(())
+    }
+
+    /// Lets the stager drop a session whose mount died; bounded, and a failure only logged:
+    /// the dead mount is removed by the caller either way.
+    async fn end_dead_session(&self, volume_id: &str, staging: &Path) {
+        if self.stager.health(volume_id).is_none() {
+            return;
+        }
+        let r = with_timeout(
+            self.timeouts.end_dead_session,
+            self.stager.unstage(volume_id, staging),
+        )
+        .await;
+        if let Err(e) = r {
+            tracing::warn!(volume_id, error = %e, "ending the dead session failed");
+        }
     }
 
     async fn bind(&self, staging: &Path, target: &Path, read_only: bool) -> Result<(), Status> {
@@ -370,11 +385,7 @@ impl Node for NodeService {
             }
             MountState::Dead(errno) => {
                 tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
-                if self.stager.health(volume_id).is_some() {
-                    if let Err(e) = self.stager.unstage(volume_id, &staging).await {
-                        tracing::warn!(volume_id, error = %e, "ending the dead session failed");
-                    }
-                }
+                self.end_dead_session(volume_id, &staging).await;
                 self.unmount_all(&staging).await?;
             }
             MountState::NotMounted => {}
@@ -541,6 +552,7 @@ impl Node for NodeService {
                 publications: HashMap::new(),
             });
         rec.publications.insert(target, Publication { read_only });
+        set_published_gauge(&vols);
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
 
@@ -568,8 +580,12 @@ impl Node for NodeService {
         )
         .await?
         .map_err(|e| Status::internal(format!("remove {}: {e}", target.display())))?;
-        if let Some(rec) = self.volumes.lock().get_mut(volume_id) {
-            rec.publications.remove(&target);
+        {
+            let mut vols = self.volumes.lock();
+            if let Some(rec) = vols.get_mut(volume_id) {
+                rec.publications.remove(&target);
+            }
+            set_published_gauge(&vols);
         }
         tracing::info!(volume_id, target = %target.display(), "volume unpublished");
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
@@ -774,4 +790,12 @@ impl Node for NodeService {
             accessible_topology,
         }))
     }
+}
+
+/// Keeps `seaweedfs_csi_published_targets` equal to the publications this process knows.
+fn set_published_gauge(vols: &HashMap<String, StagedVolume>) {
+    let n: usize = vols.values().map(|v| v.publications.len()).sum();
+    crate::metrics::global()
+        .published_targets
+        .store(n as u64, std::sync::atomic::Ordering::Relaxed);
 }

@@ -106,7 +106,7 @@ pub enum StagerCall {
     Stage {
         volume_id: String,
         staging_path: PathBuf,
-        opts: MountOptions,
+        opts: Box<MountOptions>,
     },
     Unstage {
         volume_id: String,
@@ -252,7 +252,7 @@ impl FakeStager {
             st.calls.push(StagerCall::Stage {
                 volume_id: volume_id.to_string(),
                 staging_path: staging_path.to_path_buf(),
-                opts: opts.clone(),
+                opts: Box::new(opts.clone()),
             });
             (st.stage_delay_ms, st.fail_next_stage.take())
         };

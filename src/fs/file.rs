@@ -134,9 +134,16 @@ pub struct OpenFile {
     pub ino: u64,
     pub state: Mutex<FileState>,
     pub uploads_done: Notify,
+    /// Held from building a commit until the filer answered it: two commits of one file in
+    /// flight could reach the filer out of order, and the older chunk list would make the
+    /// filer delete the chunks only the newer one has.
+    pub commit: tokio::sync::Mutex<()>,
     pub chunk_size: usize,
     pub max_slots: usize,
 }
+
+/// A planned read: its end offset, the pieces, and dirty bytes `(offset, data)` laid over them.
+pub type ReadPlan = (u64, Vec<Piece>, Vec<(u64, Bytes)>);
 
 /// A piece of a read: where its bytes come from.
 pub enum Piece {
@@ -184,6 +191,7 @@ impl OpenFile {
                 uncommitted: 0,
             }),
             uploads_done: Notify::new(),
+            commit: tokio::sync::Mutex::new(()),
             chunk_size: chunk_size.max(1),
             max_slots: max_slots.max(2),
         }
@@ -317,7 +325,7 @@ impl OpenFile {
 
     /// Plans a read of `[offset, offset+len)`: pieces over chunks and in-flight data, plus the
     /// dirty-slot bytes that overlay them. Returns None at/after EOF.
-    pub fn plan_read(&self, offset: u64, len: u64) -> Option<(u64, Vec<Piece>, Vec<(u64, Bytes)>)> {
+    pub fn plan_read(&self, offset: u64, len: u64) -> Option<ReadPlan> {
         let mut s = self.state.lock();
         if offset >= s.size || len == 0 {
             return None;
@@ -424,6 +432,48 @@ impl OpenFile {
         Some((end, pieces, overlays))
     }
 
+    /// Sorted, merged byte ranges holding data (chunks, uploads in flight, dirty slots), clipped
+    /// to the file size; everything else reads as zeros (holes).
+    pub fn data_ranges(&self) -> Vec<(u64, u64)> {
+        let s = self.state.lock();
+        let size = s.size;
+        let mut r: Vec<(u64, u64)> = Vec::new();
+        if !s.entry.content.is_empty() {
+            r.push((0, s.entry.content.len() as u64));
+        }
+        r.extend(
+            chunks::visible_intervals(&s.resolved)
+                .iter()
+                .map(|iv| (iv.start, iv.stop)),
+        );
+        r.extend(
+            s.inflight
+                .iter()
+                .map(|i| (i.offset, i.offset + i.data.len() as u64)),
+        );
+        let cs = self.chunk_size as u64;
+        for (k, sl) in &s.slots {
+            r.extend(
+                sl.ranges
+                    .iter()
+                    .map(|&(a, b)| (k * cs + a as u64, k * cs + b as u64)),
+            );
+        }
+        r.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+        for (a, b) in r {
+            let (a, b) = (a.min(size), b.min(size));
+            if a >= b {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        out
+    }
+
     /// The entry to commit, with a compacted chunk list and current size.
     pub fn entry_for_commit(&self) -> pb::Entry {
         let mut s = self.state.lock();
@@ -435,6 +485,17 @@ impl OpenFile {
         }
         s.entry.clone()
     }
+}
+
+/// Start of the earliest data chunk that a truncation to `size` cuts in the middle.
+pub fn cut_start(chunks: &[pb::FileChunk], size: u64) -> Option<u64> {
+    chunks
+        .iter()
+        .filter(|c| !c.is_chunk_manifest && c.offset >= 0)
+        .map(|c| (c.offset as u64, c.offset as u64 + c.size))
+        .filter(|(start, end)| *start < size && size < *end)
+        .map(|(start, _)| start)
+        .min()
 }
 
 fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
@@ -539,6 +600,32 @@ mod tests {
         assert_eq!(read_all(&f, 0, 100), b"012");
         f.truncate(5);
         assert_eq!(read_all(&f, 0, 100), b"012\0\0");
+    }
+
+    #[test]
+    fn data_ranges_merge_and_clip() {
+        let f = file(8);
+        f.write(20, b"xy");
+        f.write(2, b"abcdefgh"); // spans slots 0 and 1
+        f.write(10, b"z");
+        assert_eq!(f.data_ranges(), vec![(2, 11), (20, 22)]);
+        f.truncate(21);
+        assert_eq!(f.data_ranges(), vec![(2, 11), (20, 21)]);
+    }
+
+    #[test]
+    fn cut_start_finds_the_earliest_cut_chunk() {
+        let c = |offset: i64, size: u64| pb::FileChunk {
+            offset,
+            size,
+            ..Default::default()
+        };
+        let list = [c(0, 100), c(50, 100), c(150, 10)];
+        assert_eq!(cut_start(&list, 120), Some(50));
+        assert_eq!(cut_start(&list, 60), Some(0));
+        assert_eq!(cut_start(&list, 150), None);
+        assert_eq!(cut_start(&list, 0), None);
+        assert_eq!(cut_start(&list, 500), None);
     }
 
     #[test]

@@ -18,6 +18,9 @@ pub struct NodeRecord {
     pub path: String,
     pub is_dir: bool,
     pub nlookup: u64,
+    /// Further names of a hard-linked file (`path` is the one used for filer calls).
+    #[serde(default)]
+    pub aliases: Vec<String>,
 }
 
 #[derive(Default)]
@@ -44,6 +47,7 @@ impl InodeTable {
                 path: root_path.to_string(),
                 is_dir: true,
                 nlookup: 1,
+                aliases: Vec::new(),
             },
         );
         t.inner
@@ -99,7 +103,7 @@ impl InodeTable {
             match op {
                 JournalOp::Remember { ino, path, is_dir } => {
                     let kind = if is_dir { Kind::Dir } else { Kind::File };
-                    self.remember_quiet(ino, &path, kind, true);
+                    self.remember_quiet(ino, &path, kind, true, false);
                 }
                 JournalOp::Forget { ino } => {
                     self.forget_quiet(ino, u64::MAX);
@@ -118,8 +122,15 @@ impl InodeTable {
     }
 
     /// Records that the kernel now knows `ino` as `path` (one more lookup when `counted`).
+    /// A different path replaces the old one (the node was renamed elsewhere).
     pub fn remember(&self, ino: u64, path: &str, kind: Kind, counted: bool) {
-        if self.remember_quiet(ino, path, kind, counted) {
+        self.remember_as(ino, path, kind, counted, false)
+    }
+
+    /// Like [`remember`](Self::remember); with `hard_link` the path is added as one more name
+    /// of the node instead of replacing the one it has.
+    pub fn remember_as(&self, ino: u64, path: &str, kind: Kind, counted: bool, hard_link: bool) {
+        if self.remember_quiet(ino, path, kind, counted, hard_link) {
             self.journal(JournalOp::Remember {
                 ino,
                 path: path.to_string(),
@@ -128,8 +139,16 @@ impl InodeTable {
         }
     }
 
-    /// Returns whether the mapping is new or changed.
-    fn remember_quiet(&self, ino: u64, path: &str, kind: Kind, counted: bool) -> bool {
+    /// Returns whether the node's primary path is new or changed (an added alias is not
+    /// journaled: a successor re-learns it from the kernel's next lookup).
+    fn remember_quiet(
+        &self,
+        ino: u64,
+        path: &str,
+        kind: Kind,
+        counted: bool,
+        hard_link: bool,
+    ) -> bool {
         let mut g = self.inner.write();
         let mut changed = !g.by_ino.contains_key(&ino);
         let rec = g.by_ino.entry(ino).or_insert_with(|| NodeRecord {
@@ -137,13 +156,24 @@ impl InodeTable {
             path: path.to_string(),
             is_dir: kind == Kind::Dir,
             nlookup: 0,
+            aliases: Vec::new(),
         });
         if counted {
             rec.nlookup += 1;
         }
+        let mut dropped = Vec::new();
         if rec.path != path {
-            changed = true;
-            let old = std::mem::replace(&mut rec.path, path.to_string());
+            if hard_link {
+                if !rec.aliases.iter().any(|a| a == path) {
+                    rec.aliases.push(path.to_string());
+                }
+            } else {
+                changed = true;
+                dropped.push(std::mem::replace(&mut rec.path, path.to_string()));
+                dropped.append(&mut rec.aliases);
+            }
+        }
+        for old in dropped {
             if g.by_path.get(&old) == Some(&ino) {
                 g.by_path.remove(&old);
             }
@@ -174,18 +204,51 @@ impl InodeTable {
         };
         if gone {
             if let Some(rec) = g.by_ino.remove(&ino) {
-                if g.by_path.get(&rec.path) == Some(&ino) {
-                    g.by_path.remove(&rec.path);
+                for p in std::iter::once(&rec.path).chain(rec.aliases.iter()) {
+                    if g.by_path.get(p) == Some(&ino) {
+                        g.by_path.remove(p);
+                    }
                 }
             }
         }
         gone
     }
 
-    /// A path was deleted: forget the path mapping (the node id lives on until FORGET).
+    /// A path was deleted: forget the path mapping (the node id lives on until FORGET). A
+    /// hard-linked node keeps being reachable through its other names.
     pub fn unlink_path(&self, path: &str) {
-        let mut g = self.inner.write();
-        g.by_path.remove(path);
+        let promoted = {
+            let mut g = self.inner.write();
+            let Some(ino) = g.by_path.remove(path) else {
+                return;
+            };
+            match g.by_ino.get_mut(&ino) {
+                Some(rec) => {
+                    rec.aliases.retain(|a| a != path);
+                    if rec.path == path && !rec.aliases.is_empty() {
+                        rec.path = rec.aliases.remove(0);
+                        Some((ino, rec.path.clone(), rec.is_dir))
+                    } else {
+                        None
+                    }
+                }
+                None => None,
+            }
+        };
+        if let Some((ino, path, is_dir)) = promoted {
+            self.journal(JournalOp::Remember { ino, path, is_dir });
+        }
+    }
+
+    /// Every known name of a node (the primary one first).
+    pub fn aliases(&self, ino: u64) -> Vec<String> {
+        let g = self.inner.read();
+        match g.by_ino.get(&ino) {
+            Some(rec) => std::iter::once(rec.path.clone())
+                .chain(rec.aliases.iter().cloned())
+                .collect(),
+            None => Vec::new(),
+        }
     }
 
     /// `old` (and everything below it) is now at `new`.
@@ -211,7 +274,11 @@ impl InodeTable {
             g.by_path.remove(&p);
             g.by_path.insert(np.clone(), ino);
             if let Some(rec) = g.by_ino.get_mut(&ino) {
-                rec.path = np;
+                if rec.path == p {
+                    rec.path = np;
+                } else if let Some(a) = rec.aliases.iter_mut().find(|a| **a == p) {
+                    *a = np;
+                }
             }
         }
     }
@@ -278,6 +345,41 @@ mod tests {
         assert_eq!(split("/m/b/f"), ("/m/b".to_string(), "f".to_string()));
         assert_eq!(split("/x"), ("/".to_string(), "x".to_string()));
         assert_eq!(join("/", "x"), "/x");
+    }
+
+    #[test]
+    fn hard_link_names_survive_unlink_of_the_primary() {
+        let t = InodeTable::new("/m");
+        t.remember(20, "/m/f", Kind::File, true);
+        t.remember_as(20, "/m/l1", Kind::File, true, true);
+        t.remember_as(20, "/m/d/l2", Kind::File, true, true);
+        assert_eq!(t.path(20).unwrap(), "/m/f");
+        t.unlink_path("/m/f");
+        assert_eq!(t.path(20).unwrap(), "/m/l1");
+        assert_eq!(t.ino_of("/m/f"), None);
+        t.rename("/m/d", "/m/e");
+        assert_eq!(t.ino_of("/m/e/l2"), Some(20));
+        t.unlink_path("/m/l1");
+        assert_eq!(t.path(20).unwrap(), "/m/e/l2");
+        // a plain remember at a new path is a rename: the old names go
+        t.remember(20, "/m/g", Kind::File, true);
+        assert_eq!(t.ino_of("/m/e/l2"), None);
+        t.forget(20, 4);
+        assert!(t.path(20).is_none());
+        assert_eq!(t.ino_of("/m/g"), None);
+    }
+
+    #[test]
+    fn journal_follows_a_promoted_hard_link_name() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.set_journal(j.clone());
+        t.remember(30, "/m/a", Kind::File, true);
+        t.remember_as(30, "/m/b", Kind::File, true, true);
+        t.unlink_path("/m/a");
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(30).unwrap(), "/m/b");
     }
 
     #[test]

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 struct Listing {
     entries: BTreeMap<String, Arc<pb::Entry>>,
     loaded: Instant,
+    /// Number of subdirectories (for the directory's link count).
+    subdirs: usize,
 }
 
 #[derive(Default)]
@@ -19,6 +21,26 @@ struct Inner {
     /// Bumped by every change to a directory, so a listing that raced with a change is not
     /// installed over it.
     gens: HashMap<String, u64>,
+    /// Latest known shared state (attributes, chunks, link count) of each hard-link group.
+    /// Every name of the group shows it, so a change through one name is seen through all.
+    links: HashMap<Vec<u8>, Arc<pb::Entry>>,
+    /// Directories found too large to cache, and when: not listed again within the TTL.
+    too_large: HashMap<String, Instant>,
+}
+
+/// `e` with the shared state of its hard-link group, if that is known and differs.
+fn overlay(links: &HashMap<Vec<u8>, Arc<pb::Entry>>, e: &Arc<pb::Entry>) -> Arc<pb::Entry> {
+    if e.hard_link_id.is_empty() {
+        return e.clone();
+    }
+    match links.get(&e.hard_link_id) {
+        Some(s) if s.name == e.name => s.clone(),
+        Some(s) => Arc::new(pb::Entry {
+            name: e.name.clone(),
+            ..(**s).clone()
+        }),
+        None => e.clone(),
+    }
 }
 
 pub struct MetaCache {
@@ -52,7 +74,7 @@ impl MetaCache {
         let g = self.inner.lock();
         match g.dirs.get(dir) {
             Some(l) if self.fresh(l) => match l.entries.get(name) {
-                Some(e) => Cached::Found(e.clone()),
+                Some(e) => Cached::Found(overlay(&g.links, e)),
                 None => Cached::Absent,
             },
             _ => Cached::Unknown,
@@ -65,7 +87,59 @@ impl MetaCache {
         g.dirs
             .get(dir)
             .filter(|l| self.fresh(l))
-            .map(|l| l.entries.values().cloned().collect())
+            .map(|l| l.entries.values().map(|e| overlay(&g.links, e)).collect())
+    }
+
+    /// Number of subdirectories of a fresh cached directory.
+    pub fn subdirs(&self, dir: &str) -> Option<usize> {
+        let g = self.inner.lock();
+        g.dirs.get(dir).filter(|l| self.fresh(l)).map(|l| l.subdirs)
+    }
+
+    /// Records the current shared state of a hard-link group (from the filer or our own change).
+    pub fn note_link(&self, e: &pb::Entry) {
+        if !e.hard_link_id.is_empty() {
+            self.inner
+                .lock()
+                .links
+                .insert(e.hard_link_id.clone(), Arc::new(e.clone()));
+        }
+    }
+
+    /// One name of a hard-link group was removed: the others have one link less.
+    pub fn link_removed(&self, e: &pb::Entry) {
+        if e.hard_link_id.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock();
+        let cur = g
+            .links
+            .get(&e.hard_link_id)
+            .map(|s| (**s).clone())
+            .unwrap_or_else(|| e.clone());
+        if cur.hard_link_counter <= 1 {
+            g.links.remove(&e.hard_link_id);
+            return;
+        }
+        let mut next = cur;
+        next.hard_link_counter -= 1;
+        g.links.insert(e.hard_link_id.clone(), Arc::new(next));
+    }
+
+    /// Remembers that `dir` has too many entries to cache (until the TTL passes).
+    pub fn mark_too_large(&self, dir: &str) {
+        let mut g = self.inner.lock();
+        let ttl = self.ttl;
+        g.too_large.retain(|_, t| t.elapsed() < ttl);
+        g.too_large.insert(dir.to_string(), Instant::now());
+    }
+
+    pub fn is_too_large(&self, dir: &str) -> bool {
+        let g = self.inner.lock();
+        g.too_large
+            .get(dir)
+            .map(|t| t.elapsed() < self.ttl)
+            .unwrap_or(false)
     }
 
     pub fn is_cached(&self, dir: &str) -> bool {
@@ -98,11 +172,19 @@ impl MetaCache {
         for p in pinned {
             map.insert(p.name.clone(), p.clone());
         }
+        for e in map.values() {
+            if !e.hard_link_id.is_empty() {
+                // fresh from the filer: newer than anything we held
+                g.links.insert(e.hard_link_id.clone(), e.clone());
+            }
+        }
+        let subdirs = map.values().filter(|e| e.is_directory).count();
         g.dirs.insert(
             dir.to_string(),
             Listing {
                 entries: map,
                 loaded: Instant::now(),
+                subdirs,
             },
         );
         true
@@ -112,8 +194,19 @@ impl MetaCache {
     pub fn upsert(&self, dir: &str, entry: Arc<pb::Entry>) {
         let mut g = self.inner.lock();
         *g.gens.entry(dir.to_string()).or_default() += 1;
+        if !entry.hard_link_id.is_empty() {
+            g.links.insert(entry.hard_link_id.clone(), entry.clone());
+        }
         if let Some(l) = g.dirs.get_mut(dir) {
-            l.entries.insert(entry.name.clone(), entry);
+            let new_dir = entry.is_directory;
+            if let Some(old) = l.entries.insert(entry.name.clone(), entry) {
+                if old.is_directory {
+                    l.subdirs -= 1;
+                }
+            }
+            if new_dir {
+                l.subdirs += 1;
+            }
         }
     }
 
@@ -122,7 +215,11 @@ impl MetaCache {
         let mut g = self.inner.lock();
         *g.gens.entry(dir.to_string()).or_default() += 1;
         if let Some(l) = g.dirs.get_mut(dir) {
-            l.entries.remove(name);
+            if let Some(old) = l.entries.remove(name) {
+                if old.is_directory {
+                    l.subdirs -= 1;
+                }
+            }
         }
     }
 
@@ -145,6 +242,7 @@ impl MetaCache {
             *g.gens.entry(k).or_default() += 1;
         }
         g.dirs.clear();
+        g.links.clear();
     }
 
     pub fn cached_dirs(&self) -> usize {
@@ -180,6 +278,52 @@ mod tests {
         assert!(matches!(m.lookup("/d", "a"), Cached::Absent));
         m.invalidate_all();
         assert!(matches!(m.lookup("/d", "b"), Cached::Unknown));
+    }
+
+    #[test]
+    fn subdir_count_follows_changes() {
+        let m = MetaCache::new(Duration::from_secs(60));
+        let dir = |n: &str| pb::Entry {
+            name: n.into(),
+            is_directory: true,
+            ..Default::default()
+        };
+        assert_eq!(m.subdirs("/d"), None);
+        m.install("/d", vec![e("a"), dir("s1")], m.generation("/d"), &[]);
+        assert_eq!(m.subdirs("/d"), Some(1));
+        m.upsert("/d", Arc::new(dir("s2")));
+        m.upsert("/d", Arc::new(dir("s2")));
+        assert_eq!(m.subdirs("/d"), Some(2));
+        m.remove("/d", "s1");
+        m.remove("/d", "a");
+        assert_eq!(m.subdirs("/d"), Some(1));
+    }
+
+    #[test]
+    fn hard_link_names_share_state() {
+        let m = MetaCache::new(Duration::from_secs(60));
+        let link = |n: &str, size: u64, count: i32| pb::Entry {
+            name: n.into(),
+            hard_link_id: vec![7; 17],
+            hard_link_counter: count,
+            attributes: Some(pb::FuseAttributes {
+                file_size: size,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        m.install("/d", vec![link("a", 1, 2), link("b", 1, 2)], 0, &[]);
+        m.upsert("/d", Arc::new(link("a", 99, 2)));
+        let Cached::Found(b) = m.lookup("/d", "b") else {
+            panic!("b is cached")
+        };
+        assert_eq!(b.name, "b");
+        assert_eq!(b.attributes.as_ref().unwrap().file_size, 99);
+        m.remove("/d", "a");
+        m.link_removed(&link("a", 99, 2));
+        let l = m.listing("/d").unwrap();
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].hard_link_counter, 1);
     }
 
     #[test]

@@ -161,7 +161,6 @@ pub struct FsStats {
     pub uploads: AtomicU64,
     pub upload_bytes: AtomicU64,
     pub upload_errors: AtomicU64,
-    pub uploads_in_flight: AtomicU64,
 }
 
 pub struct Fs {
@@ -266,6 +265,11 @@ impl Fs {
 
     pub fn quota(&self) -> u64 {
         self.quota.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Chunk uploads running now (the upload queue's depth).
+    pub fn uploads_in_flight(&self) -> u64 {
+        (self.cfg.concurrent_writers - self.upload_sem.available_permits()) as u64
     }
 
     /// Number of open file handles (for handover and stats).

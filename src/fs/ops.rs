@@ -1,7 +1,7 @@
 //! Namespace, attribute, handle and write operations of [`Fs`].
 
 use super::attr::{self, entry_attr, entry_inode, to_go_mode, Attr, Kind};
-use super::file::{OpenFile, SealedRun};
+use super::file::{cut_start, OpenFile, SealedRun};
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
 use super::{entry_with_name, errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -82,10 +82,15 @@ impl Fs {
         if self.meta.is_cached(dir) {
             return Ok(true);
         }
+        if self.meta.is_too_large(dir) {
+            return Ok(false);
+        }
         let gen = self.meta.generation(dir);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let entries = self.filer.list_all(dir).await?;
         if entries.len() > self.cfg.max_cached_dir_entries {
+            // every lookup in it would list it all again
+            self.meta.mark_too_large(dir);
             return Ok(false);
         }
         let pinned = self.pending_in_dir(dir);
@@ -125,7 +130,10 @@ impl Fs {
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         match self.filer.lookup_entry(dir, name).await {
-            Ok(e) => Ok(Arc::new(e)),
+            Ok(e) => {
+                self.meta.note_link(&e);
+                Ok(Arc::new(e))
+            }
             Err(FilerError::NotFound(_)) => Err(errno(libc::ENOENT, format!("{dir}/{name}"))),
             Err(e) => Err(e.into()),
         }
@@ -141,10 +149,15 @@ impl Fs {
             let s = of.state.lock();
             let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
             a.size = s.size;
+            if s.unlinked {
+                // only open handles keep it alive (fstat after unlink shows 0 links)
+                a.nlink = 0;
+            }
             return a;
         }
         let mut a = entry_attr(ino, e, &self.cfg.ids);
         if a.kind == Kind::Dir {
+            a.nlink = self.dir_nlink(path);
             if let Some(t) = self.dir_times.lock().get(path) {
                 a.mtime = a.mtime.max(*t);
                 a.ctime = a.ctime.max(*t);
@@ -153,8 +166,18 @@ impl Fs {
         a
     }
 
+    /// 2 + subdirectories when the listing is known; 1 ("unknown", as btrfs and others
+    /// report, which makes `find` skip its leaf optimisation) otherwise.
+    fn dir_nlink(&self, path: &str) -> u32 {
+        self.meta
+            .subdirs(path)
+            .map(|n| 2u32.saturating_add(n as u32))
+            .unwrap_or(1)
+    }
+
     fn root_attr(&self) -> Attr {
         let mut a = self.root_attr.lock().clone();
+        a.nlink = self.dir_nlink(&self.cfg.root);
         if let Some(t) = self.dir_times.lock().get(&self.cfg.root) {
             a.mtime = a.mtime.max(*t);
             a.ctime = a.ctime.max(*t);
@@ -207,8 +230,23 @@ impl Fs {
     fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
         let ino = entry_inode(path, e);
         let a = self.attr_of(ino, path, e);
-        self.inodes.remember(ino, path, a.kind, counted);
+        let linked = !e.hard_link_id.is_empty();
+        self.inodes.remember_as(ino, path, a.kind, counted, linked);
         a
+    }
+
+    /// A new inode number for an entry we create. Not the filer's md5(path)+crtime_secs*37
+    /// formula `weed mount` uses: that repeats when a path is reused within a second (write
+    /// `x.lock`, rename it over `x`, create `x.lock` again), and two files with one number look
+    /// like hard links to tar/rsync and mix up open-file state here. Random numbers are
+    /// unique in practice; numbers the kernel knows here are skipped.
+    fn fresh_inode(&self) -> u64 {
+        loop {
+            let ino: u64 = rand::random();
+            if ino > ROOT_INO && self.inodes.path(ino).is_none() && self.open_file(ino).is_none() {
+                return ino;
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -254,7 +292,18 @@ impl Fs {
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
         let dir = self.path_of(parent)?;
         let e = self.entry_at(&dir, name).await?;
-        Ok(self.remember(&join(&dir, name), &e, true))
+        let path = join(&dir, name);
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
+        Ok(self.remember(&path, &e, true))
+    }
+
+    /// Lists a directory so its link count is known (best effort: it is usually read next).
+    async fn load_dir_for_nlink(&self, path: &str) {
+        if let Err(e) = self.load_dir(path).await {
+            tracing::debug!(path, error = %e, "listing for the link count failed");
+        }
     }
 
     pub fn forget(&self, ino: u64, n: u64) {
@@ -263,6 +312,7 @@ impl Fs {
 
     pub async fn getattr(&self, ino: u64) -> Result<Attr> {
         if ino == ROOT_INO {
+            self.load_dir_for_nlink(&self.cfg.root).await;
             return Ok(self.root_attr());
         }
         let path = self.path_of(ino)?;
@@ -272,6 +322,9 @@ impl Fs {
         }
         let (dir, name) = split(&path);
         let e = self.entry_at(&dir, &name).await?;
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
         Ok(self.attr_of(ino, &path, &e))
     }
 
@@ -282,56 +335,13 @@ impl Fs {
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        let apply = |e: &mut pb::Entry| {
-            let a = e.attributes.get_or_insert_with(Default::default);
-            if let Some(m) = req.mode {
-                let (kind, _) = attr::from_go_mode(a.file_mode);
-                let kind = if e.is_directory { Kind::Dir } else { kind };
-                a.file_mode = to_go_mode(kind, m & 0o7777);
-            }
-            if let Some(u) = req.uid {
-                a.uid = self.cfg.ids.uid_to_filer(u);
-            }
-            if let Some(g) = req.gid {
-                a.gid = self.cfg.ids.gid_to_filer(g);
-            }
-            if let Some(t) = req.atime {
-                (a.atime, a.atime_ns) = attr::split_ts(t);
-            }
-            if let Some(t) = req.mtime {
-                (a.mtime, a.mtime_ns) = attr::split_ts(t);
-            }
-            let (cs, cns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
-            a.ctime = cs;
-            a.ctime_ns = cns;
-        };
         if let Some(of) = self.open_file(ino) {
-            if let Some(size) = req.size {
-                let runs = of.seal_all();
-                self.start_uploads(&of, runs).await;
-                of.wait_uploads().await;
-                of.truncate(size);
-                let (s, ns) = now_parts();
-                let mut st = of.state.lock();
-                if req.mtime.is_none() {
-                    let a = st.entry.attributes.get_or_insert_with(Default::default);
-                    a.mtime = s;
-                    a.mtime_ns = ns;
-                }
-            }
-            {
-                let mut st = of.state.lock();
-                apply(&mut st.entry);
-                st.meta_dirty = true;
-            }
-            self.flush_file(&of).await?;
-            let e = of.state.lock().entry.clone();
-            return Ok(self.attr_of(ino, &path, &e));
+            return self.setattr_open(ino, &path, &of, &req).await;
         }
         if ino == ROOT_INO {
             let (pdir, pname) = split(&self.cfg.root);
             let mut e = self.filer.lookup_entry(&pdir, &pname).await?;
-            apply(&mut e);
+            self.apply_setattr(&mut e, &req);
             self.update_entry(&pdir, e.clone()).await?;
             let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
             a.ino = ROOT_INO;
@@ -342,6 +352,12 @@ impl Fs {
         if let Some(size) = req.size {
             if e.is_directory {
                 return Err(errno(libc::EISDIR, "truncate of a directory"));
+            }
+            if e.content.is_empty() && cut_start(&e.chunks, size).is_some() {
+                // the kept part of a cut chunk is rewritten, as for an open file
+                let of = Arc::new(self.load_open_file(ino, &dir, e).await?);
+                self.bump_content_gen(ino);
+                return self.setattr_open(ino, &path, &of, &req).await;
             }
             if e.content.is_empty() {
                 e.chunks = crate::chunks::truncate(&e.chunks, size).0;
@@ -355,9 +371,77 @@ impl Fs {
             }
             self.bump_content_gen(ino);
         }
-        apply(&mut e);
+        self.apply_setattr(&mut e, &req);
         self.update_entry(&dir, e.clone()).await?;
         Ok(self.attr_of(ino, &path, &e))
+    }
+
+    fn apply_setattr(&self, e: &mut pb::Entry, req: &SetAttr) {
+        let a = e.attributes.get_or_insert_with(Default::default);
+        if let Some(m) = req.mode {
+            let (kind, _) = attr::from_go_mode(a.file_mode);
+            let kind = if e.is_directory { Kind::Dir } else { kind };
+            a.file_mode = to_go_mode(kind, m & 0o7777);
+        }
+        if let Some(u) = req.uid {
+            a.uid = self.cfg.ids.uid_to_filer(u);
+        }
+        if let Some(g) = req.gid {
+            a.gid = self.cfg.ids.gid_to_filer(g);
+        }
+        if let Some(t) = req.atime {
+            (a.atime, a.atime_ns) = attr::split_ts(t);
+        }
+        if let Some(t) = req.mtime {
+            (a.mtime, a.mtime_ns) = attr::split_ts(t);
+        }
+        (a.ctime, a.ctime_ns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
+    }
+
+    /// setattr through an open file's state; the change is committed at once.
+    async fn setattr_open(
+        &self,
+        ino: u64,
+        path: &str,
+        of: &Arc<OpenFile>,
+        req: &SetAttr,
+    ) -> Result<Attr> {
+        if let Some(size) = req.size {
+            let runs = of.seal_all();
+            self.start_uploads(of, runs).await;
+            of.wait_uploads().await;
+            let cut = {
+                let s = of.state.lock();
+                if s.entry.content.is_empty() {
+                    cut_start(&s.entry.chunks, size)
+                } else {
+                    None
+                }
+            };
+            of.truncate(size);
+            if let Some(lo) = cut {
+                // A chunk cut in the middle would be recorded with a size smaller than its
+                // needle, which the filer's HTTP/S3 readers cannot serve: rewrite the kept
+                // bytes as a new chunk that hides it.
+                let kept = self.read_range(of, lo, size - lo).await?;
+                let runs = of.write(lo, &kept);
+                self.start_uploads(of, runs).await;
+            }
+            if req.mtime.is_none() {
+                let now = now_parts();
+                let mut st = of.state.lock();
+                let a = st.entry.attributes.get_or_insert_with(Default::default);
+                (a.mtime, a.mtime_ns) = now;
+            }
+        }
+        {
+            let mut st = of.state.lock();
+            self.apply_setattr(&mut st.entry, req);
+            st.meta_dirty = true;
+        }
+        self.flush_file(of).await?;
+        let e = of.state.lock().entry.clone();
+        Ok(self.attr_of(ino, path, &e))
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
@@ -463,6 +547,43 @@ impl Fs {
         Ok(dir)
     }
 
+    /// Owner group and mode of a new entry in `dir`: a setgid directory passes on its group
+    /// (and, to subdirectories, the setgid bit), as local filesystems do; FUSE leaves this to
+    /// the filesystem. A file keeps a requested setgid bit only if its creator is root or is
+    /// in its group.
+    async fn inherit_group(
+        &self,
+        parent: u64,
+        dir: &str,
+        kind: Kind,
+        perm: u32,
+        uid: u32,
+        gid: u32,
+    ) -> (u32, u32) {
+        let pattr = if parent == ROOT_INO {
+            Some(self.root_attr())
+        } else {
+            let (pd, pn) = split(dir);
+            self.entry_at(&pd, &pn)
+                .await
+                .ok()
+                .map(|e| entry_attr(parent, &e, &self.cfg.ids))
+        };
+        match pattr {
+            Some(p) if p.perm as u32 & libc::S_ISGID != 0 => {
+                let perm = if kind == Kind::Dir {
+                    perm | libc::S_ISGID
+                } else if uid != 0 && p.gid != gid {
+                    perm & !libc::S_ISGID
+                } else {
+                    perm
+                };
+                (perm, p.gid)
+            }
+            _ => (perm, gid),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn make_node(
         &self,
@@ -480,10 +601,10 @@ impl Fs {
         let dir = self.parent_dir(parent).await?;
         self.ensure_absent(&dir, name).await?;
         let path = join(&dir, name);
+        let (perm, gid) = self.inherit_group(parent, &dir, kind, perm, uid, gid).await;
         let mut e = self.new_entry(name, kind, perm, uid, gid, symlink, rdev);
-        let crtime = e.attributes.as_ref().map(|a| a.crtime).unwrap_or(0);
         if let Some(a) = e.attributes.as_mut() {
-            a.inode = attr::path_inode(&path, crtime);
+            a.inode = self.fresh_inode();
         }
         self.create_on_filer(&dir, &e, true).await?;
         self.meta.upsert(&dir, Arc::new(e.clone()));
@@ -580,9 +701,11 @@ impl Fs {
             Err(e) => return Err(e),
         }
         let path = join(&dir, name);
-        let mut e = self.new_entry(name, Kind::File, mode & 0o7777, uid, gid, "", 0);
-        let crtime = e.attributes.as_ref().map(|a| a.crtime).unwrap_or(0);
-        let ino = attr::path_inode(&path, crtime).max(2);
+        let (perm, gid) = self
+            .inherit_group(parent, &dir, Kind::File, mode & 0o7777, uid, gid)
+            .await;
+        let mut e = self.new_entry(name, Kind::File, perm, uid, gid, "", 0);
+        let ino = self.fresh_inode();
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
         }
@@ -621,30 +744,41 @@ impl Fs {
         }
         let path = join(&dir, name);
         let ino = entry_inode(&path, &e);
-        let pending = self
-            .open_file(ino)
-            .map(|of| {
+        // other names of a hard-linked file keep it (and its open handles) alive
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let of = self.open_file(ino);
+        let (pending, marked) = match &of {
+            Some(of) => {
                 let mut s = of.state.lock();
-                let was = s.pending_create;
-                if s.dir == dir && s.entry.name == name {
+                // marked before the delete, so a concurrent flush cannot resurrect the entry
+                let mark = !linked && s.dir == dir && s.entry.name == name && !s.unlinked;
+                if mark {
                     s.unlinked = true;
                 }
-                was
-            })
-            .unwrap_or(false);
+                (s.pending_create, mark)
+            }
+            None => (false, false),
+        };
         if !pending {
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-            self.filer
+            let r = self
+                .filer
                 .delete_entry(pb::DeleteEntryRequest {
                     directory: dir.clone(),
                     name: name.to_string(),
                     is_delete_data: true,
                     ..Default::default()
                 })
-                .await?;
+                .await;
+            if let Err(err) = r {
+                if let (Some(of), true) = (&of, marked) {
+                    of.state.lock().unlinked = false;
+                }
+                return Err(err.into());
+            }
         }
         self.meta.remove(&dir, name);
-        self.inodes.unlink_path(&path);
+        self.name_removed(&dir, name, &e);
         self.touch_dir(&dir);
         if !e.hard_link_id.is_empty() {
             if let Some(n) = self.notifier.read().clone() {
@@ -819,23 +953,7 @@ impl Fs {
             self.meta.invalidate_dir(&opath, true);
             self.meta.invalidate_dir(&npath, true);
         }
-        self.inodes.rename(&opath, &npath);
-        {
-            let files = self.files.lock();
-            let prefix = format!("{opath}/");
-            for o in files.values() {
-                let mut s = o.file.state.lock();
-                let p = join(&s.dir, &s.entry.name);
-                if p == opath {
-                    s.dir = ndir.to_string();
-                    s.entry.name = newname.to_string();
-                } else if p.starts_with(&prefix) {
-                    let np = format!("{npath}{}", &p[opath.len()..]);
-                    let (d, _) = split(&np);
-                    s.dir = d;
-                }
-            }
-        }
+        self.moved(&opath, &npath);
         // POSIX: rename changes the moved inode's ctime
         let mut moved = moved;
         let a = moved.attributes.get_or_insert_with(Default::default);
@@ -854,6 +972,49 @@ impl Fs {
         self.touch_dir(odir);
         self.touch_dir(ndir);
         Ok(())
+    }
+
+    /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
+    fn moved(&self, opath: &str, npath: &str) {
+        self.inodes.rename(opath, npath);
+        let files = self.files.lock();
+        let prefix = format!("{opath}/");
+        for o in files.values() {
+            let mut s = o.file.state.lock();
+            let p = join(&s.dir, &s.entry.name);
+            if p == opath {
+                (s.dir, s.entry.name) = split(npath);
+            } else if p.starts_with(&prefix) {
+                let np = format!("{npath}{}", &p[opath.len()..]);
+                s.dir = split(&np).0;
+            }
+        }
+    }
+
+    /// The name `dir/name` of `e` is gone: open handles of a hard-linked file follow one of
+    /// its other names; otherwise they become unlinked (their data is no longer committed).
+    fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry) {
+        let path = join(dir, name);
+        let ino = entry_inode(&path, e);
+        self.meta.link_removed(e);
+        self.inodes.unlink_path(&path);
+        let Some(of) = self.open_file(ino) else {
+            return;
+        };
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let other = self.inodes.aliases(ino).into_iter().next();
+        let mut s = of.state.lock();
+        if !linked {
+            s.unlinked = true;
+            return;
+        }
+        s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+        if s.dir == dir && s.entry.name == name {
+            match other {
+                Some(p) => (s.dir, s.entry.name) = split(&p),
+                None => s.unlinked = true,
+            }
+        }
     }
 
     pub async fn link(&self, ino: u64, newparent: u64, newname: &str) -> Result<Attr> {
@@ -887,14 +1048,26 @@ impl Fs {
             return Err(e);
         }
         self.meta.upsert(&ndir, Arc::new(newe.clone()));
+        if let Some(of) = self.open_file(ino) {
+            // the next flush of an open handle must keep the file in its link group
+            let mut s = of.state.lock();
+            s.entry.hard_link_id = updated.hard_link_id.clone();
+            s.entry.hard_link_counter = updated.hard_link_counter;
+            if let (Some(a), Some(u)) = (s.entry.attributes.as_mut(), updated.attributes.as_ref()) {
+                (a.ctime, a.ctime_ns) = (u.ctime, u.ctime_ns);
+            }
+        }
         self.touch_dir(&ndir);
         if let Some(n) = self.notifier.read().clone() {
             n.inval_inode(ino);
         }
         let npath = join(&ndir, newname);
-        let mut a = entry_attr(ino, &newe, &self.cfg.ids);
-        a.ino = ino;
-        self.inodes.remember(ino, &npath, Kind::File, true);
+        let a = self.attr_of(ino, &npath, &newe);
+        let mut a = Attr { ino, ..a };
+        if self.open_file(ino).is_none() {
+            a.nlink = newe.hard_link_counter.max(1) as u32;
+        }
+        self.inodes.remember_as(ino, &npath, a.kind, true, true);
         Ok(a)
     }
 
@@ -949,19 +1122,24 @@ impl Fs {
         if e.is_directory {
             return Err(errno(libc::EISDIR, format!("{path} is a directory")));
         }
-        let mut entry = (*e).clone();
+        let of = self.load_open_file(ino, &dir, (*e).clone()).await?;
+        Ok(self.install_open(ino, of))
+    }
+
+    /// Open-file state for `entry` (manifests expanded, remote content cached), not registered.
+    async fn load_open_file(&self, ino: u64, dir: &str, mut entry: pb::Entry) -> Result<OpenFile> {
         if entry.chunks.iter().any(|c| c.is_chunk_manifest) {
             let resolved =
                 crate::chunks::expand_manifests(&entry.chunks, self.store.as_ref()).await?;
             let of = OpenFile::new(
                 ino,
-                dir.clone(),
-                entry.clone(),
+                dir.to_string(),
+                entry,
                 self.cfg.chunk_size,
                 self.cfg.max_dirty_slots,
             );
             of.state.lock().resolved = Arc::new(resolved);
-            return Ok(self.install_open(ino, of));
+            return Ok(of);
         }
         if entry
             .remote_entry
@@ -970,16 +1148,15 @@ impl Fs {
             .unwrap_or(false)
             && entry.chunks.is_empty()
         {
-            entry = self.cache_remote(&dir, &name).await?;
+            entry = self.cache_remote(dir, &entry.name).await?;
         }
-        let of = OpenFile::new(
+        Ok(OpenFile::new(
             ino,
-            dir,
+            dir.to_string(),
             entry,
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
-        );
-        Ok(self.install_open(ino, of))
+        ))
     }
 
     async fn cache_remote(&self, dir: &str, name: &str) -> Result<pb::Entry> {
@@ -1087,7 +1264,6 @@ impl Fs {
             self.stats
                 .upload_bytes
                 .fetch_add(stats_bytes, Ordering::Relaxed);
-            self.stats.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
             let fs_stats = crate::metrics::global();
             let cache = self.cache.clone();
             tokio::spawn(async move {
@@ -1113,6 +1289,7 @@ impl Fs {
             self.start_uploads(of, runs).await;
         }
         of.wait_uploads().await;
+        let _commit = of.commit.lock().await;
         let (dir, dirty, unlinked, err) = {
             let s = of.state.lock();
             (s.dir.clone(), s.meta_dirty, s.unlinked, s.error.clone())
@@ -1280,8 +1457,13 @@ impl Fs {
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
+            // a file with several links keeps its other names
+            let linked = e
+                .attr
+                .as_ref()
+                .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
             self.inodes
-                .remember(e.ino, &join(&dir, &e.name), e.kind, true);
+                .remember_as(e.ino, &join(&dir, &e.name), e.kind, true, linked);
         }
     }
 
@@ -1459,33 +1641,53 @@ impl Fs {
             return Err(errno(libc::EOPNOTSUPP, "fallocate mode not supported"));
         }
         let h = self.handle(fh, ino).await?;
-        if mode & libc::FALLOC_FL_KEEP_SIZE != 0 {
-            return Ok(());
-        }
         let end = offset
             .checked_add(length)
             .ok_or_else(|| errno(libc::EFBIG, "too large"))?;
-        let grow = {
-            let s = h.file.state.lock();
-            end > s.size
-        };
+        let of = h.file.clone();
+        let grow = mode & libc::FALLOC_FL_KEEP_SIZE == 0 && end > of.state.lock().size;
         if grow {
-            let of = h.file.clone();
             of.wait_uploads().await;
             of.truncate(end);
-            self.flush_file(&of).await?;
         }
-        Ok(())
+        {
+            // a successful fallocate changes ctime (and mtime when the size grew)
+            let mut s = of.state.lock();
+            let now = now_parts();
+            let a = s.entry.attributes.get_or_insert_with(Default::default);
+            (a.ctime, a.ctime_ns) = now;
+            if grow {
+                (a.mtime, a.mtime_ns) = now;
+            }
+            s.meta_dirty = true;
+        }
+        self.flush_file(&of).await
     }
 
-    /// lseek SEEK_DATA / SEEK_HOLE: the whole file is data (holes read as zeros anyway).
+    /// lseek SEEK_DATA / SEEK_HOLE from the ranges chunks and dirty data cover (bytes no
+    /// chunk covers are holes; the end of the file counts as a hole).
     pub async fn lseek(&self, fh: u64, ino: u64, offset: i64, whence: i32) -> Result<i64> {
         let h = self.handle(fh, ino).await?;
-        let size = h.file.state.lock().size as i64;
+        let size = h.file.state.lock().size;
+        if offset < 0 {
+            return Err(errno(libc::EINVAL, "negative offset"));
+        }
+        let off = offset as u64;
+        if off >= size && (whence == libc::SEEK_DATA || whence == libc::SEEK_HOLE) {
+            return Err(errno(libc::ENXIO, "offset at or beyond EOF"));
+        }
+        let ranges = h.file.data_ranges();
         match whence {
-            libc::SEEK_DATA if offset < size => Ok(offset),
-            libc::SEEK_HOLE if offset < size => Ok(size),
-            libc::SEEK_DATA | libc::SEEK_HOLE => Err(errno(libc::ENXIO, "offset beyond EOF")),
+            libc::SEEK_DATA => ranges
+                .iter()
+                .find(|(_, end)| *end > off)
+                .map(|(start, _)| (*start).max(off) as i64)
+                .ok_or_else(|| errno(libc::ENXIO, "no data after offset")),
+            libc::SEEK_HOLE => Ok(ranges
+                .iter()
+                .find(|(start, end)| *start <= off && off < *end)
+                .map(|(_, end)| *end)
+                .unwrap_or(off) as i64),
             _ => Err(errno(libc::EINVAL, "unsupported whence")),
         }
     }
@@ -1515,12 +1717,34 @@ impl Fs {
                 if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
                     nt.inval_entry(pino, &old.name);
                 }
-                if n.new_entry.is_none() {
-                    let ino = entry_inode(&opath, old);
-                    if let Some(of) = self.open_file(ino) {
-                        of.state.lock().unlinked = true;
+                match &n.new_entry {
+                    None => {
+                        self.name_removed(dir, &old.name, old);
+                        // other names of a hard-linked file now have one link less
+                        if let Some(nt) = &notifier {
+                            nt.inval_inode(entry_inode(&opath, old));
+                        }
                     }
-                    self.inodes.unlink_path(&opath);
+                    Some(new) => {
+                        // renamed by another client: our node ids and open files follow, and
+                        // a file of ours it replaced must not be committed again
+                        let ndir = if n.new_parent_path.is_empty() {
+                            dir
+                        } else {
+                            n.new_parent_path.as_str()
+                        };
+                        let npath = join(ndir, &new.name);
+                        let moving = entry_inode(&opath, old);
+                        if let Some(replaced) = self.inodes.ino_of(&npath) {
+                            if replaced != moving {
+                                if let Some(of) = self.open_file(replaced) {
+                                    of.state.lock().unlinked = true;
+                                }
+                                self.inodes.unlink_path(&npath);
+                            }
+                        }
+                        self.moved(&opath, &npath);
+                    }
                 }
             }
         }
@@ -1548,6 +1772,22 @@ impl Fs {
                     nt.inval_entry(pino, &new.name);
                 }
                 nt.inval_inode(ino);
+            }
+        }
+        // a name appeared or disappeared: the directories' link counts and times changed
+        let name_changed = match (&n.old_entry, &n.new_entry) {
+            (Some(o), Some(ne)) => {
+                o.name != ne.name || (!n.new_parent_path.is_empty() && n.new_parent_path != dir)
+            }
+            _ => true,
+        };
+        if let (true, Some(nt)) = (name_changed, &notifier) {
+            let mut dirs = vec![self.inodes.ino_of(dir)];
+            if !n.new_parent_path.is_empty() && n.new_parent_path != dir {
+                dirs.push(self.inodes.ino_of(&n.new_parent_path));
+            }
+            for d in dirs.into_iter().flatten() {
+                nt.inval_inode(d);
             }
         }
     }

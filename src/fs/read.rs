@@ -59,11 +59,31 @@ impl Fs {
         let h = self.handle(fh, ino).await?;
         let of = h.file.clone();
         let sequential = next_sequential(&mut h.seq.lock(), offset, size as u64);
-        let Some((end, pieces, overlays)) = of.plan_read(offset, size as u64) else {
+        self.read_file(&of, offset, size as u64, sequential).await
+    }
+
+    /// The bytes of `[offset, offset+len)` of an open file (short at EOF).
+    pub(crate) async fn read_range(
+        &self,
+        of: &Arc<super::file::OpenFile>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes> {
+        self.read_file(of, offset, len, false).await
+    }
+
+    async fn read_file(
+        &self,
+        of: &Arc<super::file::OpenFile>,
+        offset: u64,
+        size: u64,
+        sequential: bool,
+    ) -> Result<Bytes> {
+        let Some((end, pieces, overlays)) = of.plan_read(offset, size) else {
             return Ok(Bytes::new());
         };
         if sequential {
-            self.readahead(&of, end);
+            self.readahead(of, end);
         }
         // fast path: one piece, no dirty overlay
         if pieces.len() == 1 && overlays.is_empty() {

@@ -62,7 +62,9 @@ struct Node {
     ctime_ns: u64,
     /// 0 once unlinked; the node lives on while a handle refers to it.
     nlink: u32,
-    #[serde(with = "b64")]
+    /// Travels raw after the JSON part of the blob (see [`encode_blob`]): JSON-encoding
+    /// file contents on every change is far too slow.
+    #[serde(skip)]
     data: Vec<u8>,
     children: BTreeMap<String, u64>,
 }
@@ -261,6 +263,76 @@ impl MemState {
     }
 }
 
+/// JSON part of the blob: the state without file contents, plus (ino, length) of each
+/// content in the order they follow.
+#[derive(Serialize)]
+struct SnapshotRef<'a> {
+    state: &'a MemState,
+    data: Vec<(u64, u64)>,
+}
+
+#[derive(Deserialize)]
+struct Snapshot {
+    state: MemState,
+    data: Vec<(u64, u64)>,
+}
+
+/// Blob layout: JSON length (u64 LE), `Handover<SnapshotRef>` JSON, raw file contents.
+fn encode_blob(
+    mountpoint: &std::path::Path,
+    init: &InitParams,
+    st: &MemState,
+) -> std::io::Result<Vec<u8>> {
+    let files: Vec<(u64, &[u8])> = st
+        .nodes
+        .iter()
+        .filter(|(_, n)| !n.data.is_empty())
+        .map(|(i, n)| (*i, n.data.as_slice()))
+        .collect();
+    let snap = SnapshotRef {
+        state: st,
+        data: files.iter().map(|(i, d)| (*i, d.len() as u64)).collect(),
+    };
+    let json = Handover::new(mountpoint.to_path_buf(), init.clone(), snap).to_bytes()?;
+    let total = 8 + json.len() + files.iter().map(|(_, d)| d.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (_, d) in files {
+        out.extend_from_slice(d);
+    }
+    Ok(out)
+}
+
+fn decode_blob(blob: &[u8]) -> anyhow::Result<Handover<MemState>> {
+    let len = blob
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+        .context("blob too short")?;
+    let json = blob
+        .get(8..8usize.saturating_add(len))
+        .context("blob truncated")?;
+    let h = Handover::<Snapshot>::from_bytes(json)?;
+    let mut st = h.state.state;
+    let mut rest = &blob[8 + len..];
+    for (ino, n) in h.state.data {
+        let n = usize::try_from(n)?;
+        anyhow::ensure!(rest.len() >= n, "blob data truncated");
+        let node = st
+            .nodes
+            .get_mut(&ino)
+            .context("blob data for unknown node")?;
+        node.data = rest[..n].to_vec();
+        rest = &rest[n..];
+    }
+    Ok(Handover {
+        format: h.format,
+        mountpoint: h.mountpoint,
+        init: h.init,
+        state: st,
+    })
+}
+
 fn name_str(name: &OsStr) -> R<&str> {
     name.to_str().ok_or(Errno::EINVAL)
 }
@@ -288,8 +360,7 @@ impl Shared {
         let Some(s) = sink.as_ref() else {
             return Ok(None);
         };
-        let h = Handover::new(s.mountpoint.clone(), s.init.clone(), st);
-        Ok(Some(h.to_bytes()?))
+        Ok(Some(encode_blob(&s.mountpoint, &s.init, st)?))
     }
 
     fn persist(&self, st: &MemState) -> anyhow::Result<()> {
@@ -828,22 +899,6 @@ fn empty_reply(out: Outcome, reply: ReplyEmpty) {
     }
 }
 
-mod b64 {
-    use base64::Engine;
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let s = String::deserialize(d)?;
-        base64::engine::general_purpose::STANDARD
-            .decode(s)
-            .map_err(D::Error::custom)
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The `memfs` subcommand
 
@@ -954,7 +1009,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
         let entry = client
             .claim(&id, Duration::from_secs(args.claim_timeout_secs))
             .context("claim the live connection from the keeper")?;
-        let h = Handover::<MemState>::from_bytes(&entry.blob)?;
+        let h = decode_blob(&entry.blob)?;
         if h.mountpoint != args.dir {
             tracing::warn!(kept = %h.mountpoint.display(), given = %args.dir.display(),
                 "adopting a connection mounted elsewhere; --dir is ignored");
@@ -1033,7 +1088,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn state_roundtrips_through_json() {
+    fn state_roundtrips_through_the_blob() {
         let mut st = MemState::default();
         st.nodes
             .get_mut(&ROOT)
@@ -1058,9 +1113,21 @@ mod tests {
         );
         st.handles.insert(7, 2);
         st.remember(42, &Outcome::Written(4));
-        let b = serde_json::to_vec(&st).unwrap();
-        let back: MemState = serde_json::from_slice(&b).unwrap();
+        let init = InitParams {
+            major: 7,
+            minor: 45,
+            max_readahead: 1 << 17,
+            flags: 1,
+            init_in_len: 64,
+            agreed: None,
+        };
+        let b = encode_blob(std::path::Path::new("/m"), &init, &st).unwrap();
+        let h = decode_blob(&b).unwrap();
+        assert_eq!(h.init, init);
+        let back = h.state;
         assert_eq!(back.nodes[&2].data, vec![0, 1, 2, 255]);
+        assert!(decode_blob(&b[..b.len() - 1]).is_err());
+        assert!(decode_blob(&b[..5]).is_err());
         assert_eq!(back.handles[&7], 2);
         assert!(matches!(back.recall(42), Some(Outcome::Written(4))));
         assert!(back.recall(43).is_none());

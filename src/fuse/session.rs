@@ -81,7 +81,8 @@ pub async fn build_fs(
         ..Default::default()
     })
     .await?;
-    let filer: Arc<dyn FilerApi> = Arc::new(filer);
+    let filer: Arc<dyn FilerApi> =
+        Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
     let conf = filer.configuration().await?;
     let store = VolumeClient::new(
         filer.clone(),
@@ -97,7 +98,8 @@ pub async fn build_fs(
     cfg.cipher = conf.cipher;
     tune_allocator();
     let cache = ChunkCache::new(cache_bytes(opts));
-    let fs = Fs::new(cfg, filer, Arc::new(store), cache);
+    let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
+    let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
     Ok(fs)
 }
@@ -168,7 +170,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
             std::fs::create_dir_all(dir).map_err(|e| bad(&format!("cannot create: {e}")))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(bad("does not exist (use -dirAutoCreate)"))
+            return Err(bad("does not exist (use --dirAutoCreate)"))
         }
         Err(e) => {
             return Err(bad(&format!(
@@ -179,7 +181,7 @@ pub fn check_mount_point(dir: &Path, create: bool, nonempty: bool) -> Result<(),
     if !nonempty {
         let mut it = std::fs::read_dir(dir).map_err(|e| bad(&format!("cannot list: {e}")))?;
         if it.next().is_some() {
-            return Err(bad("is not empty (use -nonempty to mount over it)"));
+            return Err(bad("is not empty (use --nonempty to mount over it)"));
         }
     }
     Ok(())
@@ -252,14 +254,16 @@ enum Serving {
     Plain(fuser::BackgroundSession),
     /// Takeover-capable: the fd-keeper holds dups of the connection and of the inode journal;
     /// nothing unmounts unless asked (CSI node plugin).
-    Kept {
-        bg: Option<fuser::BackgroundSession>,
-        keeper: Arc<crate::keeper::KeeperClient>,
-        gate: Arc<super::adapter::Gate>,
-        volume_id: String,
-        opts: MountOptions,
-        init: super::takeover::InitParams,
-    },
+    Kept(Box<KeptSession>),
+}
+
+struct KeptSession {
+    bg: Option<fuser::BackgroundSession>,
+    keeper: Arc<crate::keeper::KeeperClient>,
+    gate: Arc<super::adapter::Gate>,
+    volume_id: String,
+    opts: MountOptions,
+    init: super::takeover::InitParams,
 }
 
 /// One mounted volume served by this process.
@@ -283,7 +287,7 @@ impl MountedVolume {
     /// The CSI volume id of a kept session.
     pub fn volume_id(&self) -> Option<String> {
         match &self.serving {
-            Some(Serving::Kept { volume_id, .. }) => Some(volume_id.clone()),
+            Some(Serving::Kept(k)) => Some(k.volume_id.clone()),
             _ => None,
         }
     }
@@ -297,7 +301,12 @@ impl MountedVolume {
         let fs = build_fs(opts, security).await?;
         let adapter =
             super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
-        let config = fuse_config(opts, fsname(opts));
+        let mut config = fuse_config(opts, fsname(opts));
+        // fuser's direct mount drops Subtype; pass it raw so the mount shows as fuse.seaweedfs
+        // (takeover::mount_fresh puts it in the fs type instead)
+        config
+            .mount_options
+            .push(fuser::MountOption::CUSTOM("subtype=seaweedfs".into()));
         let mp = mountpoint.to_path_buf();
         let bg = tokio::task::spawn_blocking(move || {
             let s = fuser::Session::new(adapter, &mp, &config)?;
@@ -315,12 +324,13 @@ impl MountedVolume {
     fn started(fs: Arc<Fs>, mountpoint: &Path, serving: Serving) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
-            Serving::Kept { bg, .. } => bg.as_ref(),
+            Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
             fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
         }
         raise_readahead(mountpoint, 4096);
+        register_metrics(&fs);
         let tasks = spawn_background(&fs);
         let conn = connection_id(mountpoint);
         tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
@@ -390,14 +400,14 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: volume_id.to_string(),
             opts: opts.clone(),
             init: mounted.init,
-        };
+        }));
         Ok(Self::started(fs, mountpoint, serving))
     }
 
@@ -464,31 +474,31 @@ impl MountedVolume {
         })?;
         tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
             graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
-        let serving = Serving::Kept {
+        let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
             gate,
             volume_id: state.volume_id.clone(),
             opts: state.opts.clone(),
             init,
-        };
+        }));
         Ok(Self::started(fs, &mountpoint, serving))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
     /// The mount stays; the caller exits afterwards without unmounting.
     pub async fn hand_over(mut self) -> Result<(), MountError> {
-        let Some(Serving::Kept {
+        let Some(Serving::Kept(k)) = self.serving.take() else {
+            return self.unmount().await;
+        };
+        let KeptSession {
             bg,
             keeper,
             gate,
             volume_id,
             opts,
             init,
-        }) = self.serving.take()
-        else {
-            return self.unmount().await;
-        };
+        } = *k;
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
@@ -527,7 +537,7 @@ impl MountedVolume {
         let mp = self.mountpoint.clone();
         let (bg, keeper) = match self.serving.take() {
             Some(Serving::Plain(bg)) => (Some(bg), None),
-            Some(Serving::Kept { bg, keeper, volume_id, .. }) => (bg, Some((keeper, volume_id))),
+            Some(Serving::Kept(k)) => (k.bg, Some((k.keeper, k.volume_id))),
             None => (None, None),
         };
         let conn = self.conn;
@@ -563,7 +573,7 @@ impl Drop for MountedVolume {
             // dropping a plain session unmounts: never leave a dead mount behind
             Some(Serving::Plain(bg)) => drop(bg),
             // a kept session outlives this object on purpose (the keeper holds it)
-            Some(Serving::Kept { bg, .. }) => std::mem::forget(bg),
+            Some(Serving::Kept(k)) => std::mem::forget(k.bg),
             None => {}
         }
     }
@@ -572,7 +582,9 @@ impl Drop for MountedVolume {
 /// The FUSE connection id of a mount: the minor number of its device.
 fn connection_id(mountpoint: &Path) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(mountpoint).ok().map(|m| libc::minor(m.dev()))
+    std::fs::metadata(mountpoint)
+        .ok()
+        .map(|m| libc::minor(m.dev()))
 }
 
 /// Waits for the session threads; if the connection is still referenced elsewhere (a bind
@@ -587,7 +599,10 @@ fn join_or_abort(bg: fuser::BackgroundSession, conn: Option<u32>) {
     }
     if let Some(id) = conn {
         match abort_connection(id) {
-            Ok(()) => tracing::warn!(conn = id, "aborted a FUSE connection still referenced after unmount"),
+            Ok(()) => tracing::warn!(
+                conn = id,
+                "aborted a FUSE connection still referenced after unmount"
+            ),
             Err(e) => tracing::warn!(conn = id, error = %e, "cannot abort FUSE connection"),
         }
     }
@@ -601,7 +616,92 @@ pub fn abort_connection(id: u32) -> std::io::Result<()> {
     let dir = Path::new("/sys/fs/fuse/connections");
     let abort = dir.join(id.to_string()).join("abort");
     if !abort.exists() {
-        let _ = nix::mount::mount(Some("fusectl"), dir, Some("fusectl"), nix::mount::MsFlags::empty(), None::<&str>);
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            dir,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
     }
     std::fs::write(&abort, b"1")
+}
+
+/// Sessions whose cache and upload counters are exported (`seaweedfs_csi_cache_*`).
+static LIVE: parking_lot::Mutex<Vec<(String, std::sync::Weak<Fs>)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// Registers a session for the per-volume metrics (one collector renders every session).
+fn register_metrics(fs: &Arc<Fs>) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| crate::metrics::global().add_collector(Box::new(render_session_metrics)));
+    let mut live = LIVE.lock();
+    live.retain(|(_, w)| w.strong_count() > 0);
+    live.push((fs.cfg.root.clone(), Arc::downgrade(fs)));
+}
+
+fn render_session_metrics(out: &mut String) {
+    use std::fmt::Write as _;
+    use std::sync::atomic::Ordering::Relaxed;
+    let live: Vec<(String, Arc<Fs>)> = LIVE
+        .lock()
+        .iter()
+        .filter_map(|(v, w)| w.upgrade().map(|f| (v.clone(), f)))
+        .collect();
+    type Get = fn(&Fs) -> u64;
+    let families: [(&str, &str, &str, Get); 7] = [
+        (
+            "seaweedfs_csi_cache_hits_total",
+            "counter",
+            "Chunk reads served from the session cache.",
+            |f| f.cache.stats.hits.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_misses_total",
+            "counter",
+            "Chunk reads that fetched from volume servers.",
+            |f| f.cache.stats.misses.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_evictions_total",
+            "counter",
+            "Chunks evicted from the session cache.",
+            |f| f.cache.stats.evictions.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_served_bytes_total",
+            "counter",
+            "Bytes served from the session cache.",
+            |f| f.cache.stats.bytes_from_cache.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_fetched_bytes_total",
+            "counter",
+            "Bytes fetched from volume servers.",
+            |f| f.cache.stats.bytes_fetched.load(Relaxed),
+        ),
+        (
+            "seaweedfs_csi_cache_size_bytes",
+            "gauge",
+            "Bytes held by the session cache.",
+            |f| f.cache.weighted_size(),
+        ),
+        (
+            "seaweedfs_csi_upload_queue_depth",
+            "gauge",
+            "Chunk uploads in flight.",
+            |f| f.uploads_in_flight(),
+        ),
+    ];
+    for (name, kind, help, get) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (vol, f) in &live {
+            let _ = writeln!(
+                out,
+                "{name}{{volume=\"{}\"}} {}",
+                vol.replace('\\', "\\\\").replace('"', "\\\""),
+                get(f)
+            );
+        }
+    }
 }

@@ -144,7 +144,9 @@ impl Stager for FuseStager {
         // when nothing alive is mounted): end it before mounting again.
         let stale = self.sessions.lock().remove(volume_id);
         if let Some(old) = stale {
-            crate::metrics::global().staged_volumes.fetch_sub(1, Ordering::Relaxed);
+            crate::metrics::global()
+                .staged_volumes
+                .fetch_sub(1, Ordering::Relaxed);
             tracing::warn!(volume_id, "replacing a session whose mount is gone");
             match tokio::time::timeout(Duration::from_secs(30), old.unmount()).await {
                 Ok(Ok(())) => {}
@@ -161,7 +163,9 @@ impl Stager for FuseStager {
         }
         .map_err(stage_error)?;
         self.sessions.lock().insert(volume_id.to_string(), mounted);
-        crate::metrics::global().staged_volumes.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::global()
+            .staged_volumes
+            .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

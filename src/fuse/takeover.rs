@@ -56,6 +56,15 @@
 //!   FORGET/RELEASE for them).
 //! * fuser answers FUSE_INTERRUPT with ENOSYS, and its `SessionACL::Owner` compares against
 //!   the adopting process's euid.
+//! * During an outage (no daemon serving), callers wait; requests already read by the dead
+//!   daemon and FLUSH (sent on every close, a "forced" request) wait *uninterruptibly*, even
+//!   through SIGKILL, until a successor answers or the connection is aborted. Seen in the
+//!   tests: a process with files open on the mount that forks+execs the successor deadlocks,
+//!   because exec closes the inherited O_CLOEXEC fds and each close waits for the very daemon
+//!   being exec'd. The successor must be started by a process with no files on the mount
+//!   (kubelet/containerd), and it must not touch its own mount before serving.
+//! * If no successor ever comes, callers hang; the way out is an explicit unmount, or aborting
+//!   the connection (`umount2(MNT_FORCE)` or `/sys/fs/fuse/connections/<dev>/abort`).
 
 use std::fs::OpenOptions;
 use std::io;

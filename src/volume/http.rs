@@ -346,14 +346,15 @@ impl VolumeClient {
     {
         let fid = chunk_fid(chunk)?;
         let fid_str = fid.to_string();
-        let auth = match self.opts.access {
-            VolumeServerAccess::FilerProxy => None,
-            _ => self.read_auth(&fid_str),
-        };
         let start = Instant::now();
         let mut wait = Duration::from_secs(1);
         let mut relooked = false;
         loop {
+            // Minted per round so a short `expires_after_seconds` cannot expire during retries.
+            let auth = match self.opts.access {
+                VolumeServerAccess::FilerProxy => None,
+                _ => self.read_auth(&fid_str),
+            };
             let mut last: Option<Failure> = None;
             let mut lookup_err: Option<VolumeError> = None;
             let mut any_retryable = false;
@@ -425,7 +426,11 @@ impl VolumeClient {
             collection: opts.collection.clone(),
             replication: opts.replication.clone(),
             ttl_sec: opts.ttl_sec,
-            data_center: opts.data_center.clone(),
+            data_center: if opts.data_center.is_empty() {
+                self.opts.data_center.clone()
+            } else {
+                opts.data_center.clone()
+            },
             path: opts.path.clone(),
             disk_type: opts.disk_type.clone(),
             expected_data_size: size,
@@ -742,6 +747,11 @@ impl ChunkStore for VolumeClient {
     async fn fetch_range(&self, chunk: &pb::FileChunk, offset: u64, len: u64) -> Result<Bytes> {
         if len == 0 {
             return Ok(Bytes::new());
+        }
+        if offset.checked_add(len).is_none() {
+            let fid = chunk_fid(chunk).map(|f| f.to_string()).unwrap_or_default();
+            let msg = format!("range {offset}+{len} overflows");
+            return Err(VolumeError::Corrupt { fid, msg });
         }
         if chunk.is_compressed || !chunk.cipher_key.is_empty() {
             let whole = self.fetch_chunk(chunk).await?;

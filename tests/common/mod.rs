@@ -6,7 +6,7 @@
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// A free loopback port whose +10000 neighbour is free too (SeaweedFS's gRPC convention).
@@ -137,7 +137,7 @@ impl WeedServer {
         w.server = Some(child);
         let ok = wait_http_ok(
             &format!("http://127.0.0.1:{}/dir/assign", w.master_port),
-            Duration::from_secs(60),
+            Duration::from_secs(180),
         );
         assert!(
             ok,
@@ -180,7 +180,7 @@ impl WeedServer {
         self.filer = Some(child);
         let ok = wait_http_ok(
             &format!("http://127.0.0.1:{}/?pretty=y", self.filer_port),
-            Duration::from_secs(60),
+            Duration::from_secs(180),
         );
         assert!(
             ok,

@@ -1,0 +1,545 @@
+#!/usr/bin/env python3
+"""Renders the kustomize base, the examples and the Helm chart (several value sets), validates
+every object against the Kubernetes JSON schemas bundled in `kubernetes-validate` (offline),
+and checks what schemas cannot: references between objects, the driver name agreeing
+everywhere, the handover update strategies, $(VAR) expansions, and that every flag given to our
+binary is a flag the binary accepts.
+
+Run by tests/deploy_manifests.rs. Needs: kubectl (kustomize is built in), and
+`pip install kubernetes-validate helm-python-sdk` (the latter bundles Helm's Go SDK as a shared
+library, so charts render without a helm binary or a cluster).
+
+Exit status 0 = all good; otherwise every problem is printed, one per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import yaml
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BASE = os.path.join(REPO, "deploy", "kubernetes", "base")
+EXAMPLES = os.path.join(REPO, "deploy", "kubernetes", "examples")
+CHART = os.path.join(REPO, "deploy", "helm", "seaweedfs-csi-driver")
+# Oldest Kubernetes the chart claims (Chart.yaml kubeVersion) and the newest schemas bundled.
+K8S_VERSIONS = ["1.26.0", "latest"]
+OUR_IMAGE = re.compile(r"(^|/)seaweedfs-csi-driver(:|@|$)")
+# StorageClass / volume-context keys the driver reads (docs/CONFIGURATION.md).
+KNOWN_SC_PARAMS = {
+    "collection", "replication", "diskType", "disk", "ttl", "chunkSizeLimitMB",
+    "volumeServerAccess", "readRetryTime", "dataCenter", "dataLocality", "uidMap", "map.uid",
+    "gidMap", "map.gid", "cacheCapacityMB", "cacheMetaTtlSec", "concurrentReaders",
+    "concurrentWriters", "filer", "filer.path", "path", "parentDir", "volumeName",
+    "volumeCapacity",
+}
+
+Doc = dict[str, Any]
+
+
+class Problems:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, where: str, msg: str) -> None:
+        self.items.append(f"{where}: {msg}")
+
+
+def load_docs(text: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def render_kustomize(path: str) -> list[Doc]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", path], check=True, capture_output=True, text=True, timeout=120
+    )
+    return load_docs(out.stdout)
+
+
+def render_helm(values: dict[str, Any], namespace: str = "csi") -> list[Doc]:
+    import helm_python as helm
+
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="swfs", namespace=namespace, is_install=True)
+    docs: list[Doc] = []
+    for name in sorted(out):
+        if name.endswith(".yaml"):
+            docs.extend(load_docs(out[name]))
+    return docs
+
+
+def helm_lint_errors() -> list[str]:
+    import helm_python as helm
+
+    res = helm.lint(CHART, {"seaweedfsFiler": "filer:8888"}, strict=True)
+    return [f"{m.get('path')}: {m.get('error')}" for m in res.get("messages", [])
+            if m.get("severity", 0) >= 2] + [str(e) for e in res.get("errors", [])]
+
+
+def schema_validate(where: str, docs: list[Doc], p: Problems) -> None:
+    import kubernetes_validate
+
+    for version in K8S_VERSIONS:
+        v = kubernetes_validate.latest_version() if version == "latest" else version
+        for d in docs:
+            ident = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+            try:
+                kubernetes_validate.validate(d, v, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                p.add(where, f"{ident} invalid for Kubernetes {v}: {e.message} at {list(e.path)}")
+            except Exception as e:  # schema missing for the kind, etc.
+                p.add(where, f"{ident}: cannot validate for Kubernetes {v}: {e}")
+
+
+def by_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def name_of(d: Doc) -> str:
+    return d.get("metadata", {}).get("name", "")
+
+
+def pod_spec(d: Doc) -> Doc | None:
+    if d.get("kind") in ("Deployment", "DaemonSet", "StatefulSet"):
+        return d["spec"]["template"]["spec"]
+    if d.get("kind") == "Pod":
+        return d["spec"]
+    return None
+
+
+def flag_names(args: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in args if a.startswith("--")]
+
+
+def check_workloads(where: str, docs: list[Doc], p: Problems, flags: dict[str, set[str]] | None,
+                    external: set[str]) -> None:
+    sas = {name_of(d) for d in by_kind(docs, "ServiceAccount")}
+    cms = {name_of(d) for d in by_kind(docs, "ConfigMap")} | external
+    secrets = {name_of(d) for d in by_kind(docs, "Secret")} | external
+    for d in docs:
+        spec = pod_spec(d)
+        if spec is None:
+            continue
+        ident = f"{where} {d['kind']}/{name_of(d)}"
+        if d["kind"] != "Pod":
+            sel = d["spec"]["selector"].get("matchLabels", {})
+            labels = d["spec"]["template"]["metadata"].get("labels", {})
+            for k, v in sel.items():
+                if labels.get(k) != v:
+                    p.add(ident, f"selector {k}={v} does not match the pod template labels")
+            sa = spec.get("serviceAccountName")
+            if sa and sa not in sas:
+                p.add(ident, f"serviceAccountName {sa} is not defined")
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        used: set[str] = set()
+        seen_ports: set[int] = set()
+        names: set[str] = set()
+        for c in spec.get("containers", []):
+            cid = f"{ident} container {c['name']}"
+            if c["name"] in names:
+                p.add(cid, "duplicate container name")
+            names.add(c["name"])
+            for m in c.get("volumeMounts", []):
+                used.add(m["name"])
+                if m["name"] not in vols:
+                    p.add(cid, f"volumeMount {m['name']} has no volume")
+                if m.get("mountPropagation") == "Bidirectional" and not (
+                    c.get("securityContext", {}).get("privileged")
+                ):
+                    p.add(cid, "Bidirectional propagation needs a privileged container")
+            env_names = {e["name"] for e in c.get("env", [])}
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {})
+                if "configMapKeyRef" in ref and ref["configMapKeyRef"]["name"] not in cms:
+                    p.add(cid, f"env {e['name']} uses missing ConfigMap")
+                if "secretKeyRef" in ref and ref["secretKeyRef"]["name"] not in secrets:
+                    p.add(cid, f"env {e['name']} uses missing Secret")
+            for a in c.get("args", []) + c.get("command", []):
+                for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a):
+                    if var not in env_names:
+                        p.add(cid, f"arg {a!r} refers to $({var}), which is not in env")
+            ports = {}
+            for port in c.get("ports", []):
+                if port["containerPort"] in seen_ports:
+                    p.add(cid, f"port {port['containerPort']} used twice in the pod")
+                seen_ports.add(port["containerPort"])
+                if "name" in port:
+                    ports[port["name"]] = port["containerPort"]
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                port = c.get(probe, {}).get("httpGet", {}).get("port")
+                if isinstance(port, str) and port not in ports:
+                    p.add(cid, f"{probe} uses port {port!r}, not a named port of this container")
+                if isinstance(port, int) and port not in seen_ports and not any(
+                    port == q.get("containerPort") for cc in spec["containers"]
+                    for q in cc.get("ports", [])
+                ):
+                    # a probe may target a sidecar's port; it must exist somewhere in the pod
+                    p.add(cid, f"{probe} port {port} is not exposed by any container")
+            if OUR_IMAGE.search(c.get("image", "")) and flags is not None:
+                args = c.get("args", [])
+                known = flags["keeper"] if args[:1] == ["keeper"] else flags["driver"]
+                for f in flag_names(args):
+                    if f not in known:
+                        p.add(cid, f"flag {f} is not accepted by the binary")
+        for v in vols:
+            if v not in used:
+                p.add(ident, f"volume {v} is mounted by no container")
+        for v in vols.values():
+            if "configMap" in v and v["configMap"]["name"] not in cms:
+                p.add(ident, f"volume {v['name']} uses missing ConfigMap")
+            if "secret" in v and v["secret"]["secretName"] not in secrets:
+                p.add(ident, f"volume {v['name']} uses missing Secret")
+
+
+def check_rbac(where: str, docs: list[Doc], namespace: str, p: Problems) -> None:
+    sas = {name_of(d) for d in by_kind(docs, "ServiceAccount")}
+    roles = {("Role", name_of(d)) for d in by_kind(docs, "Role")}
+    roles |= {("ClusterRole", name_of(d)) for d in by_kind(docs, "ClusterRole")}
+    for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
+        ident = f"{where} {b['kind']}/{name_of(b)}"
+        ref = b["roleRef"]
+        if (ref["kind"], ref["name"]) not in roles:
+            p.add(ident, f"roleRef {ref['kind']}/{ref['name']} is not defined")
+        for s in b.get("subjects", []):
+            if s["kind"] == "ServiceAccount":
+                if s["name"] not in sas:
+                    p.add(ident, f"subject ServiceAccount {s['name']} is not defined")
+                if s.get("namespace") != namespace:
+                    p.add(ident, f"subject namespace {s.get('namespace')} != {namespace}")
+
+
+def container(d: Doc, name: str) -> Doc | None:
+    for c in pod_spec(d)["containers"]:
+        if c["name"] == name:
+            return c
+    return None
+
+
+def arg_value(c: Doc, flag: str) -> str | None:
+    for a in c.get("args", []):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def host_path(d: Doc, mount_path: str, c: Doc) -> str | None:
+    vols = {v["name"]: v for v in pod_spec(d).get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        if m["mountPath"] == mount_path and "hostPath" in vols.get(m["name"], {}):
+            return vols[m["name"]]["hostPath"]["path"]
+    return None
+
+
+def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False) -> None:
+    """The CSI-specific shape: one driver name everywhere, handover-friendly node layout."""
+    drivers = by_kind(docs, "CSIDriver")
+    if len(drivers) != 1:
+        p.add(where, f"expected one CSIDriver, found {len(drivers)}")
+        return
+    drv = drivers[0]
+    name = name_of(drv)
+    spec = drv["spec"]
+    if spec.get("attachRequired") is not attacher:
+        p.add(where, f"CSIDriver attachRequired should be {attacher}")
+    if spec.get("podInfoOnMount") is not True:
+        p.add(where, "CSIDriver podInfoOnMount should be true")
+    if spec.get("fsGroupPolicy") != "File":
+        p.add(where, "CSIDriver fsGroupPolicy should be File")
+    for sc in by_kind(docs, "StorageClass"):
+        if sc["provisioner"] != name:
+            p.add(where, f"StorageClass {name_of(sc)} provisioner {sc['provisioner']} != {name}")
+        for k in sc.get("parameters", {}) or {}:
+            if k not in KNOWN_SC_PARAMS:
+                p.add(where, f"StorageClass {name_of(sc)} parameter {k} is not read by the driver")
+
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
+    comp = lambda d: d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+    ctrl = [d for d in workloads if comp(d) == "controller"]
+    node = [d for d in workloads if comp(d) == "node"]
+    keeper = [d for d in workloads if comp(d) == "keeper"]
+    if len(ctrl) != 1 or len(node) != 1 or len(keeper) != 1:
+        p.add(where, f"expected one controller, node and keeper workload: {len(ctrl)} {len(node)} {len(keeper)}")
+        return
+    ctrl, node, keeper = ctrl[0], node[0], keeper[0]
+
+    # controller
+    plugin = container(ctrl, "seaweedfs-csi-plugin")
+    if plugin is None:
+        p.add(where, "controller has no seaweedfs-csi-plugin container")
+    else:
+        if arg_value(plugin, "--driverName") != name:
+            p.add(where, "controller --driverName differs from the CSIDriver name")
+        if arg_value(plugin, "--components") != "controller":
+            p.add(where, "controller must run --components=controller")
+        if "livenessProbe" not in plugin:
+            p.add(where, "controller plugin container has no livenessProbe")
+        if arg_value(plugin, "--attacher") != str(attacher).lower():
+            p.add(where, f"controller --attacher must be {str(attacher).lower()} to match attachRequired")
+    images = " ".join(c["image"] for c in pod_spec(ctrl)["containers"])
+    for sidecar in ("csi-provisioner", "csi-resizer", "livenessprobe"):
+        if sidecar not in images:
+            p.add(where, f"controller lacks the {sidecar} sidecar")
+    if ("csi-attacher" in images) != attacher:
+        p.add(where, f"controller csi-attacher presence should be {attacher}")
+
+    # node plugin: handover strategy, mounts
+    ns = node["spec"].get("updateStrategy", {})
+    ru = ns.get("rollingUpdate", {})
+    if ns.get("type") != "RollingUpdate" or ru.get("maxSurge") != 1 or ru.get("maxUnavailable") != 0:
+        p.add(where, f"node DaemonSet must roll with maxSurge 1 / maxUnavailable 0, has {ns}")
+    nspec = pod_spec(node)
+    if nspec.get("hostNetwork"):
+        p.add(where, "node DaemonSet must not use hostNetwork (surge pods would share ports)")
+    plugin = container(node, "seaweedfs-csi-plugin")
+    if plugin is None:
+        p.add(where, "node has no seaweedfs-csi-plugin container")
+        return
+    if not plugin.get("securityContext", {}).get("privileged"):
+        p.add(where, "node plugin must be privileged")
+    if arg_value(plugin, "--driverName") != name:
+        p.add(where, "node --driverName differs from the CSIDriver name")
+    if arg_value(plugin, "--components") != "node":
+        p.add(where, "node must run --components=node")
+    props = {m["mountPath"]: m.get("mountPropagation") for m in plugin.get("volumeMounts", [])}
+    for path in ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods"):
+        if props.get(path) != "Bidirectional":
+            p.add(where, f"node plugin needs {path} with Bidirectional propagation")
+    if "/dev" not in props:
+        p.add(where, "node plugin needs /dev")
+    for probe in ("livenessProbe", "readinessProbe"):
+        if probe not in plugin:
+            p.add(where, f"node plugin has no {probe}")
+    names = [c["name"] for c in nspec["containers"]]
+    if any("registrar" in n for n in names):
+        p.add(where, "node-driver-registrar must not run in the surging node pod")
+
+    # keeper: OnDelete, same socket as the plugin, registrar pointing at the plugin socket
+    if keeper["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
+        p.add(where, "keeper DaemonSet must use OnDelete")
+    kc = container(keeper, "keeper")
+    if kc is None:
+        p.add(where, "keeper DaemonSet has no keeper container")
+        return
+    if kc.get("args", [])[:1] != ["keeper"]:
+        p.add(where, "keeper container must run the keeper subcommand")
+    sock = arg_value(kc, "--socket")
+    if sock != arg_value(plugin, "--keeperSocket"):
+        p.add(where, f"keeper socket {sock} != node --keeperSocket {arg_value(plugin, '--keeperSocket')}")
+    if sock:
+        sdir = os.path.dirname(sock)
+        hk, hp = host_path(keeper, sdir, kc), host_path(node, sdir, plugin)
+        if not hk or hk != hp:
+            p.add(where, f"keeper socket dir {sdir} must be the same hostPath in both pods ({hk} vs {hp})")
+    reg = [c for c in pod_spec(keeper)["containers"] if "node-driver-registrar" in c["image"]]
+    if len(reg) != 1:
+        p.add(where, "keeper pod must run exactly one node-driver-registrar")
+        return
+    reg = reg[0]
+    env = {e["name"]: e.get("value") for e in reg.get("env", [])}
+    kubelet_sock = env.get("DRIVER_REG_SOCK_PATH", "")
+    if f"/{name}/" not in kubelet_sock:
+        p.add(where, f"registration path {kubelet_sock} does not contain the driver name")
+    endpoint = next((e.get("value") for e in plugin.get("env", []) if e["name"] == "CSI_ENDPOINT"), "")
+    sock_in_plugin = endpoint.replace("unix://", "")
+    plugin_host = host_path(node, os.path.dirname(sock_in_plugin), plugin)
+    reg_host = host_path(keeper, os.path.dirname(env.get("ADDRESS", "")), reg)
+    if not plugin_host or plugin_host != reg_host:
+        p.add(where, f"registrar and plugin see different socket dirs ({reg_host} vs {plugin_host})")
+    if plugin_host and os.path.join(plugin_host, os.path.basename(sock_in_plugin)) != kubelet_sock:
+        p.add(where, f"kubelet registration path {kubelet_sock} is not where the plugin listens")
+
+
+def check_set(where: str, docs: list[Doc], namespace: str, p: Problems,
+              flags: dict[str, set[str]] | None, attacher: bool = False,
+              external: set[str] = frozenset()) -> None:
+    if not docs:
+        p.add(where, "rendered nothing")
+        return
+    schema_validate(where, docs, p)
+    check_workloads(where, docs, p, flags, set(external))
+    check_rbac(where, docs, namespace, p)
+    check_driver(where, docs, p, attacher)
+
+
+# Values in the style of the Go driver's chart, including keys this chart does not use
+# (mountService.*, csiSnapshotter, injectTopologyInfoFromNodeLabel): they must not break it.
+GO_STYLE_VALUES = {
+    "seaweedfsFiler": "seaweedfs-filer.storage:8888",
+    "storageClassName": "seaweedfs-storage",
+    "storageClassParameters": {"volumeServerAccess": "filerProxy", "replication": "001"},
+    "logVerbosity": 4,
+    "cacheCapacityMB": 0,
+    "concurrentWriters": 128,
+    "imagePullSecrets": [{"name": "mycredentials"}],
+    "csiSnapshotter": {"enabled": False},
+    "mountService": {"enabled": True, "image": "chrislusf/seaweedfs-mount"},
+    "node": {"hostPID": True, "injectTopologyInfoFromNodeLabel": {"enabled": False}},
+    "dataLocality": "none",
+}
+
+FULL_VALUES = {
+    "seaweedfsFiler": "f1:8888,f2:8888",
+    "driverName": "swfs.example.com",
+    "tlsSecret": "filer-client-tls",
+    "security": {"enabled": True, "create": True, "type": "secret",
+                 "content": "[jwt.signing.read]\nkey = \"k\"\n"},
+    "csiAttacher": {"enabled": True},
+    "isDefaultStorageClass": True,
+    "storageClassParameters": {"collection": "c", "chunkSizeLimitMB": 8, "diskType": "ssd"},
+    "cacheCapacityMB": 256, "cacheMetaTtlSec": 30, "concurrentWriters": 64,
+    "concurrentReaders": 32,
+    "dataLocality": "write_preferLocalDc",
+    "logFilter": "info,seaweedfs_csi_driver=debug",
+    "node": {"dataCenter": "dc1", "tolerations": [{"operator": "Exists"}],
+             "nodeSelector": {"kubernetes.io/os": "linux"},
+             "volumes": {"plugins_dir": "/var/lib/k0s/kubelet/plugins",
+                         "pods_mount_dir": "/var/lib/k0s/kubelet/pods",
+                         "registration_dir": "/var/lib/k0s/kubelet/plugins_registry"}},
+    "controller": {"replicas": 2, "tolerations": [{"operator": "Exists"}]},
+}
+
+
+def run(flags: dict[str, set[str]] | None) -> Problems:
+    p = Problems()
+
+    base = render_kustomize(BASE)
+    check_set("kustomize base", base, "seaweedfs-csi", p, flags)
+    kinds = sorted({d["kind"] for d in base})
+    print(f"kustomize base: {len(base)} objects: {', '.join(kinds)}")
+
+    for f in sorted(os.listdir(EXAMPLES)):
+        if f.endswith(".yaml"):
+            docs = load_docs(open(os.path.join(EXAMPLES, f)).read())
+            schema_validate(f"examples/{f}", docs, p)
+            check_workloads(f"examples/{f}", docs, p, None, set())
+            for d in docs:
+                if d["kind"] == "StorageClass":
+                    if d["provisioner"] != "seaweedfs-csi-driver":
+                        p.add(f, "example StorageClass must use the default driver name")
+                    for k in d.get("parameters", {}):
+                        if k not in KNOWN_SC_PARAMS:
+                            p.add(f, f"parameter {k} is not read by the driver")
+                if d["kind"] == "PersistentVolume":
+                    if d["spec"]["csi"]["driver"] != "seaweedfs-csi-driver":
+                        p.add(f, "static PV must use the default driver name")
+                    for k in d["spec"]["csi"].get("volumeAttributes", {}):
+                        if k not in KNOWN_SC_PARAMS:
+                            p.add(f, f"volumeAttribute {k} is not read by the driver")
+            print(f"examples/{f}: {len(docs)} objects")
+
+    for e in helm_lint_errors():
+        p.add("helm lint", e)
+
+    cases = [
+        ("helm defaults", {"seaweedfsFiler": "filer:8888"}, False, set()),
+        ("helm go-style values", GO_STYLE_VALUES, False, set()),
+        ("helm full values", FULL_VALUES, True, {"filer-client-tls"}),
+        ("helm existing configmap", {"security": {"enabled": True, "existingConfigMap": "sec"},
+                                     "metrics": {"port": 9400}}, False, {"sec"}),
+    ]
+    for where, values, attacher, external in cases:
+        docs = render_helm(copy.deepcopy(values))
+        check_set(where, docs, "csi", p, flags, attacher, external)
+        print(f"{where}: {len(docs)} objects")
+
+    # Value-driven details that must show up in the output.
+    docs = render_helm(copy.deepcopy(FULL_VALUES))
+    node = next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d).endswith("-node"))
+    plugin = container(node, "seaweedfs-csi-plugin")
+    want = ["--cacheCapacityMB=256", "--cacheMetaTtlSec=30", "--concurrentWriters=64",
+            "--concurrentReaders=32", "--dataLocality=write_preferLocalDc", "--dataCenter=dc1",
+            "--filer=f1:8888,f2:8888", "--driverName=swfs.example.com"]
+    for w in want:
+        if w not in plugin["args"]:
+            p.add("helm full values", f"node args lack {w}: {plugin['args']}")
+    env = {e["name"]: e.get("value") for e in plugin["env"]}
+    if env.get("WEED_GRPC_CA") != "/var/run/secrets/app/tls/ca.crt":
+        p.add("helm full values", "tlsSecret does not set WEED_GRPC_CA")
+    if env.get("WEED_LOGLEVEL") != "info,seaweedfs_csi_driver=debug":
+        p.add("helm full values", "logFilter does not reach WEED_LOGLEVEL")
+    mounts = {m["mountPath"] for m in plugin["volumeMounts"]}
+    if "/etc/seaweedfs/security.toml" not in mounts:
+        p.add("helm full values", "security.toml is not mounted in the node plugin")
+    sc = next(d for d in docs if d["kind"] == "StorageClass")
+    if sc["parameters"].get("chunkSizeLimitMB") != "8":
+        p.add("helm full values", "storageClassParameters must render as strings")
+    if sc["metadata"].get("annotations", {}).get("storageclass.kubernetes.io/is-default-class") != "true":
+        p.add("helm full values", "isDefaultStorageClass is not applied")
+    gdocs = render_helm(copy.deepcopy(GO_STYLE_VALUES))
+    gnode = next(d for d in gdocs if d["kind"] == "DaemonSet" and name_of(d).endswith("-node"))
+    genv = {e["name"]: e.get("value") for e in container(gnode, "seaweedfs-csi-plugin")["env"]}
+    if genv.get("WEED_V") != "4":
+        p.add("helm go-style values", f"logVerbosity 4 should give WEED_V=4, got {genv.get('WEED_V')}")
+    if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
+        p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
+
+    # Misconfiguration must fail loudly, not render something half-right.
+    try:
+        render_helm({"security": {"enabled": True}})
+        p.add("helm", "security.enabled without a source rendered instead of failing")
+    except Exception as e:
+        if "security.enabled needs" not in str(e):
+            p.add("helm", f"security.enabled without a source failed for the wrong reason: {e}")
+    return p
+
+
+def self_test() -> list[str]:
+    """The checker must catch what it claims to: break a good render on purpose."""
+    failures = []
+    good = render_kustomize(BASE)
+    mutations = {
+        "missing volume": lambda docs: pod_spec(next(d for d in docs if d["kind"] == "DaemonSet"))
+        ["volumes"].pop(0),
+        "unknown field": lambda docs: next(d for d in docs if d["kind"] == "CSIDriver")["spec"]
+        .__setitem__("bogus", True),
+        "no surge": lambda docs: next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d) == "seaweedfs-csi-node")["spec"]
+        ["updateStrategy"].__setitem__("rollingUpdate", {"maxUnavailable": 1}),
+        "driver name drift": lambda docs: next(d for d in docs if d["kind"] == "StorageClass")
+        .__setitem__("provisioner", "other"),
+        "undefined $(VAR)": lambda docs: container(
+            next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d) == "seaweedfs-csi-node"), "seaweedfs-csi-plugin")
+        ["args"].append("--nodeid=$(NOPE)"),
+        "unknown flag": lambda docs: container(
+            next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d) == "seaweedfs-csi-node"), "seaweedfs-csi-plugin")
+        ["args"].append("--noSuchFlag=1"),
+        "keeper socket mismatch": lambda docs: container(
+            next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d) == "seaweedfs-csi-keeper"), "keeper")
+        ["args"].__setitem__(1, "--socket=/elsewhere/k.sock"),
+    }
+    flags = {"driver": {"--endpoint", "--filer", "--nodeid", "--driverName", "--components",
+                        "--cacheDir", "--keeperSocket", "--metricsPort"},
+             "keeper": {"--socket"}}
+    for what, mutate in mutations.items():
+        docs = copy.deepcopy(good)
+        mutate(docs)
+        p = Problems()
+        check_set("self-test", docs, "seaweedfs-csi", p, flags)
+        if not p.items:
+            failures.append(f"self-test: '{what}' was not detected")
+    return failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flags-json", help='{"driver": [...], "keeper": [...]} accepted by the binary')
+    args = ap.parse_args()
+    flags = None
+    if args.flags_json:
+        raw = json.load(open(args.flags_json))
+        flags = {k: set(v) for k, v in raw.items()}
+    problems = run(flags).items + self_test()
+    for line in problems:
+        print("PROBLEM", line)
+    print(f"{len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

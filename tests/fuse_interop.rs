@@ -1,0 +1,404 @@
+//! Interoperability with `weed mount` 4.48 and the filer HTTP API on the same filer path at the
+//! same time: what we write they read identically, and what they write we read within seconds
+//! without a remount (the metadata subscription invalidates our caches and the kernel's).
+
+mod common;
+mod fuse_support;
+
+use fuse_support::*;
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::time::Duration;
+
+const SOON: Duration = Duration::from_secs(15);
+
+fn getxattr(p: &Path, name: &str) -> Option<Vec<u8>> {
+    let n = std::ffi::CString::new(name).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let r = unsafe {
+        libc::getxattr(
+            cpath(p).as_ptr(),
+            n.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if r < 0 {
+        return None;
+    }
+    buf.truncate(r as usize);
+    Some(buf)
+}
+
+fn setxattr(p: &Path, name: &str, v: &[u8]) {
+    let n = std::ffi::CString::new(name).unwrap();
+    check(unsafe { libc::setxattr(cpath(p).as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) })
+        .unwrap();
+}
+
+fn eventually(what: &str, f: impl FnMut() -> bool) {
+    assert!(wait_until(SOON, f), "{what}: not seen within {SOON:?}");
+}
+
+fn assert_reads(what: &str, p: &Path, want: &[u8]) {
+    let got = eventually_reads(p, SOON, |b| b == want);
+    assert!(
+        got.is_some(),
+        "{what}: {} does not read the expected {} bytes (has {:?} bytes)",
+        p.display(),
+        want.len(),
+        fs::read(p).ok().map(|b| b.len())
+    );
+}
+
+#[test]
+fn what_we_write_weed_mount_and_http_read() {
+    let w = shared_server();
+    let root = unique_path("ours2weed");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let http = |p: &str| w.filer_get(&format!("{root}/{p}"));
+
+    let small = b"small file written by us\n".to_vec();
+    let big = pseudo_random(11, 5 * (1 << 20) + 333);
+    fs::write(ours.join("small.txt"), &small).unwrap();
+    fs::write(ours.join("big.bin"), &big).unwrap();
+    fs::create_dir_all(ours.join("dir/sub")).unwrap();
+    fs::write(ours.join("dir/sub/nested"), b"nested").unwrap();
+    std::os::unix::fs::symlink("small.txt", ours.join("link")).unwrap();
+    fs::set_permissions(ours.join("small.txt"), fs::Permissions::from_mode(0o640)).unwrap();
+    setxattr(&ours.join("small.txt"), "user.origin", b"ours");
+    // random overwrites and a truncate of a multi-chunk file
+    let f = OpenOptions::new()
+        .write(true)
+        .open(ours.join("big.bin"))
+        .unwrap();
+    let mut big2 = big.clone();
+    for (i, off) in [10usize, 2_000_000, 4_194_300].iter().enumerate() {
+        let patch = pseudo_random(100 + i as u64, 5000);
+        f.write_all_at(&patch, *off as u64).unwrap();
+        big2[*off..off + 5000].copy_from_slice(&patch);
+    }
+    f.set_len(3_000_001).unwrap();
+    big2.truncate(3_000_001);
+    drop(f);
+
+    for (name, want) in [("small.txt", &small), ("big.bin", &big2)] {
+        assert_eq!(&http(name).unwrap(), want, "{name} via filer HTTP");
+        assert_reads(&format!("{name} via weed mount"), &weed.join(name), want);
+    }
+    assert_reads(
+        "nested via weed mount",
+        &weed.join("dir/sub/nested"),
+        b"nested",
+    );
+    assert_eq!(http("dir/sub/nested").unwrap(), b"nested");
+    eventually("symlink on weed mount", || {
+        fs::read_link(weed.join("link"))
+            .map(|t| t.to_str() == Some("small.txt"))
+            .unwrap_or(false)
+    });
+    let md = fs::metadata(weed.join("small.txt")).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o640);
+    assert_eq!(
+        getxattr(&weed.join("small.txt"), "user.origin").as_deref(),
+        Some(&b"ours"[..])
+    );
+    // same inode numbers on both mounts (both use the filer's)
+    assert_eq!(
+        fs::metadata(ours.join("big.bin")).unwrap().ino(),
+        fs::metadata(weed.join("big.bin")).unwrap().ino()
+    );
+
+    // later changes from us reach a weed mount that already cached the file
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(ours.join("small.txt"))
+        .unwrap();
+    f.write_all(b"appended by us\n").unwrap();
+    drop(f);
+    let mut small2 = small.clone();
+    small2.extend_from_slice(b"appended by us\n");
+    assert_reads("append via weed mount", &weed.join("small.txt"), &small2);
+    fs::rename(ours.join("dir"), ours.join("dir2")).unwrap();
+    assert_reads(
+        "renamed dir via weed mount",
+        &weed.join("dir2/sub/nested"),
+        b"nested",
+    );
+    eventually("old dir gone on weed mount", || !weed.join("dir").exists());
+    fs::remove_file(ours.join("big.bin")).unwrap();
+    eventually("deleted on weed mount", || !weed.join("big.bin").exists());
+    assert!(http("big.bin").is_none());
+}
+
+#[test]
+fn what_weed_mount_and_http_write_we_read() {
+    let w = shared_server();
+    let root = unique_path("weed2ours");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+
+    // new files and directories from weed mount
+    let data = pseudo_random(21, 3 * (1 << 20) + 5);
+    fs::write(weed.join("from_weed.bin"), &data).unwrap();
+    fs::create_dir(weed.join("wdir")).unwrap();
+    fs::write(weed.join("wdir/f"), b"in wdir").unwrap();
+    assert_reads("weed file", &ours.join("from_weed.bin"), &data);
+    assert_reads("weed nested", &ours.join("wdir/f"), b"in wdir");
+    // a directory's link count follows subdirectories made elsewhere (kernel attrs dropped)
+    assert_eq!(fs::metadata(ours.join("wdir")).unwrap().nlink(), 2);
+    fs::create_dir(weed.join("wdir/sub")).unwrap();
+    eventually("nlink after mkdir by weed", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 3
+    });
+    fs::remove_dir(weed.join("wdir/sub")).unwrap();
+    eventually("nlink after rmdir by weed", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 2
+    });
+    // ...also when the filer creates the subdirectory itself (HTTP upload into a new path)
+    w.filer_put(&format!("{root}/wdir/auto/file"), b"auto", "");
+    eventually("nlink after an HTTP upload made a directory", || {
+        fs::metadata(ours.join("wdir"))
+            .map(|m| m.nlink())
+            .unwrap_or(0)
+            == 3
+    });
+    assert_reads("auto-created path", &ours.join("wdir/auto/file"), b"auto");
+
+    // an overwrite of a file we have read (and cached) shows without a remount
+    let v2 = pseudo_random(22, data.len());
+    fs::write(weed.join("from_weed.bin"), &v2).unwrap();
+    assert_reads("overwritten by weed", &ours.join("from_weed.bin"), &v2);
+    // growing and shrinking
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(weed.join("from_weed.bin"))
+        .unwrap();
+    f.write_all(b"tail").unwrap();
+    drop(f);
+    let mut v3 = v2.clone();
+    v3.extend_from_slice(b"tail");
+    assert_reads("appended by weed", &ours.join("from_weed.bin"), &v3);
+    eventually("size after append", || {
+        fs::metadata(ours.join("from_weed.bin"))
+            .map(|m| m.len() == v3.len() as u64)
+            .unwrap_or(false)
+    });
+    fs::write(weed.join("from_weed.bin"), b"short").unwrap();
+    assert_reads("shrunk by weed", &ours.join("from_weed.bin"), b"short");
+
+    // attributes and xattrs
+    fs::set_permissions(weed.join("wdir/f"), fs::Permissions::from_mode(0o600)).unwrap();
+    eventually("chmod by weed", || {
+        fs::metadata(ours.join("wdir/f"))
+            .map(|m| m.mode() & 0o7777 == 0o600)
+            .unwrap_or(false)
+    });
+    setxattr(&weed.join("wdir/f"), "user.origin", b"weed");
+    eventually("xattr by weed", || {
+        getxattr(&ours.join("wdir/f"), "user.origin").as_deref() == Some(&b"weed"[..])
+    });
+
+    // rename and delete
+    fs::rename(weed.join("wdir"), weed.join("wdir2")).unwrap();
+    assert_reads("renamed by weed", &ours.join("wdir2/f"), b"in wdir");
+    eventually("old name gone", || !ours.join("wdir").exists());
+    fs::remove_file(weed.join("from_weed.bin")).unwrap();
+    eventually("deleted by weed", || !ours.join("from_weed.bin").exists());
+    // a listing we hold is updated too
+    eventually("listing", || {
+        let mut names: Vec<String> = fs::read_dir(ours.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        names.sort();
+        names == ["wdir2"]
+    });
+
+    // filer HTTP API uploads, new and overwritten
+    w.filer_put(&format!("{root}/http.txt"), b"from http v1", "");
+    assert_reads("http upload", &ours.join("http.txt"), b"from http v1");
+    w.filer_put(
+        &format!("{root}/http.txt"),
+        b"from http, second version",
+        "",
+    );
+    assert_reads(
+        "http overwrite",
+        &ours.join("http.txt"),
+        b"from http, second version",
+    );
+    // and what the HTTP API wrote, weed mount and we agree on
+    assert_reads(
+        "http upload via weed",
+        &weed.join("http.txt"),
+        b"from http, second version",
+    );
+}
+
+#[test]
+fn both_mounts_edit_the_same_tree() {
+    let w = shared_server();
+    let root = unique_path("both");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    // interleaved edits of one directory from both sides
+    for i in 0..20 {
+        let (src, name) = if i % 2 == 0 {
+            (&ours, format!("o{i}"))
+        } else {
+            (&weed, format!("w{i}"))
+        };
+        fs::write(src.join(&name), format!("content {i}")).unwrap();
+    }
+    for i in 0..20 {
+        let name = if i % 2 == 0 {
+            format!("o{i}")
+        } else {
+            format!("w{i}")
+        };
+        let want = format!("content {i}");
+        assert_reads("ours", &ours.join(&name), want.as_bytes());
+        assert_reads("weed", &weed.join(&name), want.as_bytes());
+    }
+    // a file written by us and then by weed: the last writer wins everywhere
+    fs::write(ours.join("shared"), b"first, by us").unwrap();
+    assert_reads("weed sees ours", &weed.join("shared"), b"first, by us");
+    fs::write(weed.join("shared"), b"second, by weed mount").unwrap();
+    assert_reads(
+        "we see weed's",
+        &ours.join("shared"),
+        b"second, by weed mount",
+    );
+    assert_eq!(
+        w.filer_get(&format!("{root}/shared")).unwrap(),
+        b"second, by weed mount"
+    );
+}
+
+#[test]
+fn open_files_follow_renames_and_deletes_by_others() {
+    let w = shared_server();
+    let root = unique_path("follow");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let http = |p: &str| w.filer_get(&format!("{root}/{p}"));
+
+    // a file open for writing here, renamed by weed mount: our later data lands at the new name
+    let mut f = fs::File::create(ours.join("moving")).unwrap();
+    f.write_all(b"part one;").unwrap();
+    f.sync_all().unwrap();
+    assert_reads("weed sees it", &weed.join("moving"), b"part one;");
+    fs::rename(weed.join("moving"), weed.join("moved")).unwrap();
+    eventually("rename seen", || !ours.join("moving").exists());
+    f.write_all(b"part two").unwrap();
+    drop(f);
+    assert_eq!(http("moved").as_deref(), Some(&b"part one;part two"[..]));
+    assert!(http("moving").is_none(), "not re-created at the old name");
+
+    // the same for a file inside a directory renamed by weed mount, and a cwd-relative path
+    fs::create_dir(ours.join("d")).unwrap();
+    let mut g = fs::File::create(ours.join("d/inner")).unwrap();
+    g.write_all(b"inner;").unwrap();
+    g.sync_all().unwrap();
+    let dir_fd = fs::File::open(ours.join("d")).unwrap();
+    assert_reads("weed sees inner", &weed.join("d/inner"), b"inner;");
+    fs::rename(weed.join("d"), weed.join("d2")).unwrap();
+    eventually("dir rename seen", || ours.join("d2/inner").exists());
+    g.write_all(b"more").unwrap();
+    drop(g);
+    assert_eq!(http("d2/inner").as_deref(), Some(&b"inner;more"[..]));
+    assert!(http("d/inner").is_none());
+    // a directory fd taken before the rename still resolves names in the moved directory
+    let name = std::ffi::CString::new("inner").unwrap();
+    let fd = unsafe { libc::openat(dir_fd.as_raw_fd(), name.as_ptr(), libc::O_RDONLY) };
+    assert!(
+        fd >= 0,
+        "openat in a directory renamed elsewhere: {}",
+        errno()
+    );
+    unsafe { libc::close(fd) };
+
+    // a file open here and deleted by weed mount is not resurrected by our close
+    let mut h = fs::File::create(ours.join("doomed")).unwrap();
+    h.write_all(b"x").unwrap();
+    h.sync_all().unwrap();
+    assert_reads("weed sees doomed", &weed.join("doomed"), b"x");
+    fs::remove_file(weed.join("doomed")).unwrap();
+    eventually("delete seen", || !ours.join("doomed").exists());
+    h.write_all(b"yy").unwrap();
+    drop(h);
+    assert!(http("doomed").is_none(), "deleted file came back");
+
+    // a file open here and replaced by a rename on weed mount
+    fs::write(ours.join("victim"), b"old").unwrap();
+    let mut v = fs::OpenOptions::new()
+        .write(true)
+        .open(ours.join("victim"))
+        .unwrap();
+    fs::write(weed.join("replacement"), b"new").unwrap();
+    assert_reads("weed sees victim", &weed.join("victim"), b"old");
+    fs::rename(weed.join("replacement"), weed.join("victim")).unwrap();
+    assert_reads("replacement seen", &ours.join("victim"), b"new");
+    v.write_all(b"clobber").unwrap();
+    drop(v);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(http("victim").as_deref(), Some(&b"new"[..]));
+}
+
+#[test]
+fn hard_links_across_mounts() {
+    let w = shared_server();
+    let root = unique_path("hl");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let nlink = |p: &Path| fs::symlink_metadata(p).map(|m| m.nlink()).unwrap_or(0);
+
+    // ours -> weed
+    fs::write(ours.join("a"), b"one\n").unwrap();
+    fs::hard_link(ours.join("a"), ours.join("b")).unwrap();
+    eventually("weed sees 2 links", || {
+        nlink(&weed.join("a")) == 2 && nlink(&weed.join("b")) == 2
+    });
+    assert_eq!(
+        fs::metadata(weed.join("a")).unwrap().ino(),
+        fs::metadata(weed.join("b")).unwrap().ino()
+    );
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(weed.join("b"))
+        .unwrap();
+    f.write_all(b"two\n").unwrap();
+    drop(f);
+    assert_reads(
+        "append by weed through the other link",
+        &ours.join("a"),
+        b"one\ntwo\n",
+    );
+    assert_reads("and through this link", &ours.join("b"), b"one\ntwo\n");
+
+    // weed -> ours
+    fs::write(weed.join("x"), b"x").unwrap();
+    fs::hard_link(weed.join("x"), weed.join("y")).unwrap();
+    eventually("we see 2 links", || {
+        nlink(&ours.join("x")) == 2 && nlink(&ours.join("y")) == 2
+    });
+    assert_eq!(
+        fs::metadata(ours.join("x")).unwrap().ino(),
+        fs::metadata(ours.join("y")).unwrap().ino()
+    );
+    fs::remove_file(weed.join("x")).unwrap();
+    eventually("x gone", || !ours.join("x").exists());
+    eventually("y has one link", || nlink(&ours.join("y")) == 1);
+    assert_eq!(fs::read(ours.join("y")).unwrap(), b"x");
+}

@@ -1,0 +1,414 @@
+//! `/metrics` and `/healthz` over real TCP: the numbers a scraper sees move when operations
+//! happen, both for synthetic timers and for a real FUSE mount against a real `weed`.
+
+mod common;
+mod csi_common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use seaweedfs_csi_driver::metrics;
+use seaweedfs_csi_driver::metrics_server::{HealthCheck, MetricsServer};
+
+/// Raw request -> (status, headers, body). Blocking, with timeouts, on a plain std socket so the
+/// client shares nothing with the server's runtime.
+fn raw(addr: SocketAddr, request: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request).unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let (status, _, body) = raw(
+        addr,
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+    );
+    (status, body)
+}
+
+/// Value of one exact series line (`name{labels}`), 0 when the series does not exist yet.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == series).then(|| v.parse::<f64>().ok()).flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+/// Every non-comment line is `name{...} number`, and every family has HELP and TYPE.
+fn assert_exposition_format(text: &str) {
+    for l in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = l.strip_prefix("# ") {
+            assert!(
+                rest.starts_with("HELP ") || rest.starts_with("TYPE "),
+                "bad comment: {l}"
+            );
+            continue;
+        }
+        let (k, v) = l
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("no value: {l}"));
+        assert!(v.parse::<f64>().is_ok(), "bad value in {l}");
+        let name = k.split('{').next().unwrap();
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "bad name in {l}"
+        );
+        let family = [
+            "_bucket", "_sum", "_count", // histogram children
+        ]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+        assert!(
+            text.contains(&format!("# TYPE {family} "))
+                || text.contains(&format!("# TYPE {name} ")),
+            "no TYPE line for {name}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrape_sees_ops_and_health() {
+    let healthy = Arc::new(AtomicBool::new(true));
+    let h = healthy.clone();
+    let check: HealthCheck = Arc::new(move || {
+        if h.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("filer unreachable".into())
+        }
+    });
+    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), Some(check))
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+
+    let (before_status, before) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(before_status, 200);
+    let count = r#"seaweedfs_csi_fuse_op_seconds_count{op="mknod"}"#;
+    let errors = r#"seaweedfs_csi_fuse_op_errors_total{op="mknod"}"#;
+    let fast = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",le="0.5"}"#;
+    let c0 = sample(&before, count);
+    let e0 = sample(&before, errors);
+    let f0 = sample(&before, fast);
+
+    for i in 0..3 {
+        let t = metrics::fuse_op("mknod");
+        if i == 0 {
+            t.failed();
+        }
+    }
+    {
+        // one slow op lands above the 0.5 s bucket but inside +Inf
+        let _t = metrics::fuse_op("mknod");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    metrics::global().upload_done(true);
+    metrics::global().upload_done(false);
+
+    let (status, after) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(sample(&after, count) - c0, 4.0, "{after}");
+    assert_eq!(sample(&after, errors) - e0, 1.0);
+    assert_eq!(
+        sample(&after, fast) - f0,
+        3.0,
+        "the slow op must not be in le=0.5"
+    );
+    let inf = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",le="+Inf"}"#;
+    assert_eq!(sample(&after, inf), sample(&after, count));
+    assert!(sample(&after, r#"seaweedfs_csi_fuse_op_seconds_sum{op="mknod"}"#) >= 0.6);
+    assert!(sample(&after, "seaweedfs_csi_uploads_total") >= 1.0);
+    assert!(sample(&after, "seaweedfs_csi_upload_errors_total") >= 1.0);
+    assert_exposition_format(&after);
+
+    let (s, _, head_body) = tokio::task::spawn_blocking(move || {
+        raw(addr, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    })
+    .await
+    .unwrap();
+    assert_eq!((s, head_body.as_str()), (200, ""));
+
+    let (s, body) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!((s, body.as_str()), (200, "ok\n"));
+    healthy.store(false, Ordering::SeqCst);
+    let (s, body) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(s, 503);
+    assert!(body.contains("filer unreachable"), "{body}");
+    server.shutdown().await;
+    // Stopped means the port no longer answers.
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err()
+            || tokio::task::spawn_blocking(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let _ = s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n");
+                let mut b = Vec::new();
+                s.read_to_end(&mut b).map(|_| b.is_empty()).unwrap_or(true)
+            })
+            .await
+            .unwrap()
+    );
+}
+
+/// Every family a scrape returns is documented in docs/METRICS.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_documented() {
+    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let text = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    server.shutdown().await;
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/METRICS.md"),
+    )
+    .unwrap();
+    let families: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(families.len() >= 10, "{text}");
+    for f in families {
+        assert!(
+            doc.contains(&format!("`{f}`")),
+            "{f} is not documented in docs/METRICS.md"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_clients_do_not_hurt_the_server() {
+    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(get(addr, "/nope").0, 404);
+        assert_eq!(raw(addr, b"POST /metrics HTTP/1.1\r\n\r\n").0, 405);
+        assert_eq!(raw(addr, b"\r\n\r\n").0, 400);
+        let mut huge = b"GET /metrics HTTP/1.1\r\n".to_vec();
+        huge.extend(std::iter::repeat_n(b'a', 20_000));
+        assert_eq!(raw(addr, &huge).0, 431);
+        // Idle clients: more than the connection limit, holding their sockets open without
+        // sending anything. Scrapes still get through once their read timeout frees slots,
+        // and while they wait the server is not wedged for good.
+        let idle: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let started = std::time::Instant::now();
+        let (s, body) = get(addr, "/metrics");
+        assert_eq!(s, 200);
+        assert!(body.contains("# TYPE seaweedfs_csi_staged_volumes gauge"));
+        assert!(started.elapsed() < Duration::from_secs(12));
+        drop(idle);
+        // Parallel scrapes all succeed.
+        let hs: Vec<_> = (0..16)
+            .map(|_| std::thread::spawn(move || get(addr, "/metrics").0))
+            .collect();
+        for h in hs {
+            assert_eq!(h.join().unwrap(), 200);
+        }
+    })
+    .await
+    .unwrap();
+    let err = MetricsServer::start(addr, None).await;
+    assert!(err.is_err(), "a second bind on a used port must fail");
+    server.shutdown().await;
+}
+
+/// A real mount: FUSE ops and chunk uploads show up in a scrape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn real_mount_moves_the_numbers() {
+    use seaweedfs_csi_driver::config::MountOptions;
+    use seaweedfs_csi_driver::fuse::session::MountedVolume;
+    use seaweedfs_csi_driver::security::SecurityConfig;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let before = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+
+    let mnt = tempfile::tempdir().unwrap();
+    let opts = MountOptions {
+        filers: vec![weed.filer_addr()],
+        filer_path: "/metricstest".into(),
+        ..Default::default()
+    };
+    let vol = MountedVolume::mount(&opts, &SecurityConfig::default(), mnt.path())
+        .await
+        .unwrap();
+    let dir = mnt.path().to_path_buf();
+    let io = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+        let data: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+        std::fs::write(dir.join("a.bin"), &data)?;
+        let back = std::fs::read(dir.join("a.bin"))?;
+        assert_eq!(back, data);
+        std::fs::read_dir(&dir)?.count();
+        Ok(back)
+    })
+    .await
+    .unwrap();
+    let unmounted = vol.unmount().await;
+    io.unwrap();
+    unmounted.unwrap();
+
+    let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    for op in ["create", "write", "flush", "release"] {
+        let series = format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\"}}");
+        assert!(
+            sample(&after, &series) > sample(&before, &series),
+            "{series} did not move"
+        );
+    }
+    assert!(
+        sample(&after, "seaweedfs_csi_uploads_total")
+            > sample(&before, "seaweedfs_csi_uploads_total"),
+        "no chunk upload was counted"
+    );
+    assert_exposition_format(&after);
+    server.shutdown().await;
+    // The file really reached the filer.
+    let got = weed.filer_get("/metricstest/a.bin").unwrap();
+    assert_eq!(got.len(), 3 << 20);
+}
+
+/// The driver binary itself: `--metricsPort` serves /healthz and /metrics, and a volume staged
+/// and used through the CSI socket shows up in the numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn driver_serves_metrics_on_its_port() {
+    use csi_common::*;
+    use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("csimetrics")
+        .tempdir()
+        .unwrap();
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=node-1".to_string(),
+        format!("--metricsPort={port}"),
+    ];
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+
+    let (s, body) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!((s, body.as_str()), (200, "ok\n"));
+    let before = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&before, "seaweedfs_csi_staged_volumes"),
+        0.0,
+        "{before}"
+    );
+
+    let c = driver.clients().await;
+    let vol = c
+        .controller
+        .clone()
+        .create_volume(create_req("pvc-metrics", 1 << 30, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let staging = driver.staging_path("metrics");
+    let target = driver.target_path("pod-a");
+    let mode = Mode::MultiNodeMultiWriter;
+    c.node
+        .clone()
+        .node_stage_volume(stage_req(&vol, &staging, mode))
+        .await
+        .unwrap();
+    c.node
+        .clone()
+        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
+        .await
+        .unwrap();
+    let t = target.clone();
+    tokio::task::spawn_blocking(move || {
+        std::fs::write(t.join("m.bin"), vec![7u8; 3 << 20]).unwrap();
+        assert_eq!(std::fs::read(t.join("m.bin")).unwrap().len(), 3 << 20);
+    })
+    .await
+    .unwrap();
+
+    let during = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&during, "seaweedfs_csi_staged_volumes"),
+        1.0,
+        "{during}"
+    );
+    for op in ["create", "write", "read"] {
+        let series = format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\"}}");
+        assert!(
+            sample(&during, &series) >= 1.0,
+            "{series} not counted:\n{during}"
+        );
+    }
+    assert!(sample(&during, "seaweedfs_csi_uploads_total") >= 1.0);
+    assert_exposition_format(&during);
+
+    c.node
+        .clone()
+        .node_unpublish_volume(unpublish_req(&vol, &target))
+        .await
+        .unwrap();
+    c.node
+        .clone()
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&after, "seaweedfs_csi_staged_volumes"),
+        0.0,
+        "{after}"
+    );
+}
