@@ -106,6 +106,9 @@ struct FileRec {
     fsynced_at: Option<u64>,
     closed_at: Option<u64>,
     deleted: bool,
+    /// A rename to this name or an unlink failed: the daemon may have applied it before it
+    /// died, so the file may be under either name or gone.
+    uncertain: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Default, Debug)]
@@ -247,6 +250,7 @@ fn files_worker(pod: String, dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) ->
             fsynced_at: None,
             closed_at: None,
             deleted: false,
+            uncertain: None,
         });
         let path = dir.join(&files[i].name);
         let n = Some(i);
@@ -291,6 +295,8 @@ fn files_worker(pod: String, dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) ->
                 .is_some()
                 {
                     files[i].name = to;
+                } else {
+                    files[i].uncertain = Some(to);
                 }
             }
             if i % 5 == 4 && files[i - 2].closed_at.is_some() && !files[i - 2].deleted {
@@ -301,6 +307,8 @@ fn files_worker(pod: String, dir: PathBuf, log: OpLog, stop: Arc<AtomicBool>) ->
                 .is_some()
                 {
                     files[i - 2].deleted = true;
+                } else {
+                    files[i - 2].uncertain = Some(String::new());
                 }
             }
             if i % 6 == 0 {
@@ -1037,14 +1045,37 @@ fn check_files(weed: &common::WeedServer, v: &Volume, pod: &str, r: &PodReport) 
             continue;
         }
         let got = weed.filer_get(&v.filer_path(&f.name));
-        if f.deleted {
+        if let Some(other) = &f.uncertain {
+            // A failed rename/unlink (its process died) may or may not have been applied.
+            let got = got.or_else(|| {
+                (!other.is_empty())
+                    .then(|| weed.filer_get(&v.filer_path(other)))
+                    .flatten()
+            });
+            if let Some(got) = got {
+                assert!(
+                    got == file_data(f.seed, f.len),
+                    "pod {pod}: {} differs on the filer",
+                    f.name
+                );
+            }
+        } else if f.deleted {
             assert!(
                 got.is_none(),
                 "pod {pod}: deleted {} is still on the filer",
                 f.name
             );
         } else {
-            let got = got.unwrap_or_else(|| panic!("pod {pod}: {} is not on the filer", f.name));
+            let got = got.unwrap_or_else(|| {
+                let orig = f.name.replacen("-r", "-f", 1);
+                panic!(
+                    "pod {pod}: {} is not on the filer ({f:?}; under its first name {orig}: {}; \
+                     now {})",
+                    f.name,
+                    weed.filer_get(&v.filer_path(&orig)).is_some(),
+                    now_ns()
+                )
+            });
             assert!(
                 got == file_data(f.seed, f.len),
                 "pod {pod}: {} differs on the filer ({} bytes, want {})",
@@ -1297,6 +1328,9 @@ async fn keeper_and_driver_lost_volume_is_staged_and_bound_again() {
     // 2. Again, with the filer down: the first repairs fail and the volume is reported
     // abnormal until the filer is back.
     let t_event2 = lose_keeper_and_driver(&mut fx, &v, k2, b);
+    println!(
+        "fallback events: first loss {t_event}, repaired {t_repaired}, second loss {t_event2}"
+    );
     weed.stop_filer();
     fx.start_keeper("keeper-3");
     let d = fx.spawn_driver("driver-c", &weed.filer_addr());
