@@ -1419,3 +1419,42 @@ async fn keeper_and_driver_lost_volume_is_staged_and_bound_again() {
     );
     v.tear_down(&mut c, &fx).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_adoption_falls_back_to_staging_again() {
+    use std::os::fd::AsFd;
+    let _serial = SERIAL.lock().await;
+    let weed = common::WeedServer::start();
+    let mut fx = Fixture::new();
+    fx.start_keeper("keeper");
+    let a = fx.spawn_driver("driver-a", &weed.filer_addr());
+    fx.wait_socket(a);
+    let mut c = clients(&fx).await;
+    let v = Volume::provision(&mut c, &weed, &fx, "pvc-badblob").await;
+    std::fs::write(v.targets[0].join("kept.txt"), b"before").unwrap();
+    fx.procs[a].signal(Signal::SIGKILL);
+    fx.procs[a].wait_exit(BOUND);
+
+    // Corrupt what the keeper hands over (same fds, a blob nobody can read).
+    {
+        let k = KeeperClient::connect(&fx.keeper_socket()).unwrap();
+        let e = k.claim(&v.vol.volume_id, BOUND).unwrap();
+        let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+        k.put(&v.vol.volume_id, b"not a handover blob", &fds)
+            .unwrap();
+    }
+    let b = fx.spawn_driver("driver-b", &weed.filer_addr());
+    fx.procs[b].wait_for("adopting a session failed; ending it", BOUND);
+    let mut c = clients(&fx).await;
+    let t0 = Instant::now();
+    wait_normal(&mut c, &v).await;
+    println!(
+        "failed adoption -> staged and bound again in {:?}",
+        t0.elapsed()
+    );
+    for t in &v.targets {
+        assert_eq!(std::fs::read(t.join("kept.txt")).unwrap(), b"before");
+    }
+    assert_eq!(fx.keeper_ids(), vec![v.vol.volume_id.clone()]);
+    v.tear_down(&mut c, &fx).await;
+}

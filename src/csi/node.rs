@@ -77,6 +77,13 @@ struct StagedVolume {
     publications: HashMap<PathBuf, Publication>,
 }
 
+/// Outcome of one self-repair look at a recorded volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recovery {
+    Done,
+    Later,
+}
+
 /// Cheap to clone: clones share the locks and the volume table (the recovery task holds one).
 #[derive(Clone)]
 pub struct NodeService {
@@ -375,9 +382,11 @@ impl NodeService {
 
     async fn recover_with_retry(&self, volume_id: &str) {
         let mut delay = Duration::from_secs(1);
+        let mut restaged = false;
         for attempt in 0.. {
-            match self.recover_volume(volume_id, attempt).await {
-                Ok(()) => return,
+            match self.recover_volume(volume_id, &mut restaged).await {
+                Ok(Recovery::Done) => return,
+                Ok(Recovery::Later) => {}
                 Err(e) => {
                     tracing::warn!(volume_id, attempt, error = %e.message(), retry_in = ?delay,
                     "repairing a recorded volume failed")
@@ -388,29 +397,48 @@ impl NodeService {
         }
     }
 
-    /// One repair attempt; Ok when nothing (more) is to be done. A later attempt also re-binds
-    /// publications over a staging mount an earlier attempt brought back.
-    async fn recover_volume(&self, volume_id: &str, attempt: usize) -> Result<(), Status> {
-        // Served here or being adopted from the fd-keeper: not ours to repair.
-        if attempt == 0 && self.stager.health(volume_id).is_some() {
-            return Ok(());
+    /// Whether a session of this process makes the repair unnecessary (healthy), or may
+    /// still (being adopted, or its filer is away): then look again later. A failed adoption
+    /// leaves the volume unserved and dead, which the next look repairs.
+    fn served_here(&self, volume_id: &str) -> Option<Recovery> {
+        self.stager.health(volume_id).map(|h| {
+            if h.healthy {
+                Recovery::Done
+            } else {
+                Recovery::Later
+            }
+        })
+    }
+
+    /// One repair attempt. Once this process has staged the volume again (`restaged`), later
+    /// attempts only finish binding its publications.
+    async fn recover_volume(
+        &self,
+        volume_id: &str,
+        restaged: &mut bool,
+    ) -> Result<Recovery, Status> {
+        if !*restaged {
+            if let Some(r) = self.served_here(volume_id) {
+                return Ok(r);
+            }
         }
         let Some(store) = self.store.clone() else {
-            return Ok(());
+            return Ok(Recovery::Done);
         };
         let _guard = self.locks.lock(volume_id).await;
         let rec: RecordedVolume = match store.get(volume_id) {
             Ok(Some(r)) => r,
-            Ok(None) => return Ok(()), // unstaged meanwhile
+            Ok(None) => return Ok(Recovery::Done), // unstaged meanwhile
             Err(e) => return Err(Status::internal(e.to_string())),
         };
-        if attempt == 0 && self.stager.health(volume_id).is_some() {
-            return Ok(());
+        if !*restaged {
+            if let Some(r) = self.served_here(volume_id) {
+                return Ok(r);
+            }
         }
         match self.state(&rec.staging).await? {
-            // A live session (this process's from an earlier attempt, or a predecessor's
-            // that is still running): only its publications may need work.
-            MountState::Healthy if attempt == 0 => return Ok(()),
+            // A predecessor's live session (no keeper): not ours.
+            MountState::Healthy if !*restaged => return Ok(Recovery::Done),
             MountState::Healthy => {}
             MountState::Dead(errno) => {
                 tracing::warn!(volume_id, staging = %rec.staging.display(), %errno,
@@ -418,18 +446,20 @@ impl NodeService {
                 self.unmount_all(&rec.staging).await?;
                 self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
                     .await?;
+                *restaged = true;
             }
             MountState::NotMounted => {
                 if !rec.staging.exists() {
                     tracing::warn!(volume_id, staging = %rec.staging.display(),
                         "recorded staging directory is gone; forgetting the volume");
                     self.record(volume_id, |s| s.record_unstage(volume_id));
-                    return Ok(());
+                    return Ok(Recovery::Done);
                 }
                 tracing::warn!(volume_id, staging = %rec.staging.display(),
                     "recorded volume is not mounted; staging it again");
                 self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
                     .await?;
+                *restaged = true;
             }
         }
         let mut publications = HashMap::new();
@@ -469,7 +499,7 @@ impl NodeService {
                 publications,
             },
         );
-        Ok(())
+        Ok(Recovery::Done)
     }
 
     /// Binds the staging mount over a publication whose mount died, leaving the dead mount
