@@ -229,6 +229,14 @@ class WeedCluster:
             headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
         urllib.request.urlopen(req, timeout=10).read()
 
+    def vacuum(self):
+        """Reclaims the space of deleted files (the run writes several GiB)."""
+        try:
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{self.master}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
+        except OSError as e:
+            log("vacuum:", e)
+
     def log_tail(self):
         try:
             with open(os.path.join(self.dir, "server.log")) as f:
@@ -326,6 +334,9 @@ class Mount:
             subprocess.run(["umount", "-l", self.mnt], check=False)
         self.proc = None
         CLEANUP.remove(self)
+        if self.cache_dir:
+            # weed mount's disk cache: up to cacheCapacityMB per mount, never reused
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
 class BindMount:
@@ -710,6 +721,7 @@ class Bench:
                 fn()
             if not a.keep_files:
                 self.cleanup_round(rnd)
+                self.cluster.vacuum()
                 self.recording = True
 
 

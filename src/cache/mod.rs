@@ -152,10 +152,13 @@ impl ChunkCache {
             Some(c) => {
                 let stats = self.stats.clone();
                 let mut fetched = false;
+                // held until the value is in the cache, so a reader never finds the chunk
+                // neither pending nor cached while it is being inserted
+                let mut pending = None;
                 let r = c
                     .try_get_with(fid.to_string(), async {
                         fetched = true;
-                        let _pending = Pending::new(&self.pending, fid);
+                        pending = Some(Pending::new(&self.pending, fid));
                         let b = fetch.await?;
                         stats
                             .bytes_fetched
@@ -163,6 +166,7 @@ impl ChunkCache {
                         Ok(b)
                     })
                     .await;
+                drop(pending);
                 if let Ok(b) = &r {
                     if fetched {
                         self.stats.misses.fetch_add(1, Ordering::Relaxed);
