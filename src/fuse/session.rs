@@ -178,12 +178,9 @@ pub fn fuse_config(opts: &MountOptions, fsname: String) -> fuser::Config {
 
 /// Raises the mount's kernel readahead (its bdi's `read_ahead_kb` stays at 128 KiB otherwise).
 pub fn raise_readahead(mountpoint: &Path, kb: u32) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(m) = std::fs::metadata(mountpoint) else {
+    let Some((major, minor)) = mount_device(mountpoint) else {
         return;
     };
-    let dev = m.dev();
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
     let p = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
     if let Err(e) = std::fs::write(&p, kb.to_string()) {
         tracing::debug!(path = p, error = %e, "cannot raise readahead");
@@ -544,10 +541,34 @@ impl Drop for MountedVolume {
 
 /// The FUSE connection id of a mount: the minor number of its device.
 fn connection_id(mountpoint: &Path) -> Option<u32> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(mountpoint)
-        .ok()
-        .map(|m| libc::minor(m.dev()))
+    mount_device(mountpoint).map(|(_, minor)| minor)
+}
+
+/// (major, minor) of the filesystem mounted at `mountpoint`, answered from the kernel's
+/// cache (`AT_STATX_DONT_SYNC`) without a request to the filesystem. This process serves
+/// that filesystem: a plain stat would block an async worker on a request that other tasks
+/// must answer, and a task parked in that worker's non-stealable LIFO slot (the filer
+/// client's connection, say) then never runs: the runtime deadlocks. Seen right after an
+/// adoption, with the resent requests of a busy mount.
+fn mount_device(mountpoint: &Path) -> Option<(u32, u32)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statx writes into the zeroed buffer we own; `c` outlives the call.
+    let st = unsafe {
+        let mut st: libc::statx = std::mem::zeroed();
+        let rc = libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_STATX_DONT_SYNC | libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_TYPE,
+            &mut st,
+        );
+        if rc != 0 {
+            return None;
+        }
+        st
+    };
+    Some((st.stx_dev_major, st.stx_dev_minor))
 }
 
 /// Waits for the session threads; if the connection is still referenced elsewhere (a bind
