@@ -13,6 +13,8 @@ use seaweedfs_csi_driver::fuse::stager::FuseStager;
 use seaweedfs_csi_driver::security::SecurityConfig;
 
 fn main() -> ExitCode {
+    // before any thread exists, so that every thread shares the one arena
+    seaweedfs_csi_driver::fuse::session::tune_allocator();
     let cli = Cli::parse_from(cli::normalize_args(std::env::args_os()));
     if let Err(e) = cli::init_tracing(&cli.log) {
         eprintln!("error: {e}");

@@ -3,12 +3,22 @@
 //! Keys are file ids, which are immutable, so nothing ever needs invalidating. Values are whole
 //! clear chunks weighed in bytes. Concurrent misses for one chunk are coalesced into one fetch
 //! (`try_get_with`); eviction happens on moka's maintenance path and never blocks readers.
+//! Fetches in flight are tracked so that readers of part of such a chunk wait for it instead
+//! of asking the volume server for their range too.
 
 use bytes::Bytes;
 use moka::future::Cache;
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How many chunks read by exact ranges are remembered, and for how long (see
+/// [`ChunkCache::touch_ranged`]).
+const RANGED_MEMORY: u64 = 4096;
+const RANGED_TTL: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default)]
 pub struct CacheStats {
@@ -22,7 +32,36 @@ pub struct CacheStats {
 #[derive(Clone)]
 pub struct ChunkCache {
     cache: Option<Cache<String, Bytes>>,
+    /// Chunks being fetched whole right now, with the number of fetches (normally one).
+    pending: Arc<Mutex<HashMap<String, usize>>>,
+    /// Chunks recently read by exact ranges.
+    ranged: moka::sync::Cache<String, ()>,
     pub stats: Arc<CacheStats>,
+}
+
+/// Marks a whole-chunk fetch as in flight until dropped (also when the fetch is cancelled).
+struct Pending<'a> {
+    map: &'a Mutex<HashMap<String, usize>>,
+    key: &'a str,
+}
+
+impl<'a> Pending<'a> {
+    fn new(map: &'a Mutex<HashMap<String, usize>>, key: &'a str) -> Self {
+        *map.lock().entry(key.to_string()).or_default() += 1;
+        Pending { map, key }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        if let Some(n) = m.get_mut(self.key) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(self.key);
+            }
+        }
+    }
 }
 
 impl ChunkCache {
@@ -44,7 +83,16 @@ impl ChunkCache {
                 })
                 .build()
         });
-        ChunkCache { cache, stats }
+        let ranged = moka::sync::Cache::builder()
+            .max_capacity(RANGED_MEMORY)
+            .time_to_live(RANGED_TTL)
+            .build();
+        ChunkCache {
+            cache,
+            pending: Arc::default(),
+            ranged,
+            stats,
+        }
     }
 
     pub fn enabled(&self) -> bool {
@@ -69,6 +117,25 @@ impl ChunkCache {
             .unwrap_or(false)
     }
 
+    /// Cached, or being fetched whole: a reader of any part of it should wait for that fetch.
+    pub fn contains_or_pending(&self, fid: &str) -> bool {
+        self.contains(fid) || self.pending.lock().contains_key(fid)
+    }
+
+    /// Records a read of part of `fid` by exact range; true if the chunk was read that way
+    /// recently, i.e. it is hot and worth fetching whole into the cache.
+    pub fn touch_ranged(&self, fid: &str) -> bool {
+        if self.cache.is_none() {
+            return false;
+        }
+        if self.ranged.contains_key(fid) {
+            self.ranged.invalidate(fid);
+            return true;
+        }
+        self.ranged.insert(fid.to_string(), ());
+        false
+    }
+
     pub async fn insert(&self, fid: String, data: Bytes) {
         if let Some(c) = &self.cache {
             c.insert(fid, data).await;
@@ -85,9 +152,13 @@ impl ChunkCache {
             Some(c) => {
                 let stats = self.stats.clone();
                 let mut fetched = false;
+                // held until the value is in the cache, so a reader never finds the chunk
+                // neither pending nor cached while it is being inserted
+                let mut pending = None;
                 let r = c
                     .try_get_with(fid.to_string(), async {
                         fetched = true;
+                        pending = Some(Pending::new(&self.pending, fid));
                         let b = fetch.await?;
                         stats
                             .bytes_fetched
@@ -95,6 +166,7 @@ impl ChunkCache {
                         Ok(b)
                     })
                     .await;
+                drop(pending);
                 if let Ok(b) = &r {
                     if fetched {
                         self.stats.misses.fetch_add(1, Ordering::Relaxed);
@@ -167,6 +239,39 @@ mod tests {
             "{}",
             c.weighted_size()
         );
+    }
+
+    #[tokio::test]
+    async fn pending_fetch_is_visible_until_done() {
+        let c = ChunkCache::new(1 << 20);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let c2 = c.clone();
+        let t = tokio::spawn(async move {
+            c2.get_or_fetch::<_, std::io::Error>("4,01", async {
+                let _ = rx.await;
+                Ok(Bytes::from_static(b"data"))
+            })
+            .await
+        });
+        while !c.contains_or_pending("4,01") {
+            tokio::task::yield_now().await;
+        }
+        assert!(!c.contains("4,01"));
+        tx.send(()).unwrap();
+        t.await.unwrap().unwrap();
+        assert!(c.contains_or_pending("4,01"));
+        assert!(c.pending.lock().is_empty());
+    }
+
+    #[tokio::test]
+    async fn second_ranged_touch_is_hot() {
+        let c = ChunkCache::new(1 << 20);
+        assert!(!c.touch_ranged("5,01"));
+        assert!(!c.touch_ranged("5,02"));
+        assert!(c.touch_ranged("5,01"));
+        // forgotten once reported: the whole fetch caches it
+        assert!(!c.touch_ranged("5,01"));
+        assert!(!ChunkCache::new(0).touch_ranged("5,03"));
     }
 
     #[tokio::test]

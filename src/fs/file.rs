@@ -37,6 +37,9 @@ pub fn next_ts_ns() -> i64 {
 /// Marks in-flight pseudo-chunks (never a real file id).
 const INFLIGHT: &str = "\0inflight:";
 
+/// Writes at least this large reserve the whole slot up front (small files never do).
+const LARGE_WRITE: usize = 64 * 1024;
+
 /// One chunk-sized window of dirty bytes.
 #[derive(Default)]
 pub struct Slot {
@@ -46,8 +49,12 @@ pub struct Slot {
 }
 
 impl Slot {
-    fn write(&mut self, at: usize, buf: &[u8]) {
+    fn write(&mut self, at: usize, buf: &[u8], slot_size: usize) {
         let end = at + buf.len();
+        if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
+            // a large writer fills the slot: allocate it once instead of growing it
+            self.data.reserve_exact(slot_size.max(end));
+        }
         if self.data.len() < end {
             self.data.resize(end, 0);
         }
@@ -501,7 +508,7 @@ fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
         s.slots
             .entry(k)
             .or_default()
-            .write(in_slot, &buf[pos..pos + n]);
+            .write(in_slot, &buf[pos..pos + n], cs as usize);
         pos += n;
     }
 }

@@ -30,22 +30,35 @@ pub fn chunk_key(c: &pb::FileChunk) -> String {
 /// Reads this small or smaller are served by exact ranged requests when not sequential.
 const RANDOM_RANGE_MAX: u64 = 256 * 1024;
 
+/// Kernel readahead requests are served concurrently and may be seen out of order: a read this
+/// far behind the furthest one, or this far past it, keeps a sequential stream going.
+const SEQ_BEHIND: u64 = 8 << 20;
+const SEQ_AHEAD: u64 = 1 << 20;
+
+/// Updates a handle's detector (`(end of the furthest read, streak)`) and tells whether this
+/// read belongs to a sequential stream. A stream starts with a read that continues the previous
+/// one exactly (or starts at 0); random reads never do, so they never trigger whole-chunk
+/// fetches and readahead by landing near each other by chance.
+fn next_sequential(seq: &mut (u64, u32), offset: u64, size: u64) -> bool {
+    let (last_end, streak) = *seq;
+    let end = offset + size;
+    let contiguous = offset == last_end;
+    let near = offset.saturating_add(SEQ_BEHIND) >= last_end && offset <= last_end + SEQ_AHEAD;
+    *seq = if contiguous {
+        (end, streak.saturating_add(1))
+    } else if near && streak > 0 {
+        (end.max(last_end), streak)
+    } else {
+        (end, 0)
+    };
+    seq.1 >= 1
+}
+
 impl Fs {
     pub async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Result<Bytes> {
         let h = self.handle(fh, ino).await?;
         let of = h.file.clone();
-        let sequential = {
-            let mut seq = h.seq.lock();
-            let streak = if offset == seq.0 || (offset > seq.0 && offset - seq.0 <= 1 << 20) {
-                seq.1.saturating_add(1)
-            } else if offset == 0 {
-                1
-            } else {
-                0
-            };
-            *seq = (offset + size as u64, streak);
-            streak >= 1
-        };
+        let sequential = next_sequential(&mut h.seq.lock(), offset, size as u64);
         self.read_file(&of, offset, size as u64, sequential).await
     }
 
@@ -108,8 +121,12 @@ impl Fs {
             } => {
                 let key = chunk_key(&chunk);
                 let plain = chunk.cipher_key.is_empty() && !chunk.is_compressed;
-                let whole =
-                    sequential || !plain || len > RANDOM_RANGE_MAX || self.cache.contains(&key);
+                // a random read of a cached, arriving or hot chunk takes the whole chunk
+                let whole = sequential
+                    || !plain
+                    || len > RANDOM_RANGE_MAX
+                    || self.cache.contains_or_pending(&key)
+                    || self.cache.touch_ranged(&key);
                 let data = if whole {
                     self.whole_chunk(&chunk, &key).await?
                 } else {
@@ -184,6 +201,25 @@ fn check_len(b: Bytes, len: u64, key: &str) -> Result<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sequential_detection() {
+        let mut s = (0, 0);
+        // a reader from the start, with readahead requests seen out of order
+        assert!(next_sequential(&mut s, 0, 1 << 20));
+        assert!(next_sequential(&mut s, 2 << 20, 1 << 20));
+        assert!(next_sequential(&mut s, 1 << 20, 1 << 20));
+        assert_eq!(s.0, 3 << 20);
+        assert!(next_sequential(&mut s, 3 << 20, 1 << 20));
+        // a jump far away ends the stream; exact continuation starts a new one
+        assert!(!next_sequential(&mut s, 100 << 20, 4096));
+        assert!(next_sequential(&mut s, (100 << 20) + 4096, 4096));
+        // random reads that land near each other by chance stay random
+        let mut r = (0, 0);
+        assert!(!next_sequential(&mut r, 10 << 20, 4096));
+        assert!(!next_sequential(&mut r, (10 << 20) + 8192, 4096));
+        assert!(!next_sequential(&mut r, (10 << 20) - 65536, 4096));
+    }
 
     #[test]
     fn key_from_fid() {

@@ -76,6 +76,21 @@ impl FuseAdapter {
     pub fn gate(&self) -> Arc<Gate> {
         self.gate.clone()
     }
+
+    /// Runs a request's future on this FUSE thread until it first has to wait, and only then
+    /// hands it to the runtime. Requests answered from memory (cached attributes and chunks,
+    /// buffered writes) so skip the wake-up of a runtime worker, which was most of their
+    /// latency on a busy machine.
+    fn dispatch(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut fut = Box::pin(fut);
+        // tokio resources and `tokio::spawn` inside the future need the runtime's context
+        let _rt = self.rt.enter();
+        // a wake-up of this waker may be lost: the spawned task polls the future again first
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        if fut.as_mut().poll(&mut cx).is_pending() {
+            self.rt.spawn(fut);
+        }
+    }
 }
 
 fn kind(k: Kind) -> FileType {
@@ -155,7 +170,7 @@ macro_rules! run {
         }
         let $fs = $self.fs.clone();
         let gate = $self.gate.clone();
-        $self.rt.spawn(async move {
+        $self.dispatch(async move {
             let _timer = crate::metrics::fuse_op($op);
             match $body {
                 Ok($v) => $ok,
