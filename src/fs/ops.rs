@@ -1461,8 +1461,12 @@ impl Fs {
         let snap = e.attr.as_ref()?;
         let dir = self.inodes.path(dir_ino)?;
         let path = join(&dir, &e.name);
-        if self.open_file(e.ino).is_some() {
-            return Some(self.attr_of(e.ino, &path, &pb::Entry::default()));
+        if let Some(of) = self.open_file(e.ino) {
+            // from this handle, not looked up again: it may be closed meanwhile
+            let s = of.state.lock();
+            let mut a = entry_attr(e.ino, &s.entry, &self.cfg.ids);
+            a.size = s.size;
+            return Some(a);
         }
         match self.meta.lookup(&dir, &e.name) {
             Cached::Found(cur) if entry_inode(&path, &cur) == e.ino => {
