@@ -610,7 +610,8 @@ async fn malformed_requests_get_clear_codes_and_mount_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn restart_keeps_live_mounts_and_repairs_dead_ones() {
     let weed = common::WeedServer::start();
-    let mut driver = Driver::start(&weed.filer_addr(), &[]);
+    // self-repair off: this test inspects dead mounts before kubelet-style calls repair them
+    let mut driver = Driver::start(&weed.filer_addr(), &["--stateDir="]);
     let mut c = driver.clients().await;
     let vol = c
         .controller
