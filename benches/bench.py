@@ -805,7 +805,7 @@ def report(results, meta, args):
     g1 = median(results.get("GETs, 1 reader", {}).get("ours", []))
     g4 = median(results.get("GETs, 4 readers", {}).get("ours", []))
     if g1 is not None and g4 is not None:
-        extra.append(f"- GETs for 4 readers on one session: {g4:.0f} vs {g1:.0f} for one reader "
+        extra.append(f"- GETs for 4 readers on one session: {g4:g} vs {g1:g} for one reader (medians) "
                      f"→ {'met' if g4 <= g1 else '**not met**'}")
     idle = median(results.get("idle RSS (MiB)", {}).get("ours", []))
     if idle is not None:
