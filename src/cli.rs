@@ -143,6 +143,12 @@ pub struct DriverArgs {
     /// and upgrades: a restarted plugin adopts them instead of leaving dead mounts.
     #[arg(long = "keeperSocket", env = "WEED_KEEPERSOCKET")]
     pub keeper_socket: Option<PathBuf>,
+
+    /// Directory where the node records staged volumes, to stage and bind them again by
+    /// itself when their FUSE sessions are lost for good (default: `state` next to a unix
+    /// endpoint's socket, else /var/lib/seaweedfs-csi/state; empty = off)
+    #[arg(long = "stateDir", env = "WEED_STATEDIR")]
+    pub state_dir: Option<String>,
 }
 
 /// Log format.
@@ -293,6 +299,8 @@ pub struct DriverPlan {
     pub fake_stager_dir: Option<PathBuf>,
     pub keeper_socket: Option<PathBuf>,
     pub metrics_port: Option<u16>,
+    /// Where the node records staged volumes (None = off).
+    pub state_dir: Option<PathBuf>,
 }
 
 impl DriverArgs {
@@ -419,12 +427,24 @@ impl DriverArgs {
         })
     }
 
+    /// `--stateDir`, defaulting to the plugin's own socket directory (a hostPath that outlives
+    /// the container, one per driver instance); an empty value turns recording off.
+    pub fn state_dir(&self, endpoint: &Endpoint) -> Option<PathBuf> {
+        match (self.state_dir.as_deref().map(str::trim), endpoint) {
+            (Some(""), _) => None,
+            (Some(d), _) => Some(PathBuf::from(d)),
+            (None, Endpoint::Unix(sock)) => sock.parent().map(|p| p.join("state")),
+            (None, Endpoint::Tcp(_)) => Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR)),
+        }
+    }
+
     pub fn plan(&self) -> Result<DriverPlan, CliError> {
         let endpoint: Endpoint = self
             .endpoint
             .parse()
             .map_err(|e: ServeError| invalid("endpoint", e.to_string()))?;
         let (run_controller, run_node) = self.components()?;
+        let state_dir = self.state_dir(&endpoint);
         if self.mount_endpoint.is_some() {
             tracing::warn!("--mountEndpoint is ignored: FUSE runs inside this driver, no mount service is used");
         }
@@ -450,6 +470,7 @@ impl DriverArgs {
                 topology: self.topology()?,
                 defaults: self.volume_defaults()?,
             },
+            state_dir,
             fake_stager_dir: self.fake_stager.clone(),
             keeper_socket: self.keeper_socket.clone(),
             metrics_port: self.metrics_port.filter(|p| *p != 0),
@@ -470,7 +491,12 @@ pub async fn run_driver(
         .run_controller
         .then(|| ControllerService::new(filer.clone(), plan.controller.clone()));
     let node = match (plan.run_node, stager) {
-        (true, Some(s)) => Some(NodeService::new(s, plan.node.clone())),
+        (true, Some(s)) => {
+            let node =
+                NodeService::new(s, plan.node.clone()).with_state_dir(plan.state_dir.as_deref());
+            node.spawn_recovery();
+            Some(node)
+        }
         (true, None) => {
             return Err(ServeError::Io {
                 context: "the node component needs a stager".into(),
@@ -624,6 +650,21 @@ mod tests {
             .unwrap();
         assert_eq!(plan.node.topology.len(), 2);
         assert_eq!(plan.node.topology["zone"], "a");
+    }
+
+    #[test]
+    fn state_dir_defaults_next_to_the_socket_and_can_be_turned_off() {
+        let plan = |args: &[&str]| parse(args).driver.plan().unwrap().state_dir;
+        assert_eq!(
+            plan(&["--endpoint=unix:///csi/csi.sock"]),
+            Some(PathBuf::from("/csi/state"))
+        );
+        assert_eq!(
+            plan(&["--endpoint=tcp://127.0.0.1:1"]),
+            Some(PathBuf::from(crate::csi::state::DEFAULT_STATE_DIR))
+        );
+        assert_eq!(plan(&["--stateDir=/x/y"]), Some(PathBuf::from("/x/y")));
+        assert_eq!(plan(&["--stateDir="]), None);
     }
 
     #[test]

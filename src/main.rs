@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use seaweedfs_csi_driver::cli::{self, Cli, Command, DriverArgs};
+use seaweedfs_csi_driver::csi::server::{shutdown_signal, Endpoint};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
 use seaweedfs_csi_driver::filer::FilerApi;
@@ -80,7 +81,17 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             fuse_stager = Some(s.clone());
             Some(s)
         };
-        let served = cli::run_driver(plan, filer, stager).await;
+        // Rolling update (maxSurge): the previous plugin still serves the socket until it gets
+        // SIGTERM; its sessions are claimed above and adopted once it has exited.
+        let stopped = tokio::select! {
+            _ = wait_for_endpoint(&plan.endpoint) => false,
+            _ = shutdown_signal() => true,
+        };
+        let served = if stopped {
+            Ok(())
+        } else {
+            cli::run_driver(plan, filer, stager).await
+        };
         if let Some(s) = fuse_stager {
             s.shutdown().await;
         }
@@ -90,4 +101,35 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     // Adoption claims may still wait on the keeper in blocking threads: do not wait for them.
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     result
+}
+
+/// Waits while another process answers on the unix CSI socket (bounded only by that process:
+/// it stops listening on SIGTERM). A stale socket file is left to the listener setup.
+async fn wait_for_endpoint(endpoint: &Endpoint) {
+    let Endpoint::Unix(path) = endpoint else {
+        return;
+    };
+    let mut waited = 0u64;
+    loop {
+        let p = path.clone();
+        let live =
+            tokio::task::spawn_blocking(move || std::os::unix::net::UnixStream::connect(p).is_ok())
+                .await
+                .unwrap_or(false);
+        if !live {
+            if waited > 0 {
+                tracing::info!(socket = %path.display(), "the previous plugin released the CSI socket");
+            }
+            return;
+        }
+        if waited == 0 {
+            tracing::info!(socket = %path.display(),
+                "another plugin serves the CSI socket (rolling update?); waiting for it to stop");
+        } else if waited % 600 == 0 {
+            tracing::warn!(socket = %path.display(), waited_secs = waited / 10,
+                "the CSI socket is still served by another process");
+        }
+        waited += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }

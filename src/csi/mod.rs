@@ -9,6 +9,7 @@ pub mod node;
 pub mod params;
 pub mod server;
 pub mod stager;
+pub mod state;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};

@@ -18,6 +18,7 @@ use tonic::{Request, Response, Status};
 use super::mounts::{self, MountError, MountState};
 use super::params::{self, VolumeDefaults};
 use super::stager::{StageError, Stager};
+use super::state::{RecordedVolume, StateError, StateStore};
 use super::{require_capability, require_field, CapabilityRequest, KeyedLocks};
 use crate::config::MountOptions;
 use crate::pb::csi::node_server::Node;
@@ -76,12 +77,22 @@ struct StagedVolume {
     publications: HashMap<PathBuf, Publication>,
 }
 
+/// Outcome of one self-repair look at a recorded volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recovery {
+    Done,
+    Later,
+}
+
+/// Cheap to clone: clones share the locks and the volume table (the recovery task holds one).
+#[derive(Clone)]
 pub struct NodeService {
     stager: Arc<dyn Stager>,
     config: NodeConfig,
     timeouts: NodeTimeouts,
-    locks: KeyedLocks,
-    volumes: Mutex<HashMap<String, StagedVolume>>,
+    locks: Arc<KeyedLocks>,
+    volumes: Arc<Mutex<HashMap<String, StagedVolume>>>,
+    store: Option<Arc<StateStore>>,
 }
 
 fn stage_status(e: StageError) -> Status {
@@ -142,8 +153,35 @@ impl NodeService {
             stager,
             config,
             timeouts,
-            locks: KeyedLocks::new(),
-            volumes: Mutex::new(HashMap::new()),
+            locks: Arc::new(KeyedLocks::new()),
+            volumes: Arc::new(Mutex::new(HashMap::new())),
+            store: None,
+        }
+    }
+
+    /// Records staged volumes under `dir` (`crate::csi::state`), for [`Self::spawn_recovery`].
+    /// A directory that cannot be opened only turns the self-repair off (logged).
+    pub fn with_state_dir(mut self, dir: Option<&Path>) -> Self {
+        self.store = dir.and_then(|dir| match StateStore::open(dir) {
+            Ok(s) => {
+                tracing::info!(file = %s.path().display(), "recording staged volumes");
+                Some(Arc::new(s))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot open the state directory; lost sessions will not be repaired");
+                None
+            }
+        });
+        self
+    }
+
+    /// Updates the state file; a failure only costs the self-repair of this volume, so it is
+    /// logged, not returned.
+    fn record(&self, volume_id: &str, f: impl FnOnce(&StateStore) -> Result<(), StateError>) {
+        if let Some(s) = &self.store {
+            if let Err(e) = f(s) {
+                tracing::error!(volume_id, error = %e, "cannot update the state file");
+            }
         }
     }
 
@@ -248,11 +286,13 @@ impl NodeService {
         };
         let read_only = opts.read_only;
         self.stage_fresh(volume_id, opts.clone(), staging).await?;
+        self.record(volume_id, |s| {
+            s.record_stage(volume_id, staging, read_only, &opts)
+        });
         let publications = known.map(|k| k.publications).unwrap_or_default();
         for (target, p) in &publications {
             if matches!(self.state(target).await, Ok(MountState::Dead(_))) {
-                self.unmount_all(target).await?;
-                self.bind(staging, target, p.read_only).await?;
+                self.bind_over_dead(staging, target, p.read_only).await?;
                 tracing::info!(volume_id, target = %target.display(), "re-bound publication");
             }
         }
@@ -300,6 +340,189 @@ impl NodeService {
             let _ = self.unmount_all(target).await;
         }
         res
+    }
+
+    /// Whether the state file records `path` as the staging path or a target of the volume.
+    fn recorded_at(&self, volume_id: &str, path: &Path) -> bool {
+        let Some(s) = &self.store else { return false };
+        matches!(s.get(volume_id), Ok(Some(r)) if r.staging == path || r.targets.contains_key(path))
+    }
+
+    /// Starts the self-repair of recorded volumes whose FUSE session is gone for good (the
+    /// fd-keeper died too, or there is none): each one this process neither serves nor is
+    /// adopting, and whose staging mount is dead or missing, is staged again and its recorded
+    /// publications are bound again. A failing volume is retried with backoff until it works or
+    /// is unstaged. Call once at start, after the stager has begun its adoptions.
+    pub fn spawn_recovery(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let store = self.store.clone()?;
+        let recorded = match store.volumes() {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the state file; nothing repaired");
+                return None;
+            }
+        };
+        if recorded.is_empty() {
+            return None;
+        }
+        let me = self.clone();
+        Some(tokio::spawn(async move {
+            let tasks: Vec<_> = recorded
+                .into_keys()
+                .map(|id| {
+                    let me = me.clone();
+                    tokio::spawn(async move { me.recover_with_retry(&id).await })
+                })
+                .collect();
+            for t in tasks {
+                let _ = t.await;
+            }
+        }))
+    }
+
+    async fn recover_with_retry(&self, volume_id: &str) {
+        let mut delay = Duration::from_secs(1);
+        let mut restaged = false;
+        for attempt in 0.. {
+            match self.recover_volume(volume_id, &mut restaged).await {
+                Ok(Recovery::Done) => return,
+                Ok(Recovery::Later) => {}
+                Err(e) => {
+                    tracing::warn!(volume_id, attempt, error = %e.message(), retry_in = ?delay,
+                    "repairing a recorded volume failed")
+                }
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(30));
+        }
+    }
+
+    /// Whether a session of this process makes the repair unnecessary (healthy), or may
+    /// still (being adopted, or its filer is away): then look again later. A failed adoption
+    /// leaves the volume unserved and dead, which the next look repairs.
+    fn served_here(&self, volume_id: &str) -> Option<Recovery> {
+        self.stager.health(volume_id).map(|h| {
+            if h.healthy {
+                Recovery::Done
+            } else {
+                Recovery::Later
+            }
+        })
+    }
+
+    /// One repair attempt. Once this process has staged the volume again (`restaged`), later
+    /// attempts only finish binding its publications.
+    async fn recover_volume(
+        &self,
+        volume_id: &str,
+        restaged: &mut bool,
+    ) -> Result<Recovery, Status> {
+        if !*restaged {
+            if let Some(r) = self.served_here(volume_id) {
+                return Ok(r);
+            }
+        }
+        let Some(store) = self.store.clone() else {
+            return Ok(Recovery::Done);
+        };
+        let _guard = self.locks.lock(volume_id).await;
+        let rec: RecordedVolume = match store.get(volume_id) {
+            Ok(Some(r)) => r,
+            Ok(None) => return Ok(Recovery::Done), // unstaged meanwhile
+            Err(e) => return Err(Status::internal(e.to_string())),
+        };
+        if !*restaged {
+            if let Some(r) = self.served_here(volume_id) {
+                return Ok(r);
+            }
+        }
+        match self.state(&rec.staging).await? {
+            // A predecessor's live session (no keeper): not ours.
+            MountState::Healthy if !*restaged => return Ok(Recovery::Done),
+            MountState::Healthy => {}
+            MountState::Dead(errno) => {
+                tracing::warn!(volume_id, staging = %rec.staging.display(), %errno,
+                    "recorded volume's session is gone; staging it again");
+                self.unmount_all(&rec.staging).await?;
+                self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
+                    .await?;
+                *restaged = true;
+            }
+            MountState::NotMounted => {
+                if !rec.staging.exists() {
+                    tracing::warn!(volume_id, staging = %rec.staging.display(),
+                        "recorded staging directory is gone; forgetting the volume");
+                    self.record(volume_id, |s| s.record_unstage(volume_id));
+                    return Ok(Recovery::Done);
+                }
+                tracing::warn!(volume_id, staging = %rec.staging.display(),
+                    "recorded volume is not mounted; staging it again");
+                self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
+                    .await?;
+                *restaged = true;
+            }
+        }
+        let mut publications = HashMap::new();
+        for (target, t) in &rec.targets {
+            match self.state(target).await? {
+                MountState::Healthy => {}
+                MountState::Dead(_) => {
+                    self.bind_over_dead(&rec.staging, target, t.read_only)
+                        .await?;
+                    tracing::info!(volume_id, target = %target.display(), "re-bound publication");
+                }
+                MountState::NotMounted if target.exists() => {
+                    self.bind(&rec.staging, target, t.read_only).await?;
+                    tracing::info!(volume_id, target = %target.display(), "re-bound publication");
+                }
+                MountState::NotMounted => {
+                    // kubelet removed it: the pod is gone.
+                    self.record(volume_id, |s| s.record_unpublish(volume_id, target));
+                    continue;
+                }
+            }
+            publications.insert(
+                target.clone(),
+                Publication {
+                    read_only: t.read_only,
+                },
+            );
+        }
+        tracing::info!(volume_id, staging = %rec.staging.display(), publications = publications.len(),
+            "recorded volume staged and bound again");
+        self.volumes.lock().insert(
+            volume_id.to_string(),
+            StagedVolume {
+                staging: rec.staging.clone(),
+                read_only: rec.read_only,
+                opts: Some(rec.opts),
+                publications,
+            },
+        );
+        Ok(Recovery::Done)
+    }
+
+    /// Binds the staging mount over a publication whose mount died, leaving the dead mount
+    /// underneath instead of unmounting it first: in between, the pod would write into the
+    /// node's own directory (data hidden, and lost to the volume, once the new bind covers
+    /// it). The dead layer is shadowed and goes at NodeUnpublish (`unmount_all` removes every
+    /// layer). A mount on top of the old one also propagates into containers that mounted the
+    /// target with HostToContainer propagation; others keep the dead mount until restarted.
+    async fn bind_over_dead(
+        &self,
+        staging: &Path,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<(), Status> {
+        let (s, t) = (staging.to_path_buf(), target.to_path_buf());
+        self.sys("bind mount", move || {
+            if read_only {
+                mounts::bind_mount_readonly(&s, &t)
+            } else {
+                mounts::bind_mount(&s, &t)
+            }
+        })
+        .await
     }
 
     /// Read-only flag of the top mount at `path`, from the mount table.
@@ -372,6 +595,9 @@ impl Node for NodeService {
         match self.state(&staging).await? {
             MountState::Healthy => {
                 tracing::info!(volume_id, staging = %staging.display(), "already staged");
+                self.record(volume_id, |s| {
+                    s.record_stage(volume_id, &staging, read_only, &opts)
+                });
                 self.volumes
                     .lock()
                     .entry(volume_id.to_string())
@@ -392,6 +618,9 @@ impl Node for NodeService {
         }
 
         self.stage_fresh(volume_id, opts.clone(), &staging).await?;
+        self.record(volume_id, |s| {
+            s.record_stage(volume_id, &staging, read_only, &opts)
+        });
         tracing::info!(
             volume_id,
             staging = %staging.display(),
@@ -453,6 +682,7 @@ impl Node for NodeService {
             }
         }
         self.volumes.lock().remove(volume_id);
+        self.record(volume_id, |s| s.record_unstage(volume_id));
         tracing::info!(volume_id, staging = %staging.display(), "volume unstaged");
         Ok(Response::new(NodeUnstageVolumeResponse {}))
     }
@@ -542,6 +772,28 @@ impl Node for NodeService {
             }
         }
 
+        self.record(volume_id, |s| {
+            if s.record_publish(volume_id, &target, read_only)? {
+                return Ok(());
+            }
+            // Staged before the state file existed (or by an older version): record it now.
+            let ro = cap.read_only_mode() || cap.ro_flag();
+            match params::resolve_mount_options(
+                volume_id,
+                &req.volume_context,
+                &self.config.defaults,
+                ro,
+            ) {
+                Ok(opts) => {
+                    s.record_stage(volume_id, &staging, ro, &opts)?;
+                    s.record_publish(volume_id, &target, read_only).map(|_| ())
+                }
+                Err(e) => {
+                    tracing::warn!(volume_id, error = %e, "publication not recorded");
+                    Ok(())
+                }
+            }
+        });
         let mut vols = self.volumes.lock();
         let rec = vols
             .entry(volume_id.to_string())
@@ -587,6 +839,7 @@ impl Node for NodeService {
             }
             set_published_gauge(&vols);
         }
+        self.record(volume_id, |s| s.record_unpublish(volume_id, &target));
         tracing::info!(volume_id, target = %target.display(), "volume unpublished");
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
@@ -633,7 +886,14 @@ impl Node for NodeService {
             Err(s) => return Ok(abnormal(s.message().to_string())),
         };
         match state {
-            MountState::NotMounted => return Err(not_found()),
+            MountState::NotMounted => {
+                if self.recorded_at(volume_id, &path) {
+                    return Ok(abnormal(
+                        "the FUSE session is gone; the plugin is staging the volume again".into(),
+                    ));
+                }
+                return Err(not_found());
+            }
             MountState::Dead(errno) => {
                 return Ok(abnormal(format!(
                     "the FUSE session is gone ({errno}); the volume needs to be staged again"

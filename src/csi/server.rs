@@ -24,6 +24,8 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub enum ServeError {
     #[error("invalid endpoint {0:?}: expected unix:///path/to/socket or tcp://host:port")]
     InvalidEndpoint(String),
+    #[error("another process is serving on {0}")]
+    InUse(PathBuf),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -214,9 +216,8 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Makes `path` free for a new socket. A socket file is replaced: a stale one, and also a live
-/// one, because during a rolling update the new plugin takes the endpoint over while the old
-/// one finishes (it then leaves our socket alone, see [`serve`]). Any other file is an error.
+/// Makes `path` free for a new socket: a socket file nobody listens on is stale and removed;
+/// a socket somebody answers on is in use; any other file is left alone (an error).
 fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
     use std::os::unix::fs::FileTypeExt;
     if let Some(parent) = path.parent() {
@@ -227,11 +228,9 @@ fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
         Err(e) => Err(io(format!("stat {}", path.display()))(e)),
         Ok(md) if md.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                tracing::warn!(socket = %path.display(),
-                    "another plugin serves this socket; taking the endpoint over (rolling update)");
-            } else {
-                tracing::info!(socket = %path.display(), "removing stale socket");
+                return Err(ServeError::InUse(path.to_path_buf()));
             }
+            tracing::info!(socket = %path.display(), "removing stale socket");
             std::fs::remove_file(path)
                 .map_err(io(format!("remove stale socket {}", path.display())))
         }
@@ -268,8 +267,8 @@ impl BoundListener {
 }
 
 /// Serves until `shutdown` resolves, then lets in-flight RPCs finish for up to
-/// [`SHUTDOWN_GRACE`]. Removes the unix socket afterwards. Mounts are never touched here: pods
-/// keep their volumes across a plugin restart.
+/// [`SHUTDOWN_GRACE`]. Removes the unix socket file as soon as shutdown begins. Mounts are
+/// never touched here: pods keep their volumes across a plugin restart.
 pub async fn serve(
     listener: BoundListener,
     services: CsiServices,
@@ -305,30 +304,30 @@ pub async fn serve(
         }
     };
 
-    let (result, socket) = match listener {
+    // A unix socket file is removed when shutdown begins (below); a stale file left by a
+    // failure is replaced at the next start (`prepare_socket_path`).
+    match listener {
         BoundListener::Unix(l, path) => {
-            use std::os::unix::fs::MetadataExt;
-            let ino = std::fs::symlink_metadata(&path).map(|m| m.ino()).ok();
             tracing::info!(endpoint = %format!("unix://{}", path.display()), "serving CSI");
+            // Give the path up as soon as we stop accepting, while our listener still holds
+            // it: a successor (rolling update) may bind it while we drain, and removing it
+            // later could delete the successor's socket.
+            let p = path.clone();
+            let stopping = async move {
+                stopping.await;
+                let _ = std::fs::remove_file(&p);
+            };
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
-            (bounded(served, deadline).await, Some((path, ino)))
+            bounded(served, deadline).await
         }
         BoundListener::Tcp(l) => {
             tracing::info!(endpoint = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving CSI over TCP");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
-            (bounded(served, deadline).await, None)
-        }
-    };
-    if let Some((p, ino)) = socket {
-        // a successor may have taken the endpoint over: remove only our own socket file
-        use std::os::unix::fs::MetadataExt;
-        if std::fs::symlink_metadata(&p).map(|m| m.ino()).ok() == ino {
-            let _ = std::fs::remove_file(&p);
+            bounded(served, deadline).await
         }
     }
-    result
 }
 
 async fn bounded(
@@ -390,22 +389,19 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn sockets_are_replaced_stale_or_live_but_plain_files_are_not() {
+    async fn stale_socket_is_replaced_but_live_one_is_not() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/csi.sock");
         let ep = Endpoint::Unix(path.clone());
         let first = BoundListener::bind(&ep).await.unwrap();
-        // a successor takes a live endpoint over (rolling update)
-        let second = BoundListener::bind(&ep).await.unwrap();
+        assert!(matches!(
+            BoundListener::bind(&ep).await,
+            Err(ServeError::InUse(_))
+        ));
         drop(first);
-        assert!(
-            std::os::unix::net::UnixStream::connect(&path).is_ok(),
-            "the successor answers"
-        );
-        drop(second);
         // The file stays behind after the listener is gone: stale.
         assert!(path.exists());
-        let _third = BoundListener::bind(&ep).await.unwrap();
+        let _second = BoundListener::bind(&ep).await.unwrap();
         let plain = dir.path().join("plain");
         std::fs::write(&plain, b"x").unwrap();
         assert!(BoundListener::bind(&Endpoint::Unix(plain.clone()))

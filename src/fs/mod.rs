@@ -9,6 +9,7 @@ pub mod journal;
 pub mod meta;
 mod ops;
 mod read;
+mod resent;
 
 pub use attr::{Attr, IdMap, Kind};
 pub use ops::{DirEntryOut, SetAttr, StatFs};

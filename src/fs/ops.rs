@@ -1454,6 +1454,24 @@ impl Fs {
         Ok(list)
     }
 
+    /// Attributes of a listed entry as of now. The listing is a snapshot from opendir; sending
+    /// its attributes later would overwrite the kernel's newer view (a file written since would
+    /// appear truncated), so open files and cached entries win over the snapshot.
+    pub fn current_dir_attr(&self, dir_ino: u64, e: &DirEntryOut) -> Option<Attr> {
+        let snap = e.attr.as_ref()?;
+        let dir = self.inodes.path(dir_ino)?;
+        let path = join(&dir, &e.name);
+        if self.open_file(e.ino).is_some() {
+            return Some(self.attr_of(e.ino, &path, &pb::Entry::default()));
+        }
+        match self.meta.lookup(&dir, &e.name) {
+            Cached::Found(cur) if entry_inode(&path, &cur) == e.ino => {
+                Some(self.attr_of(e.ino, &path, &cur))
+            }
+            _ => Some(snap.clone()),
+        }
+    }
+
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
@@ -1804,5 +1822,45 @@ impl Fs {
 
     pub fn access_ok(&self, _ino: u64) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    #[tokio::test]
+    async fn readdirplus_attrs_are_current_not_from_the_opendir_snapshot() {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"12345").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        let e = list.iter().find(|e| e.name == "f").unwrap();
+        assert_eq!(e.attr.as_ref().unwrap().size, 5);
+
+        // Written after the snapshot: open, then closed again.
+        let fh = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+        fs.write(fh, a.ino, 5, b"67890").await.unwrap();
+        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        // "." and ".." carry no attributes.
+        assert!(fs.current_dir_attr(ROOT_INO, &list[0]).is_none());
     }
 }

@@ -144,6 +144,12 @@ fn log_err(op: &str, e: &FsError) {
     }
 }
 
+/// Whether the kernel resent this request after a takeover (the dead process may have applied
+/// it already; see `crate::fs::resent`).
+fn resent(req: &Request) -> bool {
+    req.unique().0 & super::takeover::RESEND_UNIQUE_BIT != 0
+}
+
 fn name_of(name: &OsStr) -> Result<String, FsError> {
     crate::fs::sanitize_name(name)
 }
@@ -285,21 +291,28 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let name = name_of(name);
-        let (uid, gid) = (req.uid(), req.gid());
+        let (uid, gid, resent) = (req.uid(), req.gid(), resent(req));
         run!(
             self,
             "mknod",
             reply,
             |fs| async {
-                fs.mknod(
-                    parent.0,
-                    &name?,
-                    mode & !umask | (mode & libc::S_IFMT),
-                    rdev,
-                    uid,
-                    gid,
-                )
-                .await
+                let name = name?;
+                let r = fs
+                    .mknod(
+                        parent.0,
+                        &name,
+                        mode & !umask | (mode & libc::S_IFMT),
+                        rdev,
+                        uid,
+                        gid,
+                    )
+                    .await;
+                if resent {
+                    fs.settle_resent_create(parent.0, &name, None, r).await
+                } else {
+                    r
+                }
             }
             .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
@@ -316,34 +329,62 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let name = name_of(name);
-        let (uid, gid) = (req.uid(), req.gid());
+        let (uid, gid, resent) = (req.uid(), req.gid(), resent(req));
         run!(
             self,
             "mkdir",
             reply,
-            |fs| async { fs.mkdir(parent.0, &name?, mode & !umask, uid, gid).await }.await,
+            |fs| async {
+                let name = name?;
+                let r = fs.mkdir(parent.0, &name, mode & !umask, uid, gid).await;
+                if resent {
+                    fs.settle_resent_create(parent.0, &name, Some(Kind::Dir), r)
+                        .await
+                } else {
+                    r
+                }
+            }
+            .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
         );
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let name = name_of(name);
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let (name, resent) = (name_of(name), resent(req));
         run!(
             self,
             "unlink",
             reply,
-            |fs| async { fs.unlink(parent.0, &name?).await }.await,
+            |fs| async {
+                let name = name?;
+                let r = fs.unlink(parent.0, &name).await;
+                if resent {
+                    fs.settle_resent_remove(&name, r)
+                } else {
+                    r
+                }
+            }
+            .await,
             |_v| reply.ok()
         );
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let name = name_of(name);
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let (name, resent) = (name_of(name), resent(req));
         run!(
             self,
             "rmdir",
             reply,
-            |fs| async { fs.rmdir(parent.0, &name?).await }.await,
+            |fs| async {
+                let name = name?;
+                let r = fs.rmdir(parent.0, &name).await;
+                if resent {
+                    fs.settle_resent_remove(&name, r)
+                } else {
+                    r
+                }
+            }
+            .await,
             |_v| reply.ok()
         );
     }
@@ -358,19 +399,29 @@ impl Filesystem for FuseAdapter {
     ) {
         let name = name_of(link_name);
         let target = target.to_string_lossy().to_string();
-        let (uid, gid) = (req.uid(), req.gid());
+        let (uid, gid, resent) = (req.uid(), req.gid(), resent(req));
         run!(
             self,
             "symlink",
             reply,
-            |fs| async { fs.symlink(parent.0, &name?, &target, uid, gid).await }.await,
+            |fs| async {
+                let name = name?;
+                let r = fs.symlink(parent.0, &name, &target, uid, gid).await;
+                if resent {
+                    fs.settle_resent_create(parent.0, &name, Some(Kind::Symlink), r)
+                        .await
+                } else {
+                    r
+                }
+            }
+            .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
         );
     }
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -378,14 +429,21 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let (name, newname) = (name_of(name), name_of(newname));
+        let (name, newname, resent) = (name_of(name), name_of(newname), resent(req));
         run!(
             self,
             "rename",
             reply,
             |fs| async {
-                fs.rename(parent.0, &name?, newparent.0, &newname?, flags.bits())
-                    .await
+                let newname = newname?;
+                let r = fs
+                    .rename(parent.0, &name?, newparent.0, &newname, flags.bits())
+                    .await;
+                if resent {
+                    fs.settle_resent_rename(newparent.0, &newname, r).await
+                } else {
+                    r
+                }
             }
             .await,
             |_v| reply.ok()
@@ -394,18 +452,28 @@ impl Filesystem for FuseAdapter {
 
     fn link(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         newparent: INodeNo,
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        let name = name_of(newname);
+        let (name, resent) = (name_of(newname), resent(req));
         run!(
             self,
             "link",
             reply,
-            |fs| async { fs.link(ino.0, newparent.0, &name?).await }.await,
+            |fs| async {
+                let name = name?;
+                let r = fs.link(ino.0, newparent.0, &name).await;
+                if resent {
+                    fs.settle_resent_create(newparent.0, &name, Some(Kind::File), r)
+                        .await
+                } else {
+                    r
+                }
+            }
+            .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
         );
     }
@@ -781,9 +849,9 @@ impl Filesystem for FuseAdapter {
     }
 }
 
-fn dir_attr(_fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
-    match &e.attr {
-        Some(a) => a.clone(),
+fn dir_attr(fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
+    match fs.current_dir_attr(dir_ino, e).or_else(|| e.attr.clone()) {
+        Some(a) => a,
         None => {
             let mut a = fs_root_like(e.ino);
             if e.ino == dir_ino {

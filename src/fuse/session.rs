@@ -215,12 +215,9 @@ pub fn fuse_config(opts: &MountOptions, fsname: String) -> fuser::Config {
 
 /// Raises the mount's kernel readahead (its bdi's `read_ahead_kb` stays at 128 KiB otherwise).
 pub fn raise_readahead(mountpoint: &Path, kb: u32) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(m) = std::fs::metadata(mountpoint) else {
+    let Some((major, minor)) = mount_device(mountpoint) else {
         return;
     };
-    let dev = m.dev();
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
     let p = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
     if let Err(e) = std::fs::write(&p, kb.to_string()) {
         tracing::debug!(path = p, error = %e, "cannot raise readahead");
@@ -581,10 +578,19 @@ impl Drop for MountedVolume {
 
 /// The FUSE connection id of a mount: the minor number of its device.
 fn connection_id(mountpoint: &Path) -> Option<u32> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(mountpoint)
-        .ok()
-        .map(|m| libc::minor(m.dev()))
+    mount_device(mountpoint).map(|(_, minor)| minor)
+}
+
+/// The device of the topmost mount at `mountpoint`, from /proc/self/mountinfo. Never touches the
+/// mounted filesystem: a stat there would be a FUSE request this very process must answer,
+/// and it may be called from a runtime worker the answer needs.
+fn mount_device(mountpoint: &Path) -> Option<(u32, u32)> {
+    let mounts = crate::csi::mounts::read_mountinfo().ok()?;
+    mounts
+        .iter()
+        .rev()
+        .find(|m| m.mount_point == mountpoint)
+        .map(|m| (m.major, m.minor))
 }
 
 /// Waits for the session threads; if the connection is still referenced elsewhere (a bind

@@ -8,7 +8,7 @@ use crate::keeper::KeeperClient;
 use crate::security::SecurityConfig;
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,6 +17,9 @@ use std::time::Duration;
 pub struct FuseStager {
     security: SecurityConfig,
     sessions: Mutex<HashMap<String, MountedVolume>>,
+    /// Volumes found in the keeper whose adoption has not finished yet.
+    adopting: Mutex<HashSet<String>>,
+    adopted: tokio::sync::Notify,
     /// With an fd-keeper, sessions survive this process (crash or upgrade).
     keeper: Option<(PathBuf, Arc<KeeperClient>)>,
 }
@@ -27,6 +30,8 @@ impl FuseStager {
         FuseStager {
             security,
             sessions: Mutex::new(HashMap::new()),
+            adopting: Mutex::new(HashSet::new()),
+            adopted: tokio::sync::Notify::new(),
             keeper: None,
         }
     }
@@ -38,6 +43,8 @@ impl FuseStager {
         Ok(FuseStager {
             security,
             sessions: Mutex::new(HashMap::new()),
+            adopting: Mutex::new(HashSet::new()),
+            adopted: tokio::sync::Notify::new(),
             keeper: Some((socket.to_path_buf(), Arc::new(client))),
         })
     }
@@ -56,10 +63,13 @@ impl FuseStager {
                 return 0;
             }
         };
+        // Registered before this returns, so the node's self-repair leaves them alone.
+        self.adopting.lock().extend(ids.iter().cloned());
         for id in &ids {
             let me = self.clone();
             let socket = socket.clone();
             let id = id.clone();
+            let id2 = id.clone();
             tokio::spawn(async move {
                 let started = std::time::Instant::now();
                 let claimed =
@@ -77,23 +87,58 @@ impl FuseStager {
                     .await;
                 let (conn, entry) = match claimed {
                     Ok(Ok(v)) => v,
-                    Ok(Err(e)) => return tracing::error!(error = %e, "adopt failed"),
-                    Err(e) => return tracing::error!(error = %e, "adopt task failed"),
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "adopt failed");
+                        return me.adoption_over(&id2);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "adopt task failed");
+                        return me.adoption_over(&id2);
+                    }
                 };
-                match MountedVolume::adopt(entry, &me.security, Arc::new(conn)).await {
+                let conn = Arc::new(conn);
+                let granted = std::time::Instant::now();
+                match MountedVolume::adopt(entry, &me.security, conn.clone()).await {
                     Ok(m) => {
                         let vid = m.volume_id().unwrap_or_default();
-                        tracing::info!(volume_id = %vid, took_ms = started.elapsed().as_millis() as u64, "session adopted");
+                        tracing::info!(volume_id = %vid,
+                            claim_waited_ms = (granted - started).as_millis() as u64,
+                            took_ms = granted.elapsed().as_millis() as u64, "session adopted");
                         crate::metrics::global()
                             .staged_volumes
                             .fetch_add(1, Ordering::Relaxed);
                         me.sessions.lock().insert(vid, m);
                     }
-                    Err(e) => tracing::error!(error = %e, "adopting a session failed"),
+                    Err(e) => {
+                        // Nobody can serve it: release the keeper's fds so the mount fails fast
+                        // (ENOTCONN) instead of hanging, and can be staged again.
+                        tracing::error!(volume_id = %id2, error = %e, "adopting a session failed; ending it");
+                        let id = id2.clone();
+                        let _ = tokio::task::spawn_blocking(move || conn.drop_entry(&id)).await;
+                    }
                 }
+                me.adoption_over(&id2);
             });
         }
         ids.len()
+    }
+
+    fn adoption_over(&self, volume_id: &str) {
+        self.adopting.lock().remove(volume_id);
+        self.adopted.notify_waiters();
+    }
+
+    /// Waits until the adoption of `volume_id` (if any) has finished.
+    async fn wait_adopted(&self, volume_id: &str) {
+        loop {
+            let notified = self.adopted.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.adopting.lock().contains(volume_id) {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// At process exit: with a keeper, hand every session over (flushed, left mounted for the
@@ -170,6 +215,8 @@ impl Stager for FuseStager {
     }
 
     async fn unstage(&self, volume_id: &str, _staging_path: &Path) -> Result<(), StageError> {
+        // The caller bounds this: the predecessor may still be handing the session over.
+        self.wait_adopted(volume_id).await;
         let Some(mounted) = self.sessions.lock().remove(volume_id) else {
             return Ok(());
         };
@@ -183,6 +230,11 @@ impl Stager for FuseStager {
     }
 
     fn health(&self, volume_id: &str) -> Option<VolumeHealth> {
+        if self.adopting.lock().contains(volume_id) {
+            return Some(VolumeHealth::unhealthy(
+                "taking over the live FUSE session from the previous plugin process",
+            ));
+        }
         let s = self.sessions.lock();
         let m = s.get(volume_id)?;
         Some(if m.fs.is_healthy() {

@@ -1,0 +1,333 @@
+//! Node-local record of the volumes this node plugin staged and published, so that a plugin
+//! whose FUSE sessions are gone for good (the fd-keeper died too, or there is none) can stage
+//! and bind them again by itself: kubelet does not repeat NodeStage/NodePublish for pods that
+//! are already running.
+//!
+//! One small JSON file, rewritten atomically (temp file + fsync + rename + fsync of the
+//! directory) on every change, under an advisory `flock` so two plugin generations that run at
+//! once during a rolling update never lose each other's updates. The file is the only source of
+//! truth: every change re-reads it. It holds mount options (filer addresses, paths, ids maps)
+//! but no secrets; it is still created with mode 0600.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::MountOptions;
+
+/// Used when neither `--stateDir` nor a unix endpoint gives a directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/seaweedfs-csi/state";
+const FILE_NAME: &str = "volumes.json";
+const LOCK_NAME: &str = "volumes.lock";
+const FORMAT: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
+    move |source| StateError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A pod's bind of a staged volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedTarget {
+    pub read_only: bool,
+}
+
+/// A staged volume as NodeStage resolved it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecordedVolume {
+    pub staging: PathBuf,
+    pub read_only: bool,
+    /// The complete options the session was started with.
+    pub opts: MountOptions,
+    #[serde(default)]
+    pub targets: BTreeMap<PathBuf, RecordedTarget>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    format: u32,
+    #[serde(default)]
+    volumes: BTreeMap<String, RecordedVolume>,
+}
+
+/// The state file of one node plugin (see the module comment).
+#[derive(Debug)]
+pub struct StateStore {
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+/// Holds the advisory lock of the state directory while alive.
+struct Locked(#[allow(dead_code)] nix::fcntl::Flock<File>);
+
+impl StateStore {
+    /// Opens (creating if needed) the state directory. A corrupt state file is set aside, not
+    /// fatal: the plugin then only misses the self-repair of what it recorded.
+    pub fn open(dir: &Path) -> Result<Self, StateError> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io_err(dir))?;
+        let s = StateStore {
+            dir: dir.to_path_buf(),
+            file: dir.join(FILE_NAME),
+        };
+        let _l = s.lock()?;
+        if let Err(e) = s.read() {
+            let aside = dir.join(format!("{FILE_NAME}.corrupt-{}", std::process::id()));
+            tracing::error!(file = %s.file.display(), error = %e, aside = %aside.display(),
+                "unreadable state file set aside; recorded volumes are not repaired");
+            std::fs::rename(&s.file, &aside).map_err(io_err(&s.file))?;
+        }
+        Ok(s)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.file
+    }
+
+    fn lock(&self) -> Result<Locked, StateError> {
+        let p = self.dir.join(LOCK_NAME);
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&p)
+            .map_err(io_err(&p))?;
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+            .map(Locked)
+            .map_err(|(_, e)| io_err(&p)(e.into()))
+    }
+
+    fn read(&self) -> Result<StateFile, StateError> {
+        let bytes = match std::fs::read(&self.file) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateFile::default()),
+            Err(e) => return Err(io_err(&self.file)(e)),
+        };
+        let st: StateFile = serde_json::from_slice(&bytes)
+            .map_err(|e| io_err(&self.file)(std::io::Error::other(e)))?;
+        if st.format != FORMAT {
+            return Err(io_err(&self.file)(std::io::Error::other(format!(
+                "state format {} not supported (want {FORMAT})",
+                st.format
+            ))));
+        }
+        Ok(st)
+    }
+
+    fn write(&self, st: &StateFile) -> Result<(), StateError> {
+        let tmp = self.dir.join(format!("{FILE_NAME}.tmp"));
+        let bytes = serde_json::to_vec_pretty(st)
+            .map_err(|e| io_err(&self.file)(std::io::Error::other(e)))?;
+        let mut f = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io_err(&tmp))?;
+        f.write_all(&bytes).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+        std::fs::rename(&tmp, &self.file).map_err(io_err(&self.file))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&self.dir))
+    }
+
+    /// Read-modify-write under the lock.
+    fn update<T>(
+        &self,
+        f: impl FnOnce(&mut BTreeMap<String, RecordedVolume>) -> T,
+    ) -> Result<T, StateError> {
+        let _l = self.lock()?;
+        let mut st = self.read()?;
+        let out = f(&mut st.volumes);
+        st.format = FORMAT;
+        self.write(&st)?;
+        Ok(out)
+    }
+
+    /// Every recorded volume.
+    pub fn volumes(&self) -> Result<BTreeMap<String, RecordedVolume>, StateError> {
+        let _l = self.lock()?;
+        Ok(self.read()?.volumes)
+    }
+
+    pub fn get(&self, volume_id: &str) -> Result<Option<RecordedVolume>, StateError> {
+        Ok(self.volumes()?.remove(volume_id))
+    }
+
+    /// Records a staged volume; its publications are kept when the staging path is the same.
+    pub fn record_stage(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        read_only: bool,
+        opts: &MountOptions,
+    ) -> Result<(), StateError> {
+        self.update(|v| {
+            let targets = v
+                .remove(volume_id)
+                .filter(|old| old.staging == staging)
+                .map(|old| old.targets)
+                .unwrap_or_default();
+            v.insert(
+                volume_id.to_string(),
+                RecordedVolume {
+                    staging: staging.to_path_buf(),
+                    read_only,
+                    opts: opts.clone(),
+                    targets,
+                },
+            );
+        })
+    }
+
+    /// Records a publication; false when the volume is not recorded as staged.
+    pub fn record_publish(
+        &self,
+        volume_id: &str,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<bool, StateError> {
+        self.update(|v| match v.get_mut(volume_id) {
+            Some(rec) => {
+                rec.targets
+                    .insert(target.to_path_buf(), RecordedTarget { read_only });
+                true
+            }
+            None => false,
+        })
+    }
+
+    pub fn record_unpublish(&self, volume_id: &str, target: &Path) -> Result<(), StateError> {
+        self.update(|v| {
+            if let Some(rec) = v.get_mut(volume_id) {
+                rec.targets.remove(target);
+            }
+        })
+    }
+
+    pub fn record_unstage(&self, volume_id: &str) -> Result<(), StateError> {
+        self.update(|v| {
+            v.remove(volume_id);
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(path: &str) -> MountOptions {
+        MountOptions {
+            filer_path: path.into(),
+            quota_bytes: 5,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn records_survive_reopen_and_follow_the_rpcs() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(&dir.path().join("st")).unwrap();
+        assert!(s.volumes().unwrap().is_empty());
+        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"))
+            .unwrap();
+        assert!(s.record_publish("v1", Path::new("/t/a"), false).unwrap());
+        assert!(s.record_publish("v1", Path::new("/t/b"), true).unwrap());
+        assert!(!s.record_publish("nope", Path::new("/t/c"), false).unwrap());
+        // Restaging at the same path keeps the publications.
+        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"))
+            .unwrap();
+
+        let again = StateStore::open(&dir.path().join("st")).unwrap();
+        let v = again.get("v1").unwrap().unwrap();
+        assert_eq!(v.staging, PathBuf::from("/s/1"));
+        assert_eq!(v.opts.filer_path, "/buckets/v1");
+        assert_eq!(v.opts.quota_bytes, 5);
+        assert_eq!(v.targets.len(), 2);
+        assert!(v.targets[Path::new("/t/b")].read_only);
+
+        again.record_unpublish("v1", Path::new("/t/a")).unwrap();
+        assert_eq!(s.get("v1").unwrap().unwrap().targets.len(), 1);
+        // Staged elsewhere: old publications are gone with the old staging.
+        s.record_stage("v1", Path::new("/s/2"), false, &opts("/buckets/v1"))
+            .unwrap();
+        assert!(s.get("v1").unwrap().unwrap().targets.is_empty());
+        s.record_unstage("v1").unwrap();
+        assert!(again.volumes().unwrap().is_empty());
+        // Nothing but the file and the lock is left behind (no temp file).
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("st"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, vec![FILE_NAME.to_string(), LOCK_NAME.to_string()]);
+    }
+
+    #[test]
+    fn corrupt_file_is_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FILE_NAME), b"{not json").unwrap();
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(s.volumes().unwrap().is_empty());
+        let aside = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .contains("corrupt")
+            })
+            .count();
+        assert_eq!(aside, 1);
+        s.record_stage("v", Path::new("/s"), true, &opts("/x"))
+            .unwrap();
+        assert!(s.get("v").unwrap().unwrap().read_only);
+    }
+
+    #[test]
+    fn concurrent_writers_do_not_lose_updates() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = std::sync::Arc::new(StateStore::open(dir.path()).unwrap());
+        let b = std::sync::Arc::new(StateStore::open(dir.path()).unwrap());
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let s = if i % 2 == 0 { a.clone() } else { b.clone() };
+                std::thread::spawn(move || {
+                    s.record_stage(
+                        &format!("v{i}"),
+                        Path::new(&format!("/s/{i}")),
+                        false,
+                        &opts("/p"),
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(a.volumes().unwrap().len(), 8);
+    }
+}

@@ -1,0 +1,162 @@
+//! Requests the kernel queues again after a takeover (FUSE_NOTIFY_RESEND) may already have been
+//! applied by the process that died before answering them. Run again, a namespace change then
+//! fails where its first run succeeded: mkdir finds its own directory (EEXIST), unlink finds
+//! nothing to remove (ENOENT). For a resent request those outcomes are answered as the first
+//! run's success. A wrong guess (someone else made the same change meanwhile) still leaves
+//! exactly the state the caller asked for.
+//!
+//! create(2) needs nothing: its entry reaches the filer only at the first flush, which cannot
+//! have happened before the create was answered. Data writes are idempotent (same offset, same
+//! bytes).
+
+use super::attr::{Attr, Kind};
+use super::{Fs, Result};
+
+impl Fs {
+    /// mkdir/mknod/symlink/link: EEXIST for an entry of the kind asked for (`want`; `None` =
+    /// any non-directory) is the first run's result: answer with that entry.
+    pub async fn settle_resent_create(
+        &self,
+        parent: u64,
+        name: &str,
+        want: Option<Kind>,
+        r: Result<Attr>,
+    ) -> Result<Attr> {
+        let Err(e) = r else { return r };
+        if e.errno != libc::EEXIST {
+            return Err(e);
+        }
+        match self.lookup(parent, name).await {
+            Ok(a) if want.map_or(a.kind != Kind::Dir, |k| a.kind == k) => {
+                tracing::info!(
+                    name,
+                    "resent create found its entry: applied before the takeover"
+                );
+                Ok(a)
+            }
+            _ => Err(e),
+        }
+    }
+
+    /// unlink/rmdir: ENOENT is the first run's result.
+    pub fn settle_resent_remove(&self, name: &str, r: Result<()>) -> Result<()> {
+        match r {
+            Err(e) if e.errno == libc::ENOENT => {
+                tracing::info!(
+                    name,
+                    "resent removal found nothing: applied before the takeover"
+                );
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// rename: ENOENT while the destination exists is the first run's result.
+    pub async fn settle_resent_rename(
+        &self,
+        newparent: u64,
+        newname: &str,
+        r: Result<()>,
+    ) -> Result<()> {
+        let Err(e) = r else { return r };
+        if e.errno != libc::ENOENT {
+            return Err(e);
+        }
+        match self.lookup(newparent, newname).await {
+            Ok(_) => {
+                tracing::info!(
+                    newname,
+                    "resent rename found its result: applied before the takeover"
+                );
+                Ok(())
+            }
+            Err(_) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::inode::ROOT_INO;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+    use std::sync::Arc;
+
+    fn fs() -> Arc<Fs> {
+        let cfg = FsConfig::from_mount_options(&MountOptions::default());
+        Fs::new(
+            cfg,
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        )
+    }
+
+    #[tokio::test]
+    async fn replayed_creates_answer_with_the_existing_entry() {
+        let fs = fs();
+        let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0).await.unwrap();
+        let again = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0).await;
+        assert_eq!(again.as_ref().unwrap_err().errno, libc::EEXIST);
+        let settled = fs
+            .settle_resent_create(ROOT_INO, "d", Some(Kind::Dir), again)
+            .await
+            .unwrap();
+        assert_eq!(settled.ino, d.ino);
+
+        // Another kind under the name is a real conflict.
+        let s = fs.symlink(ROOT_INO, "l", "/x", 0, 0).await.unwrap();
+        let r = fs.mkdir(ROOT_INO, "l", 0o755, 0, 0).await;
+        let r = fs
+            .settle_resent_create(ROOT_INO, "l", Some(Kind::Dir), r)
+            .await;
+        assert_eq!(r.unwrap_err().errno, libc::EEXIST);
+        let r = fs.symlink(ROOT_INO, "l", "/x", 0, 0).await;
+        let r = fs
+            .settle_resent_create(ROOT_INO, "l", Some(Kind::Symlink), r)
+            .await;
+        assert_eq!(r.unwrap().ino, s.ino);
+        // mknod wants any non-directory: a directory is a conflict.
+        let r = fs
+            .mknod(ROOT_INO, "d", libc::S_IFIFO | 0o644, 0, 0, 0)
+            .await;
+        let r = fs.settle_resent_create(ROOT_INO, "d", None, r).await;
+        assert_eq!(r.unwrap_err().errno, libc::EEXIST);
+        // Other errors pass through untouched.
+        let r = fs.mkdir(999_999, "x", 0o755, 0, 0).await;
+        let errno = r.as_ref().unwrap_err().errno;
+        let r = fs.settle_resent_create(999_999, "x", None, r).await;
+        assert_eq!(r.unwrap_err().errno, errno);
+    }
+
+    #[tokio::test]
+    async fn replayed_removals_and_renames_succeed() {
+        let fs = fs();
+        fs.mkdir(ROOT_INO, "a", 0o755, 0, 0).await.unwrap();
+        fs.rmdir(ROOT_INO, "a").await.unwrap();
+        let again = fs.rmdir(ROOT_INO, "a").await;
+        assert_eq!(again.as_ref().unwrap_err().errno, libc::ENOENT);
+        fs.settle_resent_remove("a", again).unwrap();
+
+        fs.mkdir(ROOT_INO, "b", 0o755, 0, 0).await.unwrap();
+        let r = fs.unlink(ROOT_INO, "b").await; // EISDIR: not a replay outcome
+        assert_eq!(
+            fs.settle_resent_remove("b", r).unwrap_err().errno,
+            libc::EISDIR
+        );
+
+        fs.rename(ROOT_INO, "b", ROOT_INO, "c", 0).await.unwrap();
+        let again = fs.rename(ROOT_INO, "b", ROOT_INO, "c", 0).await;
+        assert_eq!(again.as_ref().unwrap_err().errno, libc::ENOENT);
+        fs.settle_resent_rename(ROOT_INO, "c", again).await.unwrap();
+        // Source and destination both missing: a real ENOENT.
+        let r = fs.rename(ROOT_INO, "zz", ROOT_INO, "yy", 0).await;
+        let r = fs.settle_resent_rename(ROOT_INO, "yy", r).await;
+        assert_eq!(r.unwrap_err().errno, libc::ENOENT);
+    }
+}
