@@ -13,7 +13,7 @@ use crate::pb::filer as pb;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::Notify;
 
@@ -140,6 +140,8 @@ pub struct OpenFile {
     pub commit: tokio::sync::Mutex<()>,
     pub chunk_size: usize,
     pub max_slots: usize,
+    /// Where the latest sequential reader of any handle prefetched from (`u64::MAX`: none).
+    pub stream_pos: AtomicU64,
 }
 
 /// A planned read: its end offset, the pieces, and dirty bytes `(offset, data)` laid over them.
@@ -194,6 +196,7 @@ impl OpenFile {
             commit: tokio::sync::Mutex::new(()),
             chunk_size: chunk_size.max(1),
             max_slots: max_slots.max(2),
+            stream_pos: AtomicU64::new(u64::MAX),
         }
     }
 

@@ -5,6 +5,7 @@ use super::file::Piece;
 use super::{errno, Fs, Result};
 use crate::pb::filer as pb;
 use bytes::{Bytes, BytesMut};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Cache key of a chunk: its file id (immutable), built from `fid` when `file_id` is empty.
@@ -30,20 +31,22 @@ pub fn chunk_key(c: &pb::FileChunk) -> String {
 /// Reads this small or smaller are served by exact ranged requests when not sequential.
 const RANDOM_RANGE_MAX: u64 = 256 * 1024;
 
-/// Kernel readahead requests are served concurrently and may be seen out of order: a read this
-/// far behind the furthest one, or this far past it, keeps a sequential stream going.
+/// Kernel readahead requests are served concurrently and may be seen out of order: a read up
+/// to this far behind the furthest one keeps a sequential stream going.
 const SEQ_BEHIND: u64 = 8 << 20;
-const SEQ_AHEAD: u64 = 1 << 20;
 
 /// Updates a handle's detector (`(end of the furthest read, streak)`) and tells whether this
 /// read belongs to a sequential stream. A stream starts with a read that continues the previous
 /// one exactly (or starts at 0); random reads never do, so they never trigger whole-chunk
-/// fetches and readahead by landing near each other by chance.
+/// fetches and readahead by landing near each other by chance. Once started, a stream survives
+/// forward jumps: readers sharing the page cache (pods on bind mounts of one volume) skip the
+/// pages another reader brought in, and were taken for random readers sending ranged GETs for
+/// chunks that were about to be fetched whole (see also `OpenFile::stream_pos`).
 fn next_sequential(seq: &mut (u64, u32), offset: u64, size: u64) -> bool {
     let (last_end, streak) = *seq;
     let end = offset + size;
     let contiguous = offset == last_end;
-    let near = offset.saturating_add(SEQ_BEHIND) >= last_end && offset <= last_end + SEQ_AHEAD;
+    let near = offset.saturating_add(SEQ_BEHIND) >= last_end;
     *seq = if contiguous {
         (end, streak.saturating_add(1))
     } else if near && streak > 0 {
@@ -58,7 +61,15 @@ impl Fs {
     pub async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Result<Bytes> {
         let h = self.handle(fh, ino).await?;
         let of = h.file.clone();
-        let sequential = next_sequential(&mut h.seq.lock(), offset, size as u64);
+        let mut sequential = next_sequential(&mut h.seq.lock(), offset, size as u64);
+        if !sequential {
+            // A reader sharing the page cache with a sequential one (pods on bind mounts of
+            // one volume) asks only for the pages the other has not brought in: near that
+            // stream, it is part of it, and its chunks are being fetched whole anyway.
+            let window = (self.cfg.readahead_chunks * self.cfg.chunk_size) as u64 + SEQ_BEHIND;
+            let pos = of.stream_pos.load(Ordering::Relaxed);
+            sequential = pos != u64::MAX && offset.abs_diff(pos) <= window;
+        }
         self.read_file(&of, offset, size as u64, sequential).await
     }
 
@@ -160,6 +171,7 @@ impl Fs {
         if !self.cache.enabled() {
             return;
         }
+        of.stream_pos.store(from, Ordering::Relaxed);
         let window = (self.cfg.readahead_chunks * self.cfg.chunk_size) as u64;
         let Some((_, pieces, _)) = of.plan_read(from, window) else {
             return;
@@ -211,9 +223,11 @@ mod tests {
         assert!(next_sequential(&mut s, 1 << 20, 1 << 20));
         assert_eq!(s.0, 3 << 20);
         assert!(next_sequential(&mut s, 3 << 20, 1 << 20));
-        // a jump far away ends the stream; exact continuation starts a new one
-        assert!(!next_sequential(&mut s, 100 << 20, 4096));
-        assert!(next_sequential(&mut s, (100 << 20) + 4096, 4096));
+        // a forward jump (pages another reader cached) keeps it; a jump far back ends it
+        assert!(next_sequential(&mut s, 100 << 20, 1 << 20));
+        assert!(!next_sequential(&mut s, 10 << 20, 4096));
+        // exact continuation starts a new one
+        assert!(next_sequential(&mut s, (10 << 20) + 4096, 4096));
         // random reads that land near each other by chance stay random
         let mut r = (0, 0);
         assert!(!next_sequential(&mut r, 10 << 20, 4096));
