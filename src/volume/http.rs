@@ -5,6 +5,7 @@
 //! never adds `Accept-Encoding` or inflates by itself: we set the header only on whole-needle
 //! GETs (the volume server applies `Range` to the *compressed* bytes if both are sent).
 
+use super::chunkbuf::{self, ChunkBuf};
 use super::cipher;
 use super::compress::{self, detect_mime, maybe_gzip};
 use super::fid::{chunk_fid, FileId};
@@ -305,7 +306,7 @@ impl VolumeClient {
             return Err(Failure::Status(status.as_u16(), error_message(&body)));
         }
         let partial = status == StatusCode::PARTIAL_CONTENT;
-        let body = resp.bytes().await.map_err(Failure::from_reqwest)?;
+        let body = read_body(resp).await?;
         let body = if gzipped {
             if range.is_some() {
                 // The server must not compress a ranged answer; if it did, the bytes are unusable.
@@ -615,6 +616,34 @@ fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: &[u8]) -> By
     body.extend_from_slice(data);
     body.extend_from_slice(tail.as_bytes());
     Bytes::from(body)
+}
+
+/// Collects a response body. Chunk-sized bodies of known length go into a buffer of their own
+/// (all pages mapped in one call, see `chunkbuf`); others into the allocator, as reqwest does.
+async fn read_body(mut resp: reqwest::Response) -> std::result::Result<Bytes, Failure> {
+    let want = resp.content_length().unwrap_or(0) as usize;
+    let buf = match want {
+        n if n >= chunkbuf::MIN_LEN => ChunkBuf::with_capacity(n),
+        _ => None,
+    };
+    let Some(mut buf) = buf else {
+        return resp.bytes().await.map_err(Failure::from_reqwest);
+    };
+    while let Some(piece) = resp.chunk().await.map_err(Failure::from_reqwest)? {
+        if !buf.extend_from_slice(&piece) {
+            return Err(Failure::Corrupt(format!(
+                "body longer than its Content-Length {want}"
+            )));
+        }
+    }
+    if buf.len() != want {
+        // hyper reports a connection closed early as an error; be strict anyway
+        return Err(Failure::Transport {
+            msg: format!("body ended after {} of {want} bytes", buf.len()),
+            timeout: false,
+        });
+    }
+    Ok(buf.into_bytes())
 }
 
 fn base_name(path: &str) -> &str {

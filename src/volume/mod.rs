@@ -4,6 +4,7 @@
 //! [`ChunkStore`] is the seam the filesystem uses; [`http::VolumeClient`] is the real client and
 //! [`mock::MockChunkStore`] an in-memory double.
 
+pub mod chunkbuf;
 pub mod cipher;
 pub mod compress;
 pub mod fid;
