@@ -2,6 +2,7 @@
 //! namespace operations, the write and read paths, metadata coherence. The `fuse` module is a
 //! thin adapter that maps kernel requests onto [`Fs`] and errors onto errnos.
 
+pub mod acl;
 pub mod attr;
 pub mod file;
 pub mod inode;
