@@ -276,10 +276,7 @@ mod tests {
         assert_eq!(einval(&[]), libc::EINVAL);
         assert_eq!(einval(&[2, 0, 0]), libc::EINVAL);
         assert_eq!(einval(&good[..good.len() - 1]), libc::EINVAL);
-        assert_eq!(
-            Acl::parse(&[1, 0, 0, 0]).unwrap_err(),
-            AclError::Version(1)
-        );
+        assert_eq!(Acl::parse(&[1, 0, 0, 0]).unwrap_err(), AclError::Version(1));
         let mut bad_perm = good.clone();
         bad_perm[6] = 8; // USER_OBJ perm with a bit beyond rwx
         assert_eq!(Acl::parse(&bad_perm).unwrap_err(), AclError::Perm(8));
@@ -326,7 +323,11 @@ mod tests {
         }
         // wrong order, duplicate base entry, entry after OTHER
         assert_eq!(
-            check(acl(&[e(GROUP_OBJ, 4, 0), e(USER_OBJ, 6, 0), e(OTHER, 0, 0)])),
+            check(acl(&[
+                e(GROUP_OBJ, 4, 0),
+                e(USER_OBJ, 6, 0),
+                e(OTHER, 0, 0)
+            ])),
             AclError::Structure
         );
         assert_eq!(
@@ -403,7 +404,10 @@ mod tests {
         let fa = f.access.unwrap();
         assert_eq!(fa.entries[0].perm, 6);
         assert_eq!(fa.entries[1].perm, 7, "named entries are not limited");
-        assert_eq!(fa.entries[2].perm, 5, "group_obj is not limited when masked");
+        assert_eq!(
+            fa.entries[2].perm, 5,
+            "group_obj is not limited when masked"
+        );
         assert_eq!(fa.entries[3].perm, 6);
         assert_eq!(fa.entries[4].perm, 4);
         assert_eq!(fa.mode_bits(), 0o664);

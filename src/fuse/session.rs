@@ -465,6 +465,11 @@ impl MountedVolume {
             path: mountpoint.clone(),
             source: e,
         })?;
+        // init() above saw the kernel's offer; what the kernel enforces is what the first
+        // daemon agreed to (a predecessor of another version may have asked differently)
+        if let Some(agreed) = &init.agreed {
+            fs.set_posix_acl(super::adapter::posix_acl_negotiated(agreed.flags));
+        }
         let bg = session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.clone(),
             source: e,
