@@ -275,7 +275,9 @@ async fn kernel_caches_acls() {
 
     let d = dir.clone();
     let (acl_calls, selinux_calls, after_set) = tokio::task::spawn_blocking(move || {
+        // the op is counted just after its reply is sent: let the last one land
         let count = || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
             let text = seaweedfs_csi_driver::metrics::global().render();
             text.lines()
                 .find_map(|l| {
