@@ -119,7 +119,10 @@ fn access_acl_is_enforced_and_kept_in_sync_with_the_mode() {
     ]);
     setxattr(&p, ACCESS, &a).unwrap();
     assert_eq!(mode(&p), 0o640, "group bits show the mask");
-    assert_eq!(entries(&getxattr(&p, ACCESS).unwrap())[1], (USER, 4, NOBODY));
+    assert_eq!(
+        entries(&getxattr(&p, ACCESS).unwrap())[1],
+        (USER, 4, NOBODY)
+    );
     assert!(can_read_as(NOBODY, &p), "the named user may read");
     assert!(!can_read_as(STRANGER, &p), "others may not");
 
@@ -134,7 +137,10 @@ fn access_acl_is_enforced_and_kept_in_sync_with_the_mode() {
     assert!(!can_read_as(NOBODY, &p), "masked out after chmod 0600");
     // chmod 0640: the mask is r-- again, so the named user (and only it) reads
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
-    assert_eq!(entries(&getxattr(&p, ACCESS).unwrap())[3], (MASK, 4, u32::MAX));
+    assert_eq!(
+        entries(&getxattr(&p, ACCESS).unwrap())[3],
+        (MASK, 4, u32::MAX)
+    );
     assert!(can_read_as(NOBODY, &p), "named entry back in force");
     assert!(!can_read_as(STRANGER, &p));
 
@@ -216,8 +222,15 @@ fn default_acl_is_inherited_and_umask_applies_without_one() {
 
     let s = d.join("s");
     assert_eq!(mode(&s), 0o770);
-    assert_eq!(entries(&getxattr(&s, ACCESS).unwrap())[3], (MASK, 7, u32::MAX));
-    assert_eq!(getxattr(&s, DEFAULT).unwrap(), def, "subdirectory inherits the default");
+    assert_eq!(
+        entries(&getxattr(&s, ACCESS).unwrap())[3],
+        (MASK, 7, u32::MAX)
+    );
+    assert_eq!(
+        getxattr(&s, DEFAULT).unwrap(),
+        def,
+        "subdirectory inherits the default"
+    );
     // and passes it on again
     sh(&s, "umask 077 && mkdir deeper");
     assert_eq!(getxattr(&s.join("deeper"), DEFAULT).unwrap(), def);
@@ -226,20 +239,29 @@ fn default_acl_is_inherited_and_umask_applies_without_one() {
     assert_eq!(lstat(&d.join("l")).unwrap().st_mode & 0o777, 0o777);
 
     // no default ACL: the umask applies (the kernel hands it to us with FUSE_DONT_MASK)
-    sh(m.path(), "umask 022 && echo x > plain && mkdir pdir && mkfifo pfifo");
+    sh(
+        m.path(),
+        "umask 022 && echo x > plain && mkdir pdir && mkfifo pfifo",
+    );
     assert_eq!(mode(&m.join("plain")), 0o644);
     assert_eq!(mode(&m.join("pdir")), 0o755);
     assert_eq!(mode(&m.join("pfifo")), 0o644);
     sh(m.path(), "umask 027 && echo x > plain2");
     assert_eq!(mode(&m.join("plain2")), 0o640);
-    assert_eq!(getxattr(&m.join("plain"), ACCESS).unwrap_err(), libc::ENODATA);
+    assert_eq!(
+        getxattr(&m.join("plain"), ACCESS).unwrap_err(),
+        libc::ENODATA
+    );
 
     // removing the default ACL stops inheritance
     let n = std::ffi::CString::new(DEFAULT).unwrap();
     check(unsafe { libc::removexattr(cpath(&d).as_ptr(), n.as_ptr()) }).unwrap();
     sh(&d, "umask 022 && echo x > after");
     assert_eq!(mode(&d.join("after")), 0o644);
-    assert_eq!(getxattr(&d.join("after"), ACCESS).unwrap_err(), libc::ENODATA);
+    assert_eq!(
+        getxattr(&d.join("after"), ACCESS).unwrap_err(),
+        libc::ENODATA
+    );
 }
 
 /// The kernel caches ACLs (including "none"): repeated reads of `system.posix_acl_access`

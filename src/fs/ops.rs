@@ -700,6 +700,7 @@ impl Fs {
         .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub async fn mknod(
         &self,
         parent: u64,
@@ -747,6 +748,7 @@ impl Fs {
 
     /// create(2): the filer entry is created on the first flush (like `weed mount`), but the
     /// name is visible here at once.
+    #[allow(clippy::too_many_arguments)]
     pub async fn create(
         &self,
         parent: u64,
@@ -2042,8 +2044,10 @@ mod acl_tests {
     use crate::volume::mock::MockChunkStore;
 
     fn fs(posix_acl: bool) -> Arc<Fs> {
-        let mut o = MountOptions::default();
-        o.filer_path = "/vol".into();
+        let o = MountOptions {
+            filer_path: "/vol".into(),
+            ..Default::default()
+        };
         let fs = Fs::new(
             FsConfig::from_mount_options(&o),
             Arc::new(MockFiler::new()),
