@@ -900,3 +900,12 @@ impl crate::fs::Notifier for KernelNotifier {
         let _ = self.0.inval_inode(INodeNo(ino), 0, -1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn posix_acl_is_read_from_recorded_flags() {
+        assert!(super::posix_acl_negotiated(1 << 20 | 1 << 30 | 1 << 39));
+        assert!(!super::posix_acl_negotiated(1 << 6 | 1 << 30));
+    }
+}

@@ -475,7 +475,8 @@ impl MountedVolume {
             source: e,
         })?;
         tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
-            graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
+            graceful = state.graceful, nodes = fs.inodes.len(), posix_acl = fs.posix_acl(),
+            "adopted live FUSE session");
         let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
