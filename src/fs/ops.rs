@@ -2176,6 +2176,22 @@ mod acl_tests {
     }
 
     #[tokio::test]
+    async fn filer_root_reports_no_acl_rather_than_an_error() {
+        for (on, want) in [(true, libc::ENODATA), (false, libc::ENOTSUP)] {
+            let fs = Fs::new(
+                FsConfig::from_mount_options(&MountOptions::default()),
+                Arc::new(MockFiler::new()),
+                Arc::new(MockChunkStore::new()),
+                ChunkCache::new(1 << 20),
+            );
+            fs.set_posix_acl(on);
+            // the kernel turns any error but ENODATA into a failed permission check
+            let e = fs.getxattr(ROOT_INO, acl::ACCESS).await.unwrap_err();
+            assert_eq!(e.errno, want);
+        }
+    }
+
+    #[tokio::test]
     async fn without_negotiated_acls_xattrs_are_plain_and_umask_applies() {
         let fs = fs(false);
         fs.init_root().await.unwrap();
