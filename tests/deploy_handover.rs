@@ -143,6 +143,11 @@ async fn surge_rollout_hands_the_mounts_over() {
         .await
         .unwrap();
     std::fs::write(target.join("before.txt"), b"written before the rollout").unwrap();
+    // A directory with a default ACL: inheritance after the adoption shows that the new process
+    // knows the kernel enforces ACLs (FUSE_POSIX_ACL agreed by the old one).
+    let acl_dir = target.join("acl");
+    std::fs::create_dir(&acl_dir).unwrap();
+    set_default_acl(&acl_dir);
     drop(c);
 
     // The surge pod: a second plugin on the same node, same CSI socket path, same keeper.
@@ -179,6 +184,20 @@ async fn surge_rollout_hands_the_mounts_over() {
         b"written before the rollout"
     );
     std::fs::write(target.join("after.txt"), b"written after the rollout").unwrap();
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg("umask 077 && echo x > inherited")
+        .current_dir(&acl_dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(acl_dir.join("inherited")).unwrap();
+    assert_eq!(
+        md.mode() & 0o777,
+        0o660,
+        "default ACL inherited (umask ignored) by the adopting process"
+    );
     assert_eq!(
         weed.filer_get(&format!("{}/after.txt", vol.volume_id))
             .unwrap(),
@@ -213,4 +232,26 @@ async fn surge_rollout_hands_the_mounts_over() {
     // Nothing held any more: the keeper drains and exits on SIGTERM.
     let st = keeper.terminate().unwrap();
     assert!(st.success(), "keeper exited with {st}:\n{}", keeper.log());
+}
+
+/// Sets `user::rwx user:65534:rwx group::r-x mask::rwx other::---` as `dir`'s default ACL
+/// (the raw xattr form).
+fn set_default_acl(dir: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let mut v = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in [
+        (1u16, 7u16, u32::MAX),
+        (2, 7, 65534),
+        (4, 5, u32::MAX),
+        (0x10, 7, u32::MAX),
+        (0x20, 0, u32::MAX),
+    ] {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    let p = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    let n = std::ffi::CString::new("system.posix_acl_default").unwrap();
+    let r = unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+    assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
 }

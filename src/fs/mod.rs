@@ -2,6 +2,7 @@
 //! namespace operations, the write and read paths, metadata coherence. The `fuse` module is a
 //! thin adapter that maps kernel requests onto [`Fs`] and errors onto errnos.
 
+pub mod acl;
 pub mod attr;
 pub mod file;
 pub mod inode;
@@ -189,6 +190,9 @@ pub struct Fs {
     quota: AtomicU64,
     notifier: parking_lot::RwLock<Option<Arc<dyn Notifier>>>,
     healthy: AtomicBool,
+    /// The kernel caches and enforces POSIX ACLs (FUSE_POSIX_ACL was negotiated): keep modes
+    /// in sync with access ACLs and apply default-ACL inheritance.
+    posix_acl: AtomicBool,
     pub stats: FsStats,
     root_attr: Mutex<Attr>,
 }
@@ -241,6 +245,7 @@ impl Fs {
             used_bytes: AtomicU64::new(0),
             notifier: parking_lot::RwLock::new(None),
             healthy: AtomicBool::new(true),
+            posix_acl: AtomicBool::new(false),
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
         })
@@ -256,6 +261,16 @@ impl Fs {
 
     pub fn set_healthy(&self, v: bool) {
         self.healthy.store(v, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Set from the FUSE INIT negotiation (fresh mount or adoption).
+    pub fn set_posix_acl(&self, on: bool) {
+        self.posix_acl
+            .store(on, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn posix_acl(&self) -> bool {
+        self.posix_acl.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn set_quota(&self, bytes: u64) {

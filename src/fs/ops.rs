@@ -1,5 +1,6 @@
 //! Namespace, attribute, handle and write operations of [`Fs`].
 
+use super::acl::{self, Acl};
 use super::attr::{self, entry_attr, entry_inode, to_go_mode, Attr, Kind};
 use super::file::{cut_start, OpenFile, SealedRun};
 use super::inode::{join, split, ROOT_INO};
@@ -396,6 +397,9 @@ impl Fs {
             (a.mtime, a.mtime_ns) = attr::split_ts(t);
         }
         (a.ctime, a.ctime_ns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
+        if let (Some(m), true) = (req.mode, self.posix_acl()) {
+            chmod_access_acl(e, m);
+        }
     }
 
     /// setattr through an open file's state; the change is committed at once.
@@ -584,6 +588,59 @@ impl Fs {
         }
     }
 
+    /// Permission bits and ACL xattrs of a new node. With ACLs negotiated and a default ACL on
+    /// the parent, both come from it and the umask is ignored (POSIX.1e); otherwise the umask
+    /// applies. Without FUSE_DONT_MASK the kernel has masked `perm` already (masking again is
+    /// harmless). Symlinks get neither.
+    async fn initial_mode(
+        &self,
+        parent: u64,
+        dir: &str,
+        kind: Kind,
+        perm: u32,
+        umask: u32,
+    ) -> (u32, Vec<(String, Vec<u8>)>) {
+        if kind == Kind::Symlink {
+            return (perm, Vec::new());
+        }
+        let Some(default) = self.default_acl_of(parent, dir).await else {
+            return (perm & !(umask & 0o777), Vec::new());
+        };
+        let inh = Acl::inherit(&default, perm, kind == Kind::Dir);
+        let mut xattrs = Vec::new();
+        if let Some(a) = inh.access {
+            xattrs.push((xattr_key(acl::ACCESS), a.to_bytes()));
+        }
+        if let Some(d) = inh.default {
+            xattrs.push((xattr_key(acl::DEFAULT), d.to_bytes()));
+        }
+        (inh.mode, xattrs)
+    }
+
+    /// The parent's default ACL, if ACLs are negotiated and it has a usable one.
+    async fn default_acl_of(&self, parent: u64, dir: &str) -> Option<Acl> {
+        if !self.posix_acl() || (parent == ROOT_INO && self.cfg.root == "/") {
+            return None;
+        }
+        let (pd, pn) = split(dir);
+        let e = match self.entry_at(&pd, &pn).await {
+            Ok(e) => e,
+            Err(err) => {
+                tracing::debug!(dir, error = %err, "parent lookup for its default ACL failed");
+                return None;
+            }
+        };
+        let raw = e.extended.get(&xattr_key(acl::DEFAULT))?;
+        match Acl::parse(raw) {
+            Ok(a) if !a.is_empty() => Some(a),
+            Ok(_) => None,
+            Err(err) => {
+                tracing::warn!(dir, error = %err, "ignoring a malformed default ACL");
+                None
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn make_node(
         &self,
@@ -591,6 +648,7 @@ impl Fs {
         name: &str,
         kind: Kind,
         perm: u32,
+        umask: u32,
         uid: u32,
         gid: u32,
         symlink: &str,
@@ -601,8 +659,10 @@ impl Fs {
         let dir = self.parent_dir(parent).await?;
         self.ensure_absent(&dir, name).await?;
         let path = join(&dir, name);
+        let (perm, acls) = self.initial_mode(parent, &dir, kind, perm, umask).await;
         let (perm, gid) = self.inherit_group(parent, &dir, kind, perm, uid, gid).await;
         let mut e = self.new_entry(name, kind, perm, uid, gid, symlink, rdev);
+        e.extended.extend(acls);
         if let Some(a) = e.attributes.as_mut() {
             a.inode = self.fresh_inode();
         }
@@ -622,18 +682,31 @@ impl Fs {
         parent: u64,
         name: &str,
         mode: u32,
+        umask: u32,
         uid: u32,
         gid: u32,
     ) -> Result<Attr> {
-        self.make_node(parent, name, Kind::Dir, mode & 0o7777, uid, gid, "", 0)
-            .await
+        self.make_node(
+            parent,
+            name,
+            Kind::Dir,
+            mode & 0o7777,
+            umask,
+            uid,
+            gid,
+            "",
+            0,
+        )
+        .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub async fn mknod(
         &self,
         parent: u64,
         name: &str,
         mode: u32,
+        umask: u32,
         rdev: u32,
         uid: u32,
         gid: u32,
@@ -643,7 +716,7 @@ impl Fs {
         if kind == Kind::Dir || kind == Kind::Symlink {
             return Err(errno(libc::EINVAL, "mknod of a directory or symlink"));
         }
-        self.make_node(parent, name, kind, mode & 0o7777, uid, gid, "", rdev)
+        self.make_node(parent, name, kind, mode & 0o7777, umask, uid, gid, "", rdev)
             .await
     }
 
@@ -658,7 +731,7 @@ impl Fs {
         if target.len() > 4095 {
             return Err(errno(libc::ENAMETOOLONG, "symlink target too long"));
         }
-        self.make_node(parent, name, Kind::Symlink, 0o777, uid, gid, target, 0)
+        self.make_node(parent, name, Kind::Symlink, 0o777, 0, uid, gid, target, 0)
             .await
     }
 
@@ -675,11 +748,13 @@ impl Fs {
 
     /// create(2): the filer entry is created on the first flush (like `weed mount`), but the
     /// name is visible here at once.
+    #[allow(clippy::too_many_arguments)]
     pub async fn create(
         &self,
         parent: u64,
         name: &str,
         mode: u32,
+        umask: u32,
         flags: i32,
         uid: u32,
         gid: u32,
@@ -701,10 +776,14 @@ impl Fs {
             Err(e) => return Err(e),
         }
         let path = join(&dir, name);
+        let (perm, acls) = self
+            .initial_mode(parent, &dir, Kind::File, mode & 0o7777, umask)
+            .await;
         let (perm, gid) = self
-            .inherit_group(parent, &dir, Kind::File, mode & 0o7777, uid, gid)
+            .inherit_group(parent, &dir, Kind::File, perm, uid, gid)
             .await;
         let mut e = self.new_entry(name, Kind::File, perm, uid, gid, "", 0);
+        e.extended.extend(acls);
         let ino = self.fresh_inode();
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
@@ -1569,6 +1648,10 @@ impl Fs {
     }
 
     pub async fn getxattr(&self, ino: u64, name: &str) -> Result<Vec<u8>> {
+        if ino == ROOT_INO && self.cfg.root == "/" && self.posix_acl() && is_acl_name(name) {
+            // the kernel takes any other error as a failed permission check
+            return Err(errno(libc::ENODATA, "no ACL on the filer root"));
+        }
         let (_, e) = self.entry_for_xattr(ino).await?;
         e.extended
             .get(&format!("{XATTR_PREFIX}{name}"))
@@ -1595,6 +1678,9 @@ impl Fs {
         if value.len() > 65536 {
             return Err(errno(libc::E2BIG, "xattr value too large"));
         }
+        if self.posix_acl() && is_acl_name(name) {
+            return self.set_acl(ino, name, value, flags).await;
+        }
         self.change_xattrs(ino, |ext| {
             let key = format!("{XATTR_PREFIX}{name}");
             let exists = ext.contains_key(&key);
@@ -1605,6 +1691,49 @@ impl Fs {
                 return Err(errno(libc::ENODATA, "no such xattr"));
             }
             ext.insert(key, value.to_vec());
+            Ok(())
+        })
+        .await
+    }
+
+    /// setxattr of an ACL the kernel enforces: validated; an access ACL also sets the mode's
+    /// permission bits and is not stored when the mode says it all.
+    async fn set_acl(&self, ino: u64, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        let parsed = Acl::parse(value).map_err(|e| errno(e.errno(), format!("{name}: {e}")))?;
+        let key = xattr_key(name);
+        self.change_entry(ino, |e| {
+            let exists = e.extended.contains_key(&key);
+            if flags & libc::XATTR_CREATE != 0 && exists {
+                return Err(errno(libc::EEXIST, "xattr exists"));
+            }
+            if flags & libc::XATTR_REPLACE != 0 && !exists {
+                return Err(errno(libc::ENODATA, "no such xattr"));
+            }
+            if name == acl::DEFAULT {
+                if !e.is_directory {
+                    // as ext4 and the VFS answer for non-directories
+                    return Err(errno(libc::EACCES, "default ACL on a non-directory"));
+                }
+                if parsed.is_empty() {
+                    e.extended.remove(&key);
+                } else {
+                    e.extended.insert(key.clone(), value.to_vec());
+                }
+                return Ok(());
+            }
+            if parsed.is_empty() {
+                e.extended.remove(&key);
+                return Ok(());
+            }
+            let a = e.attributes.get_or_insert_with(Default::default);
+            let (kind, perm) = attr::from_go_mode(a.file_mode);
+            let kind = if e.is_directory { Kind::Dir } else { kind };
+            a.file_mode = to_go_mode(kind, (u32::from(perm) & !0o777) | parsed.mode_bits());
+            if parsed.is_equivalent_to_mode() {
+                e.extended.remove(&key);
+            } else {
+                e.extended.insert(key.clone(), value.to_vec());
+            }
             Ok(())
         })
         .await
@@ -1625,10 +1754,19 @@ impl Fs {
         ino: u64,
         f: impl FnOnce(&mut std::collections::HashMap<String, Vec<u8>>) -> Result<()>,
     ) -> Result<()> {
+        self.change_entry(ino, |e| f(&mut e.extended)).await
+    }
+
+    /// Applies `f` to the entry (xattrs, or the mode along with an ACL) and commits it.
+    async fn change_entry(
+        &self,
+        ino: u64,
+        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+    ) -> Result<()> {
         if let Some(of) = self.open_file(ino) {
             {
                 let mut s = of.state.lock();
-                f(&mut s.entry.extended)?;
+                f(&mut s.entry)?;
                 let a = s.entry.attributes.get_or_insert_with(Default::default);
                 (a.ctime, a.ctime_ns) = now_parts();
                 s.meta_dirty = true;
@@ -1636,7 +1774,7 @@ impl Fs {
             return self.flush_file(&of).await;
         }
         let (dir, mut e) = self.entry_for_xattr(ino).await?;
-        f(&mut e.extended)?;
+        f(&mut e)?;
         let a = e.attributes.get_or_insert_with(Default::default);
         (a.ctime, a.ctime_ns) = now_parts();
         self.update_entry(&dir, e.clone()).await?;
@@ -1829,6 +1967,32 @@ impl Fs {
     }
 }
 
+fn xattr_key(name: &str) -> String {
+    format!("{XATTR_PREFIX}{name}")
+}
+
+fn is_acl_name(name: &str) -> bool {
+    name == acl::ACCESS || name == acl::DEFAULT
+}
+
+/// chmod of an entry with an access ACL: the ACL follows the new mode (named entries stay).
+fn chmod_access_acl(e: &mut pb::Entry, mode: u32) {
+    let key = xattr_key(acl::ACCESS);
+    let Some(raw) = e.extended.get_mut(&key) else {
+        return;
+    };
+    match Acl::parse(raw) {
+        Ok(mut a) if !a.is_empty() => {
+            a.chmod(mode);
+            *raw = a.to_bytes();
+        }
+        Ok(_) => {}
+        Err(err) => {
+            tracing::warn!(name = %e.name, error = %err, "chmod: stored access ACL is malformed; left as is")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1847,7 +2011,7 @@ mod tests {
             ChunkCache::new(1 << 20),
         );
         let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, libc::O_WRONLY, 0, 0)
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
             .await
             .unwrap();
         fs.write(fh, a.ino, 0, b"12345").await.unwrap();
@@ -1866,5 +2030,183 @@ mod tests {
         assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
         // "." and ".." carry no attributes.
         assert!(fs.current_dir_attr(ROOT_INO, &list[0]).is_none());
+    }
+}
+
+#[cfg(test)]
+mod acl_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::acl::{AclEntry, GROUP_OBJ, MASK, OTHER, UNDEFINED_ID, USER, USER_OBJ};
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    fn fs(posix_acl: bool) -> Arc<Fs> {
+        let o = MountOptions {
+            filer_path: "/vol".into(),
+            ..Default::default()
+        };
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&o),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        fs.set_posix_acl(posix_acl);
+        fs
+    }
+
+    fn acl(entries: &[(u16, u16, u32)]) -> Acl {
+        Acl {
+            entries: entries
+                .iter()
+                .map(|&(tag, perm, id)| AclEntry { tag, perm, id })
+                .collect(),
+        }
+    }
+
+    fn named_reader(mask: u16) -> Acl {
+        acl(&[
+            (USER_OBJ, 6, UNDEFINED_ID),
+            (USER, 4, 65534),
+            (GROUP_OBJ, 0, UNDEFINED_ID),
+            (MASK, mask, UNDEFINED_ID),
+            (OTHER, 0, UNDEFINED_ID),
+        ])
+    }
+
+    async fn file(fs: &Fs, name: &str, mode: u32) -> u64 {
+        let a = fs
+            .mknod(ROOT_INO, name, libc::S_IFREG | mode, 0, 0, 0, 0)
+            .await
+            .unwrap();
+        a.ino
+    }
+
+    #[tokio::test]
+    async fn access_acl_sets_the_mode_and_chmod_rewrites_it() {
+        let fs = fs(true);
+        fs.init_root().await.unwrap();
+        let ino = file(&fs, "f", 0o4600).await;
+        let v = named_reader(4).to_bytes();
+        fs.setxattr(ino, acl::ACCESS, &v, 0).await.unwrap();
+        let a = fs.getattr(ino).await.unwrap();
+        assert_eq!(a.perm, 0o4640, "group bits = mask, setuid kept");
+        assert_eq!(fs.getxattr(ino, acl::ACCESS).await.unwrap(), v);
+
+        fs.setattr(
+            ino,
+            SetAttr {
+                mode: Some(0o751),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let back = Acl::parse(&fs.getxattr(ino, acl::ACCESS).await.unwrap()).unwrap();
+        assert_eq!(back.mode_bits(), 0o751);
+        assert_eq!(back.entries[1].perm, 4, "named entry kept");
+
+        // malformed: EINVAL, nothing changed
+        let err = fs.setxattr(ino, acl::ACCESS, &v[..7], 0).await;
+        assert_eq!(err.unwrap_err().errno, libc::EINVAL);
+        assert_eq!(fs.getattr(ino).await.unwrap().perm, 0o751);
+
+        // an equivalent ACL: mode only, the stored one goes away
+        let base = acl(&[(USER_OBJ, 6, 0), (GROUP_OBJ, 4, 0), (OTHER, 0, 0)]);
+        fs.setxattr(ino, acl::ACCESS, &base.to_bytes(), 0)
+            .await
+            .unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().perm, 0o640);
+        let gone = fs.getxattr(ino, acl::ACCESS).await.unwrap_err();
+        assert_eq!(gone.errno, libc::ENODATA);
+    }
+
+    #[tokio::test]
+    async fn default_acl_only_on_directories_and_inherited() {
+        let fs = fs(true);
+        fs.init_root().await.unwrap();
+        let f = file(&fs, "f", 0o644).await;
+        let d = acl(&[
+            (USER_OBJ, 7, UNDEFINED_ID),
+            (USER, 7, 65534),
+            (GROUP_OBJ, 5, UNDEFINED_ID),
+            (MASK, 7, UNDEFINED_ID),
+            (OTHER, 0, UNDEFINED_ID),
+        ]);
+        let err = fs.setxattr(f, acl::DEFAULT, &d.to_bytes(), 0).await;
+        assert_eq!(err.unwrap_err().errno, libc::EACCES);
+
+        let dir = fs.mkdir(ROOT_INO, "d", 0o755, 0o022, 0, 0).await.unwrap();
+        assert_eq!(dir.perm, 0o755);
+        fs.setxattr(dir.ino, acl::DEFAULT, &d.to_bytes(), 0)
+            .await
+            .unwrap();
+        // umask 077 is ignored under a default ACL
+        let (child, fh) = fs
+            .create(dir.ino, "c", 0o666, 0o077, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.release(fh, child.ino).await.unwrap();
+        assert_eq!(child.perm, 0o660);
+        let ca = Acl::parse(&fs.getxattr(child.ino, acl::ACCESS).await.unwrap()).unwrap();
+        assert_eq!(ca.mode_bits(), 0o660);
+        assert_eq!(
+            ca.entries[1],
+            AclEntry {
+                tag: USER,
+                perm: 7,
+                id: 65534
+            }
+        );
+        assert!(fs.getxattr(child.ino, acl::DEFAULT).await.is_err());
+
+        let sub = fs.mkdir(dir.ino, "s", 0o777, 0o077, 0, 0).await.unwrap();
+        assert_eq!(sub.perm, 0o770);
+        assert_eq!(
+            fs.getxattr(sub.ino, acl::DEFAULT).await.unwrap(),
+            d.to_bytes()
+        );
+        assert!(fs.getxattr(sub.ino, acl::ACCESS).await.is_ok());
+        // symlinks get nothing
+        let l = fs.symlink(dir.ino, "l", "x", 0, 0).await.unwrap();
+        assert_eq!(l.perm, 0o777);
+    }
+
+    #[tokio::test]
+    async fn filer_root_reports_no_acl_rather_than_an_error() {
+        for (on, want) in [(true, libc::ENODATA), (false, libc::ENOTSUP)] {
+            let fs = Fs::new(
+                FsConfig::from_mount_options(&MountOptions::default()),
+                Arc::new(MockFiler::new()),
+                Arc::new(MockChunkStore::new()),
+                ChunkCache::new(1 << 20),
+            );
+            fs.set_posix_acl(on);
+            // the kernel turns any error but ENODATA into a failed permission check
+            let e = fs.getxattr(ROOT_INO, acl::ACCESS).await.unwrap_err();
+            assert_eq!(e.errno, want);
+        }
+    }
+
+    #[tokio::test]
+    async fn without_negotiated_acls_xattrs_are_plain_and_umask_applies() {
+        let fs = fs(false);
+        fs.init_root().await.unwrap();
+        let ino = file(&fs, "f", 0o600).await;
+        let v = named_reader(4).to_bytes();
+        fs.setxattr(ino, acl::ACCESS, &v, 0).await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().perm, 0o600, "mode untouched");
+        // not validated either (as before)
+        fs.setxattr(ino, acl::ACCESS, b"junk", 0).await.unwrap();
+        let d = fs.mkdir(ROOT_INO, "d", 0o777, 0o022, 0, 0).await.unwrap();
+        assert_eq!(d.perm, 0o755);
+        let n = fs
+            .mknod(ROOT_INO, "p", libc::S_IFIFO | 0o666, 0o027, 0, 0, 0)
+            .await
+            .unwrap();
+        assert_eq!((n.kind, n.perm), (Kind::Fifo, 0o640));
     }
 }

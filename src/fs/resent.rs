@@ -100,8 +100,8 @@ mod tests {
     #[tokio::test]
     async fn replayed_creates_answer_with_the_existing_entry() {
         let fs = fs();
-        let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0).await.unwrap();
-        let again = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0).await;
+        let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+        let again = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::EEXIST);
         let settled = fs
             .settle_resent_create(ROOT_INO, "d", Some(Kind::Dir), again)
@@ -111,7 +111,7 @@ mod tests {
 
         // Another kind under the name is a real conflict.
         let s = fs.symlink(ROOT_INO, "l", "/x", 0, 0).await.unwrap();
-        let r = fs.mkdir(ROOT_INO, "l", 0o755, 0, 0).await;
+        let r = fs.mkdir(ROOT_INO, "l", 0o755, 0, 0, 0).await;
         let r = fs
             .settle_resent_create(ROOT_INO, "l", Some(Kind::Dir), r)
             .await;
@@ -123,12 +123,12 @@ mod tests {
         assert_eq!(r.unwrap().ino, s.ino);
         // mknod wants any non-directory: a directory is a conflict.
         let r = fs
-            .mknod(ROOT_INO, "d", libc::S_IFIFO | 0o644, 0, 0, 0)
+            .mknod(ROOT_INO, "d", libc::S_IFIFO | 0o644, 0, 0, 0, 0)
             .await;
         let r = fs.settle_resent_create(ROOT_INO, "d", None, r).await;
         assert_eq!(r.unwrap_err().errno, libc::EEXIST);
         // Other errors pass through untouched.
-        let r = fs.mkdir(999_999, "x", 0o755, 0, 0).await;
+        let r = fs.mkdir(999_999, "x", 0o755, 0, 0, 0).await;
         let errno = r.as_ref().unwrap_err().errno;
         let r = fs.settle_resent_create(999_999, "x", None, r).await;
         assert_eq!(r.unwrap_err().errno, errno);
@@ -137,13 +137,13 @@ mod tests {
     #[tokio::test]
     async fn replayed_removals_and_renames_succeed() {
         let fs = fs();
-        fs.mkdir(ROOT_INO, "a", 0o755, 0, 0).await.unwrap();
+        fs.mkdir(ROOT_INO, "a", 0o755, 0, 0, 0).await.unwrap();
         fs.rmdir(ROOT_INO, "a").await.unwrap();
         let again = fs.rmdir(ROOT_INO, "a").await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::ENOENT);
         fs.settle_resent_remove("a", again).unwrap();
 
-        fs.mkdir(ROOT_INO, "b", 0o755, 0, 0).await.unwrap();
+        fs.mkdir(ROOT_INO, "b", 0o755, 0, 0, 0).await.unwrap();
         let r = fs.unlink(ROOT_INO, "b").await; // EISDIR: not a replay outcome
         assert_eq!(
             fs.settle_resent_remove("b", r).unwrap_err().errno,

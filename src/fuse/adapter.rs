@@ -93,6 +93,12 @@ impl FuseAdapter {
     }
 }
 
+/// Whether negotiated INIT flags (`flags | flags2 << 32`, as recorded for a takeover) include
+/// FUSE_POSIX_ACL.
+pub fn posix_acl_negotiated(flags: u64) -> bool {
+    InitFlags::from_bits_retain(flags).contains(InitFlags::FUSE_POSIX_ACL)
+}
+
 fn kind(k: Kind) -> FileType {
     match k {
         Kind::File => FileType::RegularFile,
@@ -202,9 +208,21 @@ impl Filesystem for FuseAdapter {
             | InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_ATOMIC_O_TRUNC
             | InitFlags::FUSE_CACHE_SYMLINKS
-            | InitFlags::FUSE_EXPLICIT_INVAL_DATA;
-        let _ = config.add_capabilities(wanted & config.capabilities());
-        tracing::info!(max_readahead = max_ra, "FUSE session initialised");
+            | InitFlags::FUSE_EXPLICIT_INVAL_DATA
+            // The kernel caches and enforces POSIX ACLs; DONT_MASK hands us the umask so that
+            // a parent's default ACL can replace it (see `crate::fs::acl`).
+            | InitFlags::FUSE_POSIX_ACL
+            | InitFlags::FUSE_DONT_MASK;
+        let granted = wanted & config.capabilities();
+        let _ = config.add_capabilities(granted);
+        self.fs
+            .set_posix_acl(granted.contains(InitFlags::FUSE_POSIX_ACL));
+        tracing::info!(
+            max_readahead = max_ra,
+            posix_acl = self.fs.posix_acl(),
+            dont_mask = granted.contains(InitFlags::FUSE_DONT_MASK),
+            "FUSE session initialised"
+        );
         if let Some(h) = &self.init_hook {
             h(config);
         }
@@ -298,16 +316,7 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| async {
                 let name = name?;
-                let r = fs
-                    .mknod(
-                        parent.0,
-                        &name,
-                        mode & !umask | (mode & libc::S_IFMT),
-                        rdev,
-                        uid,
-                        gid,
-                    )
-                    .await;
+                let r = fs.mknod(parent.0, &name, mode, umask, rdev, uid, gid).await;
                 if resent {
                     fs.settle_resent_create(parent.0, &name, None, r).await
                 } else {
@@ -336,7 +345,7 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| async {
                 let name = name?;
-                let r = fs.mkdir(parent.0, &name, mode & !umask, uid, gid).await;
+                let r = fs.mkdir(parent.0, &name, mode, umask, uid, gid).await;
                 if resent {
                     fs.settle_resent_create(parent.0, &name, Some(Kind::Dir), r)
                         .await
@@ -794,7 +803,7 @@ impl Filesystem for FuseAdapter {
             "create",
             reply,
             |fs| async {
-                fs.create(parent.0, &name?, mode & !umask, flags, uid, gid)
+                fs.create(parent.0, &name?, mode, umask, flags, uid, gid)
                     .await
             }
             .await,
@@ -889,5 +898,14 @@ impl crate::fs::Notifier for KernelNotifier {
     }
     fn inval_inode(&self, ino: u64) {
         let _ = self.0.inval_inode(INodeNo(ino), 0, -1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn posix_acl_is_read_from_recorded_flags() {
+        assert!(super::posix_acl_negotiated(1 << 20 | 1 << 30 | 1 << 39));
+        assert!(!super::posix_acl_negotiated(1 << 6 | 1 << 30));
     }
 }

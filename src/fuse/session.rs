@@ -465,12 +465,18 @@ impl MountedVolume {
             path: mountpoint.clone(),
             source: e,
         })?;
+        // init() above saw the kernel's offer; what the kernel enforces is what the first
+        // daemon agreed to (a predecessor of another version may have asked differently)
+        if let Some(agreed) = &init.agreed {
+            fs.set_posix_acl(super::adapter::posix_acl_negotiated(agreed.flags));
+        }
         let bg = session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.clone(),
             source: e,
         })?;
         tracing::info!(volume_id = %state.volume_id, mountpoint = %mountpoint.display(),
-            graceful = state.graceful, nodes = fs.inodes.len(), "adopted live FUSE session");
+            graceful = state.graceful, nodes = fs.inodes.len(), posix_acl = fs.posix_acl(),
+            "adopted live FUSE session");
         let serving = Serving::Kept(Box::new(KeptSession {
             bg: Some(bg),
             keeper,
