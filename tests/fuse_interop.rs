@@ -402,3 +402,49 @@ fn hard_links_across_mounts() {
     eventually("y has one link", || nlink(&ours.join("y")) == 1);
     assert_eq!(fs::read(ours.join("y")).unwrap(), b"x");
 }
+
+/// The kernel keeps directory listings across opens; names created, renamed and deleted by
+/// other clients must still show up in a listing we already hold.
+#[test]
+fn cached_listings_follow_other_clients() {
+    let w = shared_server();
+    let root = unique_path("listings");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let names = |dir: &Path| -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    fs::create_dir(ours.join("d")).unwrap();
+    for i in 0..50 {
+        fs::write(ours.join(format!("d/f{i:02}")), b"x").unwrap();
+    }
+    let listed = names(&ours.join("d"));
+    assert_eq!(listed.len(), 50);
+    // read twice: the second listing comes from the kernel's cache
+    assert_eq!(names(&ours.join("d")), listed);
+
+    w.filer_put(&format!("{root}/d/from_http"), b"h", "");
+    eventually("a name added over HTTP", || {
+        names(&ours.join("d")).contains(&"from_http".to_string())
+    });
+    fs::remove_file(weed.join("d/f00")).unwrap();
+    eventually("a name deleted by weed mount", || {
+        !names(&ours.join("d")).contains(&"f00".to_string())
+    });
+    fs::rename(weed.join("d/f01"), weed.join("d/renamed")).unwrap();
+    eventually("a name renamed by weed mount", || {
+        let n = names(&ours.join("d"));
+        n.contains(&"renamed".to_string()) && !n.contains(&"f01".to_string())
+    });
+    assert_eq!(names(&ours.join("d")).len(), 50);
+    // and our own changes show at once
+    fs::write(ours.join("d/local"), b"l").unwrap();
+    assert!(names(&ours.join("d")).contains(&"local".to_string()));
+    fs::remove_file(ours.join("d/local")).unwrap();
+    assert!(!names(&ours.join("d")).contains(&"local".to_string()));
+}

@@ -599,8 +599,15 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // The kernel keeps listings across opens (KEEP_CACHE) until the directory changes
+        // here (its version moves) or the metadata subscription invalidates the directory's
+        // inode. Warm `ls -l` then sends no READDIRPLUS, whose entries would also drop every
+        // child's cached POSIX ACLs.
         run!(self, "opendir", reply, |fs| fs.opendir(ino.0).await, |fh| {
-            reply.opened(FileHandle(fh), FopenFlags::FOPEN_CACHE_DIR)
+            reply.opened(
+                FileHandle(fh),
+                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+            )
         });
     }
 
