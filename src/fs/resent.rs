@@ -13,19 +13,23 @@ use super::attr::{Attr, Kind};
 use super::{Fs, Result};
 
 impl Fs {
+    /// All three take the request's `resent` flag and pass any result through when it is
+    /// false, so the adapter calls them for every request.
+    ///
     /// mkdir/mknod/symlink/link: EEXIST for an entry of the kind asked for (`want`; `None` =
     /// any non-directory) is the first run's result: answer with that entry.
     pub async fn settle_resent_create(
         &self,
+        resent: bool,
         parent: u64,
         name: &str,
         want: Option<Kind>,
         r: Result<Attr>,
     ) -> Result<Attr> {
-        let Err(e) = r else { return r };
-        if e.errno != libc::EEXIST {
-            return Err(e);
-        }
+        let e = match r {
+            Err(e) if resent && e.errno == libc::EEXIST => e,
+            r => return r,
+        };
         match self.lookup(parent, name).await {
             Ok(a) if want.map_or(a.kind != Kind::Dir, |k| a.kind == k) => {
                 tracing::info!(
@@ -39,9 +43,9 @@ impl Fs {
     }
 
     /// unlink/rmdir: ENOENT is the first run's result.
-    pub fn settle_resent_remove(&self, name: &str, r: Result<()>) -> Result<()> {
+    pub fn settle_resent_remove(&self, resent: bool, name: &str, r: Result<()>) -> Result<()> {
         match r {
-            Err(e) if e.errno == libc::ENOENT => {
+            Err(e) if resent && e.errno == libc::ENOENT => {
                 tracing::info!(
                     name,
                     "resent removal found nothing: applied before the takeover"
@@ -55,14 +59,15 @@ impl Fs {
     /// rename: ENOENT while the destination exists is the first run's result.
     pub async fn settle_resent_rename(
         &self,
+        resent: bool,
         newparent: u64,
         newname: &str,
         r: Result<()>,
     ) -> Result<()> {
-        let Err(e) = r else { return r };
-        if e.errno != libc::ENOENT {
-            return Err(e);
-        }
+        let e = match r {
+            Err(e) if resent && e.errno == libc::ENOENT => e,
+            r => return r,
+        };
         match self.lookup(newparent, newname).await {
             Ok(_) => {
                 tracing::info!(
@@ -104,7 +109,7 @@ mod tests {
         let again = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::EEXIST);
         let settled = fs
-            .settle_resent_create(ROOT_INO, "d", Some(Kind::Dir), again)
+            .settle_resent_create(true, ROOT_INO, "d", Some(Kind::Dir), again)
             .await
             .unwrap();
         assert_eq!(settled.ino, d.ino);
@@ -113,24 +118,24 @@ mod tests {
         let s = fs.symlink(ROOT_INO, "l", "/x", 0, 0).await.unwrap();
         let r = fs.mkdir(ROOT_INO, "l", 0o755, 0, 0, 0).await;
         let r = fs
-            .settle_resent_create(ROOT_INO, "l", Some(Kind::Dir), r)
+            .settle_resent_create(true, ROOT_INO, "l", Some(Kind::Dir), r)
             .await;
         assert_eq!(r.unwrap_err().errno, libc::EEXIST);
         let r = fs.symlink(ROOT_INO, "l", "/x", 0, 0).await;
         let r = fs
-            .settle_resent_create(ROOT_INO, "l", Some(Kind::Symlink), r)
+            .settle_resent_create(true, ROOT_INO, "l", Some(Kind::Symlink), r)
             .await;
         assert_eq!(r.unwrap().ino, s.ino);
         // mknod wants any non-directory: a directory is a conflict.
         let r = fs
             .mknod(ROOT_INO, "d", libc::S_IFIFO | 0o644, 0, 0, 0, 0)
             .await;
-        let r = fs.settle_resent_create(ROOT_INO, "d", None, r).await;
+        let r = fs.settle_resent_create(true, ROOT_INO, "d", None, r).await;
         assert_eq!(r.unwrap_err().errno, libc::EEXIST);
         // Other errors pass through untouched.
         let r = fs.mkdir(999_999, "x", 0o755, 0, 0, 0).await;
         let errno = r.as_ref().unwrap_err().errno;
-        let r = fs.settle_resent_create(999_999, "x", None, r).await;
+        let r = fs.settle_resent_create(true, 999_999, "x", None, r).await;
         assert_eq!(r.unwrap_err().errno, errno);
     }
 
@@ -141,22 +146,45 @@ mod tests {
         fs.rmdir(ROOT_INO, "a").await.unwrap();
         let again = fs.rmdir(ROOT_INO, "a").await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::ENOENT);
-        fs.settle_resent_remove("a", again).unwrap();
+        fs.settle_resent_remove(true, "a", again).unwrap();
 
         fs.mkdir(ROOT_INO, "b", 0o755, 0, 0, 0).await.unwrap();
         let r = fs.unlink(ROOT_INO, "b").await; // EISDIR: not a replay outcome
         assert_eq!(
-            fs.settle_resent_remove("b", r).unwrap_err().errno,
+            fs.settle_resent_remove(true, "b", r).unwrap_err().errno,
             libc::EISDIR
         );
 
         fs.rename(ROOT_INO, "b", ROOT_INO, "c", 0).await.unwrap();
         let again = fs.rename(ROOT_INO, "b", ROOT_INO, "c", 0).await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::ENOENT);
-        fs.settle_resent_rename(ROOT_INO, "c", again).await.unwrap();
+        fs.settle_resent_rename(true, ROOT_INO, "c", again)
+            .await
+            .unwrap();
         // Source and destination both missing: a real ENOENT.
         let r = fs.rename(ROOT_INO, "zz", ROOT_INO, "yy", 0).await;
-        let r = fs.settle_resent_rename(ROOT_INO, "yy", r).await;
+        let r = fs.settle_resent_rename(true, ROOT_INO, "yy", r).await;
+        assert_eq!(r.unwrap_err().errno, libc::ENOENT);
+    }
+
+    #[tokio::test]
+    async fn first_runs_pass_through_untouched() {
+        let fs = fs();
+        fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+        let again = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await;
+        let r = fs
+            .settle_resent_create(false, ROOT_INO, "d", Some(Kind::Dir), again)
+            .await;
+        assert_eq!(r.unwrap_err().errno, libc::EEXIST);
+        let r = fs.rmdir(ROOT_INO, "nothing").await;
+        assert_eq!(
+            fs.settle_resent_remove(false, "nothing", r)
+                .unwrap_err()
+                .errno,
+            libc::ENOENT
+        );
+        let r = fs.rename(ROOT_INO, "zz", ROOT_INO, "d", 0).await;
+        let r = fs.settle_resent_rename(false, ROOT_INO, "d", r).await;
         assert_eq!(r.unwrap_err().errno, libc::ENOENT);
     }
 }

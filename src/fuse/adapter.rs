@@ -317,11 +317,8 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.mknod(parent.0, &name, mode, umask, rdev, uid, gid).await;
-                if resent {
-                    fs.settle_resent_create(parent.0, &name, None, r).await
-                } else {
-                    r
-                }
+                fs.settle_resent_create(resent, parent.0, &name, None, r)
+                    .await
             }
             .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
@@ -346,12 +343,8 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.mkdir(parent.0, &name, mode, umask, uid, gid).await;
-                if resent {
-                    fs.settle_resent_create(parent.0, &name, Some(Kind::Dir), r)
-                        .await
-                } else {
-                    r
-                }
+                fs.settle_resent_create(resent, parent.0, &name, Some(Kind::Dir), r)
+                    .await
             }
             .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
@@ -367,11 +360,7 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.unlink(parent.0, &name).await;
-                if resent {
-                    fs.settle_resent_remove(&name, r)
-                } else {
-                    r
-                }
+                fs.settle_resent_remove(resent, &name, r)
             }
             .await,
             |_v| reply.ok()
@@ -387,11 +376,7 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.rmdir(parent.0, &name).await;
-                if resent {
-                    fs.settle_resent_remove(&name, r)
-                } else {
-                    r
-                }
+                fs.settle_resent_remove(resent, &name, r)
             }
             .await,
             |_v| reply.ok()
@@ -416,12 +401,8 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.symlink(parent.0, &name, &target, uid, gid).await;
-                if resent {
-                    fs.settle_resent_create(parent.0, &name, Some(Kind::Symlink), r)
-                        .await
-                } else {
-                    r
-                }
+                fs.settle_resent_create(resent, parent.0, &name, Some(Kind::Symlink), r)
+                    .await
             }
             .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
@@ -448,11 +429,8 @@ impl Filesystem for FuseAdapter {
                 let r = fs
                     .rename(parent.0, &name?, newparent.0, &newname, flags.bits())
                     .await;
-                if resent {
-                    fs.settle_resent_rename(newparent.0, &newname, r).await
-                } else {
-                    r
-                }
+                fs.settle_resent_rename(resent, newparent.0, &newname, r)
+                    .await
             }
             .await,
             |_v| reply.ok()
@@ -475,12 +453,8 @@ impl Filesystem for FuseAdapter {
             |fs| async {
                 let name = name?;
                 let r = fs.link(ino.0, newparent.0, &name).await;
-                if resent {
-                    fs.settle_resent_create(newparent.0, &name, Some(Kind::File), r)
-                        .await
-                } else {
-                    r
-                }
+                fs.settle_resent_create(resent, newparent.0, &name, Some(Kind::File), r)
+                    .await
             }
             .await,
             |a| reply.entry(&fs.cfg.meta_ttl, &to_file_attr(&a), Generation(0))
