@@ -46,31 +46,6 @@ fn entries(b: &[u8]) -> Vec<(u16, u16, u32)> {
         .collect()
 }
 
-fn setxattr(p: &Path, name: &str, v: &[u8]) -> Result<(), i32> {
-    let n = std::ffi::CString::new(name).unwrap();
-    check(unsafe { libc::setxattr(cpath(p).as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) })
-        .map(|_| ())
-}
-
-/// One getxattr(2) call into a fixed buffer (one kernel request at most).
-fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
-    let n = std::ffi::CString::new(name).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let got = unsafe {
-        libc::getxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if got < 0 {
-        return Err(errno());
-    }
-    buf.truncate(got as usize);
-    Ok(buf)
-}
-
 fn mode(p: &Path) -> u32 {
     lstat(p).unwrap().st_mode & 0o7777
 }
@@ -117,7 +92,7 @@ fn access_acl_is_enforced_and_kept_in_sync_with_the_mode() {
         (MASK, 4, u32::MAX),
         (OTHER, 0, u32::MAX),
     ]);
-    setxattr(&p, ACCESS, &a).unwrap();
+    setxattr(&p, ACCESS, &a, 0).unwrap();
     assert_eq!(mode(&p), 0o640, "group bits show the mask");
     assert_eq!(
         entries(&getxattr(&p, ACCESS).unwrap())[1],
@@ -150,27 +125,27 @@ fn access_acl_is_enforced_and_kept_in_sync_with_the_mode() {
         (GROUP_OBJ, 4, u32::MAX),
         (OTHER, 0, u32::MAX),
     ]);
-    setxattr(&p, ACCESS, &base).unwrap();
+    setxattr(&p, ACCESS, &base, 0).unwrap();
     assert_eq!(mode(&p), 0o640);
     assert_eq!(getxattr(&p, ACCESS).unwrap_err(), libc::ENODATA);
     assert!(!can_read_as(STRANGER, &p));
 
     // malformed ACLs are refused (by the kernel or by us) and change nothing
-    assert_eq!(setxattr(&p, ACCESS, &a[..a.len() - 3]), Err(libc::EINVAL));
+    assert_eq!(setxattr(&p, ACCESS, &a[..a.len() - 3], 0), Err(libc::EINVAL));
     let no_mask = acl(&[
         (USER_OBJ, 6, u32::MAX),
         (USER, 4, NOBODY),
         (GROUP_OBJ, 0, u32::MAX),
         (OTHER, 0, u32::MAX),
     ]);
-    assert_eq!(setxattr(&p, ACCESS, &no_mask), Err(libc::EINVAL));
+    assert_eq!(setxattr(&p, ACCESS, &no_mask, 0), Err(libc::EINVAL));
     assert_eq!(mode(&p), 0o640);
 
     // a default ACL only fits a directory
-    assert_eq!(setxattr(&p, DEFAULT, &a), Err(libc::EACCES));
+    assert_eq!(setxattr(&p, DEFAULT, &a, 0), Err(libc::EACCES));
 
     // stored on the filer: a second mount sees the ACL, the mode, and enforces them
-    setxattr(&p, ACCESS, &a).unwrap();
+    setxattr(&p, ACCESS, &a, 0).unwrap();
     let m2 = mount_ours(&w, &root, &[]);
     let p2 = m2.join("f");
     assert_eq!(mode(&p2), 0o640);
@@ -193,7 +168,7 @@ fn default_acl_is_inherited_and_umask_applies_without_one() {
         (MASK, 7, u32::MAX),
         (OTHER, 0, u32::MAX),
     ]);
-    setxattr(&d, DEFAULT, &def).unwrap();
+    setxattr(&d, DEFAULT, &def, 0).unwrap();
     assert_eq!(getxattr(&d, DEFAULT).unwrap(), def);
     assert_eq!(
         getxattr(&d, ACCESS).unwrap_err(),
@@ -328,7 +303,7 @@ async fn kernel_caches_acls() {
             (MASK, 4, u32::MAX),
             (OTHER, 0, u32::MAX),
         ]);
-        setxattr(&p, ACCESS, &a).unwrap();
+        setxattr(&p, ACCESS, &a, 0).unwrap();
         for _ in 0..20 {
             assert_eq!(getxattr(&p, ACCESS).unwrap(), a);
         }

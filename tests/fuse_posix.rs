@@ -678,36 +678,6 @@ fn statfs_reports_the_cluster() {
     assert_eq!(s.f_blocks * s.f_frsize, 64 << 20);
 }
 
-fn setxattr(p: &Path, name: &str, v: &[u8], flags: i32) -> Result<(), i32> {
-    let n = std::ffi::CString::new(name).unwrap();
-    check(unsafe {
-        libc::setxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            v.as_ptr().cast(),
-            v.len(),
-            flags,
-        )
-    })
-    .map(|_| ())
-}
-
-fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
-    let n = std::ffi::CString::new(name).unwrap();
-    let c = cpath(p);
-    let len = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) };
-    if len < 0 {
-        return Err(errno());
-    }
-    let mut buf = vec![0u8; len as usize];
-    let got = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if got < 0 {
-        return Err(errno());
-    }
-    buf.truncate(got as usize);
-    Ok(buf)
-}
-
 fn listxattr(p: &Path) -> Vec<String> {
     let c = cpath(p);
     let len = unsafe { libc::listxattr(c.as_ptr(), std::ptr::null_mut(), 0) };

@@ -351,3 +351,36 @@ pub fn eventually_reads(
         None
     }
 }
+
+pub fn setxattr(p: &Path, name: &str, v: &[u8], flags: i32) -> Result<(), i32> {
+    let n = CString::new(name).unwrap();
+    check(unsafe {
+        libc::setxattr(
+            cpath(p).as_ptr(),
+            n.as_ptr(),
+            v.as_ptr().cast(),
+            v.len(),
+            flags,
+        )
+    })
+    .map(|_| ())
+}
+
+/// One getxattr(2) call into a buffer of the largest xattr size (one kernel request at most).
+pub fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
+    let n = CString::new(name).unwrap();
+    let mut buf = vec![0u8; 64 << 10];
+    let got = unsafe {
+        libc::getxattr(
+            cpath(p).as_ptr(),
+            n.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if got < 0 {
+        return Err(errno());
+    }
+    buf.truncate(got as usize);
+    Ok(buf)
+}
