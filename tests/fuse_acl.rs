@@ -131,7 +131,10 @@ fn access_acl_is_enforced_and_kept_in_sync_with_the_mode() {
     assert!(!can_read_as(STRANGER, &p));
 
     // malformed ACLs are refused (by the kernel or by us) and change nothing
-    assert_eq!(setxattr(&p, ACCESS, &a[..a.len() - 3], 0), Err(libc::EINVAL));
+    assert_eq!(
+        setxattr(&p, ACCESS, &a[..a.len() - 3], 0),
+        Err(libc::EINVAL)
+    );
     let no_mask = acl(&[
         (USER_OBJ, 6, u32::MAX),
         (USER, 4, NOBODY),

@@ -21,7 +21,9 @@ use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use bytes::Bytes;
 use md5::{Digest, Md5};
-use reqwest::header::{HeaderMap, AUTHORIZATION, CONTENT_ENCODING, CONTENT_TYPE, RANGE};
+use reqwest::header::{
+    HeaderMap, AUTHORIZATION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, RANGE,
+};
 use reqwest::StatusCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -475,9 +477,10 @@ impl VolumeClient {
         &self,
         url: &str,
         auth: &str,
-        body: Bytes,
+        body: &Multipart,
         boundary: &str,
     ) -> std::result::Result<UploadReply, Failure> {
+        // a streamed body has no length of its own: without the header it would go chunked
         let mut req = self
             .http
             .post(url)
@@ -486,7 +489,8 @@ impl VolumeClient {
                 CONTENT_TYPE,
                 format!("multipart/form-data; boundary={boundary}"),
             )
-            .body(body);
+            .header(CONTENT_LENGTH, body.len())
+            .body(body.body());
         if !auth.is_empty() {
             req = req.header(AUTHORIZATION, format!("Bearer {auth}"));
         }
@@ -532,12 +536,12 @@ impl VolumeClient {
         &self,
         url: &str,
         auth: &str,
-        body: Bytes,
+        body: Multipart,
         boundary: &str,
     ) -> std::result::Result<UploadReply, Failure> {
         let mut attempt = 0u32;
         loop {
-            match self.post_once(url, auth, body.clone(), boundary).await {
+            match self.post_once(url, auth, &body, boundary).await {
                 Ok(r) => return Ok(r),
                 Err(f) => {
                     let retry = matches!(&f, Failure::Status(s, _) if *s >= 500)
@@ -583,7 +587,35 @@ fn slice(b: &Bytes, off: u64, len: u64) -> std::result::Result<Bytes, String> {
 }
 
 /// Builds the one-part multipart body SeaweedFS volume servers parse.
-fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: &[u8]) -> Bytes {
+/// A one-part multipart/form-data body kept as three pieces, so the chunk's bytes are sent from
+/// the buffer they were written into instead of being copied behind the part header.
+#[derive(Clone)]
+struct Multipart {
+    head: Bytes,
+    data: Bytes,
+    tail: Bytes,
+}
+
+impl Multipart {
+    fn len(&self) -> usize {
+        self.head.len() + self.data.len() + self.tail.len()
+    }
+
+    /// A fresh body for one attempt (clones of the pieces are reference counts, not copies).
+    fn body(&self) -> reqwest::Body {
+        let pieces = [self.head.clone(), self.data.clone(), self.tail.clone()];
+        reqwest::Body::wrap_stream(futures::stream::iter(
+            pieces.map(Ok::<Bytes, std::convert::Infallible>),
+        ))
+    }
+
+    #[cfg(test)]
+    fn to_vec(&self) -> Vec<u8> {
+        [&self.head[..], &self.data[..], &self.tail[..]].concat()
+    }
+}
+
+fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: Bytes) -> Multipart {
     // Quotes, backslashes, controls and non-ASCII would need RFC 2231 encoding; the name only
     // labels the needle, so replace them.
     let filename: String = part
@@ -610,12 +642,11 @@ fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: &[u8]) -> By
         head.push_str(&format!("Content-MD5: {md5}\r\n"));
     }
     head.push_str("\r\n");
-    let tail = format!("\r\n--{boundary}--\r\n");
-    let mut body = Vec::with_capacity(head.len() + data.len() + tail.len());
-    body.extend_from_slice(head.as_bytes());
-    body.extend_from_slice(data);
-    body.extend_from_slice(tail.as_bytes());
-    Bytes::from(body)
+    Multipart {
+        head: Bytes::from(head),
+        data,
+        tail: Bytes::from(format!("\r\n--{boundary}--\r\n")),
+    }
 }
 
 /// Collects a response body. Chunk-sized bodies of known length go into a buffer of their own
@@ -706,7 +737,7 @@ impl ChunkStore for VolumeClient {
                     })?;
                     let fid_str = fid.to_string();
                     let url = self.upload_url(&assign, &fid_str)?;
-                    let body = multipart_body(&boundary, &url, &part, &payload);
+                    let body = multipart_body(&boundary, &url, &part, payload.clone());
                     match self
                         .upload_to_fid(&url, &assign.auth, body, &boundary)
                         .await
@@ -804,7 +835,7 @@ mod tests {
             gzip: true,
             md5: Some("xyz=="),
         };
-        let b = multipart_body("BND", "http://h/1,01", &part, b"DATA");
+        let b = multipart_body("BND", "http://h/1,01", &part, Bytes::from_static(b"DATA"));
         let s = String::from_utf8(b.to_vec()).unwrap();
         assert_eq!(
             s,
