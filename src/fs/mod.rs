@@ -100,6 +100,19 @@ pub struct FsConfig {
     /// Directories with more entries than this are not cached.
     pub max_cached_dir_entries: usize,
     pub cipher: bool,
+    /// An absent `security.selinux` label answers EOPNOTSUPP instead of ENODATA. Set when
+    /// the node runs without SELinux: nothing on it can use a label, and tools that ask for
+    /// one (`ls -l`, anything on libselinux with coreutils' per-device cache) then stop
+    /// asking for the rest of the listing instead of paying one round trip per file. With
+    /// SELinux enabled the kernel answers that name itself (genfs labelling) or needs
+    /// ENODATA (xattr labelling), so it stays off. Labels that are set are stored and
+    /// returned either way.
+    pub selinux_label_unsupported: bool,
+}
+
+/// SELinux is enabled when its filesystem is mounted (what libselinux checks).
+pub fn selinux_enabled() -> bool {
+    std::path::Path::new("/sys/fs/selinux/enforce").exists()
 }
 
 impl FsConfig {
@@ -127,6 +140,7 @@ impl FsConfig {
             readahead_chunks: (o.concurrent_readers / 4).clamp(1, 8),
             max_cached_dir_entries: 100_000,
             cipher: false,
+            selinux_label_unsupported: !selinux_enabled(),
         }
     }
 }

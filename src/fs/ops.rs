@@ -47,6 +47,7 @@ pub struct StatFs {
 }
 
 const XATTR_PREFIX: &str = "xattr-";
+const SELINUX_XATTR: &str = "security.selinux";
 const RENAME_NOREPLACE: u32 = 1;
 const RENAME_EXCHANGE: u32 = 2;
 const RENAME_WHITEOUT: u32 = 4;
@@ -1653,10 +1654,14 @@ impl Fs {
             return Err(errno(libc::ENODATA, "no ACL on the filer root"));
         }
         let (_, e) = self.entry_for_xattr(ino).await?;
-        e.extended
-            .get(&format!("{XATTR_PREFIX}{name}"))
-            .cloned()
-            .ok_or_else(|| errno(libc::ENODATA, format!("no xattr {name}")))
+        match e.extended.get(&format!("{XATTR_PREFIX}{name}")) {
+            Some(v) => Ok(v.clone()),
+            None if name == SELINUX_XATTR && self.cfg.selinux_label_unsupported => Err(errno(
+                libc::EOPNOTSUPP,
+                "no SELinux label (SELinux is off on this node)",
+            )),
+            None => Err(errno(libc::ENODATA, format!("no xattr {name}"))),
+        }
     }
 
     pub async fn listxattr(&self, ino: u64) -> Result<Vec<String>> {
@@ -2208,5 +2213,46 @@ mod acl_tests {
             .await
             .unwrap();
         assert_eq!((n.kind, n.perm), (Kind::Fifo, 0o640));
+    }
+}
+
+#[cfg(test)]
+mod xattr_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    async fn fs_with(selinux_label_unsupported: bool) -> (Arc<Fs>, u64) {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+        cfg.selinux_label_unsupported = selinux_label_unsupported;
+        let fs = Fs::new(
+            cfg,
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        fs.init_root().await.unwrap();
+        let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+        (fs, d.ino)
+    }
+
+    #[tokio::test]
+    async fn absent_selinux_label_is_unsupported_only_when_selinux_is_off() {
+        let (fs, ino) = fs_with(true).await;
+        let e = fs.getxattr(ino, SELINUX_XATTR).await.unwrap_err();
+        assert_eq!(e.errno, libc::EOPNOTSUPP);
+        // other names keep ENODATA, and a label that is set is returned
+        let e = fs.getxattr(ino, "security.other").await.unwrap_err();
+        assert_eq!(e.errno, libc::ENODATA);
+        let label = b"system_u:object_r:container_file_t:s0\0";
+        fs.setxattr(ino, SELINUX_XATTR, label, 0).await.unwrap();
+        assert_eq!(fs.getxattr(ino, SELINUX_XATTR).await.unwrap(), label);
+
+        let (fs, ino) = fs_with(false).await;
+        let e = fs.getxattr(ino, SELINUX_XATTR).await.unwrap_err();
+        assert_eq!(e.errno, libc::ENODATA);
     }
 }
