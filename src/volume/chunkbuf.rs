@@ -14,6 +14,11 @@ use std::ptr::NonNull;
 /// Below this size the ordinary allocator is cheaper than a mapping of its own.
 pub const MIN_LEN: usize = 1 << 20;
 
+/// Above this, memory is committed only as bytes arrive (the ordinary path): all pages of a
+/// buffer are faulted in up front, and a server announcing a huge `Content-Length` must not
+/// make us commit it before sending anything.
+pub const MAX_LEN: usize = 64 << 20;
+
 /// A fixed-capacity, append-only byte buffer in an anonymous private mapping.
 pub struct ChunkBuf {
     ptr: NonNull<u8>,

@@ -586,7 +586,6 @@ fn slice(b: &Bytes, off: u64, len: u64) -> std::result::Result<Bytes, String> {
     Ok(b.slice(off as usize..end as usize))
 }
 
-/// Builds the one-part multipart body SeaweedFS volume servers parse.
 /// A one-part multipart/form-data body kept as three pieces, so the chunk's bytes are sent from
 /// the buffer they were written into instead of being copied behind the part header.
 #[derive(Clone)]
@@ -615,6 +614,7 @@ impl Multipart {
     }
 }
 
+/// Builds the one-part multipart body SeaweedFS volume servers parse.
 fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: Bytes) -> Multipart {
     // Quotes, backslashes, controls and non-ASCII would need RFC 2231 encoding; the name only
     // labels the needle, so replace them.
@@ -654,7 +654,7 @@ fn multipart_body(boundary: &str, url: &str, part: &Part<'_>, data: Bytes) -> Mu
 async fn read_body(mut resp: reqwest::Response) -> std::result::Result<Bytes, Failure> {
     let want = resp.content_length().unwrap_or(0) as usize;
     let buf = match want {
-        n if n >= chunkbuf::MIN_LEN => ChunkBuf::with_capacity(n),
+        n if (chunkbuf::MIN_LEN..=chunkbuf::MAX_LEN).contains(&n) => ChunkBuf::with_capacity(n),
         _ => None,
     };
     let Some(mut buf) = buf else {
