@@ -13,7 +13,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_common::*;
-use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
 use seaweedfs_csi_driver::pb::csi::NodeGetInfoRequest;
 
 /// A process of the binary, killed by pid on drop.
@@ -47,19 +46,7 @@ impl Proc {
     }
 
     fn terminate(&mut self) -> Option<std::process::ExitStatus> {
-        let mut c = self.child.take()?;
-        unsafe {
-            libc::kill(c.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(s)) = c.try_wait() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = c.kill();
-        c.wait().ok()
+        terminate_child(self.child.take()?)
     }
 }
 
@@ -119,36 +106,17 @@ async fn surge_rollout_hands_the_mounts_over() {
     let mut old = Driver::start_raw(dir, socket.clone(), Stager::Fuse, args.clone(), vec![]);
 
     // A volume staged on this node and published into a pod, with data in it.
-    let c = old.clients().await;
-    let vol = c
-        .controller
-        .clone()
-        .create_volume(create_req("pvc-handover", 1 << 30, &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let staging = old.staging_path("handover");
-    let target = old.target_path("pod-a");
-    let mode = Mode::MultiNodeMultiWriter;
-    c.node
-        .clone()
-        .node_stage_volume(stage_req(&vol, &staging, mode))
-        .await
-        .unwrap();
-    c.node
-        .clone()
-        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
-        .await
-        .unwrap();
+    let PodVolume {
+        vol,
+        staging,
+        target,
+    } = old.provision_and_publish("pvc-handover", "pod-a").await;
     std::fs::write(target.join("before.txt"), b"written before the rollout").unwrap();
     // A directory with a default ACL: inheritance after the adoption shows that the new process
     // knows the kernel enforces ACLs (FUSE_POSIX_ACL agreed by the old one).
     let acl_dir = target.join("acl");
     std::fs::create_dir(&acl_dir).unwrap();
     set_default_acl(&acl_dir);
-    drop(c);
 
     // The surge pod: a second plugin on the same node, same CSI socket path, same keeper.
     let mut new = Proc::spawn(&args, &log_dir.join("new.log"));

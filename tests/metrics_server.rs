@@ -311,7 +311,6 @@ async fn real_mount_moves_the_numbers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn driver_serves_metrics_on_its_port() {
     use csi_common::*;
-    use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
 
     let weed = tokio::task::spawn_blocking(common::WeedServer::start)
         .await
@@ -345,28 +344,11 @@ async fn driver_serves_metrics_on_its_port() {
     );
 
     let c = driver.clients().await;
-    let vol = c
-        .controller
-        .clone()
-        .create_volume(create_req("pvc-metrics", 1 << 30, &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let staging = driver.staging_path("metrics");
-    let target = driver.target_path("pod-a");
-    let mode = Mode::MultiNodeMultiWriter;
-    c.node
-        .clone()
-        .node_stage_volume(stage_req(&vol, &staging, mode))
-        .await
-        .unwrap();
-    c.node
-        .clone()
-        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
-        .await
-        .unwrap();
+    let PodVolume {
+        vol,
+        staging,
+        target,
+    } = driver.provision_and_publish("pvc-metrics", "pod-a").await;
     let t = target.clone();
     tokio::task::spawn_blocking(move || {
         std::fs::write(t.join("m.bin"), vec![7u8; 3 << 20]).unwrap();

@@ -227,19 +227,41 @@ impl Driver {
 
     /// SIGTERM and wait; returns the exit status.
     pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
-        let mut c = self.child.take()?;
-        unsafe {
-            libc::kill(c.id() as i32, libc::SIGTERM);
+        terminate_child(self.child.take()?)
+    }
+
+    /// What a new pod gets: CreateVolume (1 GiB, `name`), NodeStageVolume and
+    /// NodePublishVolume into `pod`'s target directory, multi-node multi-writer, as the
+    /// provisioner and kubelet do.
+    pub async fn provision_and_publish(&self, name: &str, pod: &str) -> PodVolume {
+        let c = self.clients().await;
+        let vol = c
+            .controller
+            .clone()
+            .create_volume(create_req(name, 1 << 30, &[]))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let staging = self.staging_path(name);
+        let target = self.target_path(pod);
+        let mode = Mode::MultiNodeMultiWriter;
+        c.node
+            .clone()
+            .node_stage_volume(stage_req(&vol, &staging, mode))
+            .await
+            .unwrap();
+        c.node
+            .clone()
+            .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
+            .await
+            .unwrap();
+        PodVolume {
+            vol,
+            staging,
+            target,
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(s)) = c.try_wait() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = c.kill();
-        c.wait().ok()
     }
 
     /// Starts the same command line again (after [`Driver::kill`]/[`Driver::terminate`]).
@@ -274,6 +296,30 @@ impl Driver {
     pub fn mounts(&self) -> Vec<PathBuf> {
         mounts_below(self.dir.path())
     }
+}
+
+/// A volume staged on this node and published into one pod (see
+/// [`Driver::provision_and_publish`]).
+pub struct PodVolume {
+    pub vol: Volume,
+    pub staging: PathBuf,
+    pub target: PathBuf,
+}
+
+/// SIGTERM, up to 20 s for the process to exit, then SIGKILL; returns the exit status.
+pub fn terminate_child(mut c: Child) -> Option<std::process::ExitStatus> {
+    unsafe {
+        libc::kill(c.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(s)) = c.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = c.kill();
+    c.wait().ok()
 }
 
 impl Drop for Driver {
