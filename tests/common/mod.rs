@@ -9,24 +9,45 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+/// Ports handed to servers we start come from below the kernel's ephemeral range
+/// (`ip_local_port_range`, 32768+ by default): between our check and the server's own bind, an
+/// outgoing connection of any process may take an ephemeral port, which once made a filer's
+/// gRPC port (+10000) collide. Three disjoint ranges: pairs take 10000..16000 (their gRPC
+/// halves 20000..26000), single ports 26000..32768.
+const PAIR_BASE: u16 = 10000;
+const PAIR_SPAN: u16 = 6000;
+const SINGLE_BASE: u16 = 26000;
+const SINGLE_SPAN: u16 = 32768 - SINGLE_BASE;
+
+fn bindable(p: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", p)).is_ok()
+}
+
+/// A random candidate in `base..base + span`.
+fn candidate(base: u16, span: u16) -> u16 {
+    base + rand::random::<u16>() % span
+}
+
 /// A free loopback port whose +10000 neighbour is free too (SeaweedFS's gRPC convention).
 pub fn free_port_pair() -> u16 {
-    for _ in 0..200 {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+    for _ in 0..500 {
+        let p = candidate(PAIR_BASE, PAIR_SPAN);
+        if bindable(p) && bindable(p + 10000) {
             return p;
         }
     }
-    panic!("no free port pair");
+    panic!("no free port pair below the ephemeral range");
 }
 
+/// A free loopback port, also from below the ephemeral range.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    for _ in 0..500 {
+        let p = candidate(SINGLE_BASE, SINGLE_SPAN);
+        if bindable(p) {
+            return p;
+        }
+    }
+    panic!("no free port below the ephemeral range");
 }
 
 #[derive(Default, Clone)]
