@@ -10,10 +10,11 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// Ports handed to servers we start come from below the kernel's ephemeral range
-/// (`ip_local_port_range`, 32768+ by default): between our check and the server's own bind, an
-/// outgoing connection of any process may take an ephemeral port, which once made a filer's
-/// gRPC port (+10000) collide. Three disjoint ranges: pairs take 10000..16000 (their gRPC
-/// halves 20000..26000), single ports 26000..32768.
+/// (`ip_local_port_range`, 32768+ by default). Between our check and the server's own bind
+/// another process may take the port (a filer's gRPC port, +10000, once was): an ephemeral
+/// port can go to any outgoing connection, these only to explicit binds. Three disjoint
+/// ranges: pairs take 10000..16000 (their gRPC halves 20000..26000), single ports
+/// 26000..32768.
 const PAIR_BASE: u16 = 10000;
 const PAIR_SPAN: u16 = 6000;
 const SINGLE_BASE: u16 = 26000;
