@@ -106,11 +106,8 @@ async fn surge_rollout_hands_the_mounts_over() {
     let mut old = Driver::start_raw(dir, socket.clone(), Stager::Fuse, args.clone(), vec![]);
 
     // A volume staged on this node and published into a pod, with data in it.
-    let PodVolume {
-        vol,
-        staging,
-        target,
-    } = old.provision_and_publish("pvc-handover", "pod-a").await;
+    let pod = old.provision_and_publish("pvc-handover", "pod-a").await;
+    let (vol, target) = (&pod.vol, &pod.target);
     std::fs::write(target.join("before.txt"), b"written before the rollout").unwrap();
     // A directory with a default ACL: inheritance after the adoption shows that the new process
     // knows the kernel enforces ACLs (FUSE_POSIX_ACL agreed by the old one).
@@ -179,16 +176,7 @@ async fn surge_rollout_hands_the_mounts_over() {
         .node_get_info(NodeGetInfoRequest {})
         .await
         .unwrap();
-    c.node
-        .clone()
-        .node_unpublish_volume(unpublish_req(&vol, &target))
-        .await
-        .unwrap();
-    c.node
-        .clone()
-        .node_unstage_volume(unstage_req(&vol, &staging))
-        .await
-        .unwrap();
+    pod.unpublish_and_unstage(&c).await;
     assert!(old.mounts().is_empty(), "mounts left: {:?}", old.mounts());
     assert!(
         socket.exists(),

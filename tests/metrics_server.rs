@@ -344,11 +344,8 @@ async fn driver_serves_metrics_on_its_port() {
     );
 
     let c = driver.clients().await;
-    let PodVolume {
-        vol,
-        staging,
-        target,
-    } = driver.provision_and_publish("pvc-metrics", "pod-a").await;
+    let pod = driver.provision_and_publish("pvc-metrics", "pod-a").await;
+    let target = &pod.target;
     let t = target.clone();
     tokio::task::spawn_blocking(move || {
         std::fs::write(t.join("m.bin"), vec![7u8; 3 << 20]).unwrap();
@@ -375,16 +372,7 @@ async fn driver_serves_metrics_on_its_port() {
     assert!(sample(&during, "seaweedfs_csi_uploads_total") >= 1.0);
     assert_exposition_format(&during);
 
-    c.node
-        .clone()
-        .node_unpublish_volume(unpublish_req(&vol, &target))
-        .await
-        .unwrap();
-    c.node
-        .clone()
-        .node_unstage_volume(unstage_req(&vol, &staging))
-        .await
-        .unwrap();
+    pod.unpublish_and_unstage(&c).await;
     let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
         .await
         .unwrap();

@@ -306,6 +306,22 @@ pub struct PodVolume {
     pub target: PathBuf,
 }
 
+impl PodVolume {
+    /// The pod goes away: NodeUnpublishVolume, then NodeUnstageVolume, as kubelet does.
+    pub async fn unpublish_and_unstage(&self, c: &Clients) {
+        c.node
+            .clone()
+            .node_unpublish_volume(unpublish_req(&self.vol, &self.target))
+            .await
+            .unwrap();
+        c.node
+            .clone()
+            .node_unstage_volume(unstage_req(&self.vol, &self.staging))
+            .await
+            .unwrap();
+    }
+}
+
 /// SIGTERM, up to 20 s for the process to exit, then SIGKILL; returns the exit status.
 pub fn terminate_child(mut c: Child) -> Option<std::process::ExitStatus> {
     unsafe {
