@@ -128,6 +128,47 @@ pub struct FileState {
     pub error: Option<String>,
     /// Bytes written but not yet committed (for quota accounting).
     pub uncommitted: u64,
+    /// Bumped by every change a commit must carry; a commit clears `meta_dirty` only if no
+    /// change arrived while it was in flight.
+    pub seq: u64,
+    /// Highest `modified_ts_ns` among the file's chunks. New runs sort after it whatever this
+    /// node's clock says: a node whose clock is behind the last writer's must still win.
+    pub max_ts: i64,
+}
+
+impl FileState {
+    /// Records a change that the next commit must carry.
+    pub fn touch(&mut self) {
+        self.meta_dirty = true;
+        self.seq += 1;
+    }
+
+    /// Nothing here differs from what the filer has: no dirty bytes, no uploads in flight, no
+    /// pending commit. Only then may the entry be replaced by a newer one from the filer, and
+    /// only then is a metadata change applied to the filer's entry rather than ours.
+    pub fn is_clean(&self) -> bool {
+        !self.meta_dirty && self.slots.is_empty() && self.inflight.is_empty()
+    }
+
+    /// Takes `e` (newer, from the filer) as the file's entry. Callers check [`is_clean`].
+    pub fn replace_entry(&mut self, e: pb::Entry, resolved: Vec<pb::FileChunk>) {
+        self.size = entry_size(&e);
+        self.max_ts = max_ts(&resolved);
+        self.resolved = Arc::new(resolved);
+        self.visible = None;
+        self.entry = e;
+    }
+
+    /// The next run's timestamp: after every chunk of the file, and strictly increasing.
+    fn next_run_ts(&mut self) -> i64 {
+        let ts = next_ts_ns().max(self.max_ts.saturating_add(1));
+        self.max_ts = ts;
+        ts
+    }
+}
+
+fn max_ts(chunks: &[pb::FileChunk]) -> i64 {
+    chunks.iter().map(|c| c.modified_ts_ns).max().unwrap_or(0)
 }
 
 pub struct OpenFile {
@@ -174,6 +215,7 @@ impl OpenFile {
         max_slots: usize,
     ) -> Self {
         let size = entry_size(&entry);
+        let max_ts = max_ts(&entry.chunks);
         let resolved = Arc::new(entry.chunks.clone());
         OpenFile {
             ino,
@@ -191,6 +233,8 @@ impl OpenFile {
                 unlinked: false,
                 error: None,
                 uncommitted: 0,
+                seq: 0,
+                max_ts,
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),
@@ -218,7 +262,7 @@ impl OpenFile {
         write_slots(&mut s, cs, offset, buf);
         s.uncommitted += buf.len() as u64;
         s.size = s.size.max(offset + buf.len() as u64);
-        s.meta_dirty = true;
+        s.touch();
         let mut sealed = Vec::new();
         let full: Vec<u64> = s
             .slots
@@ -269,6 +313,7 @@ impl OpenFile {
                     r.push(c);
                     s.resolved = Arc::new(r);
                     s.visible = None;
+                    s.seq += 1;
                 }
                 Err(e) => {
                     if s.error.is_none() {
@@ -323,7 +368,7 @@ impl OpenFile {
         if let Some(a) = s.entry.attributes.as_mut() {
             a.file_size = size;
         }
-        s.meta_dirty = true;
+        s.touch();
     }
 
     /// Plans a read of `[offset, offset+len)`: pieces over chunks and in-flight data, plus the
@@ -477,8 +522,9 @@ impl OpenFile {
         out
     }
 
-    /// The entry to commit, with a compacted chunk list and current size.
-    pub fn entry_for_commit(&self) -> pb::Entry {
+    /// The entry to commit, with a compacted chunk list and current size, and what it covers
+    /// (the change sequence number and the uncommitted bytes it takes to the filer).
+    pub fn entry_for_commit(&self) -> CommitSnapshot {
         let mut s = self.state.lock();
         let (kept, _garbage) = chunks::compact(&s.entry.chunks);
         s.entry.chunks = kept;
@@ -486,8 +532,30 @@ impl OpenFile {
         if let Some(a) = s.entry.attributes.as_mut() {
             a.file_size = size;
         }
-        s.entry.clone()
+        CommitSnapshot {
+            entry: s.entry.clone(),
+            seq: s.seq,
+            uncommitted: s.uncommitted,
+        }
     }
+
+    /// A commit of `snap` succeeded: clear what it covered, and only that (a write that
+    /// finished uploading while the commit was in flight is still to be committed).
+    pub fn committed(&self, snap: &CommitSnapshot) {
+        let mut s = self.state.lock();
+        if s.seq == snap.seq && s.slots.is_empty() && s.inflight.is_empty() {
+            s.meta_dirty = false;
+        }
+        s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
+        s.pending_create = false;
+    }
+}
+
+/// What one commit sends and covers.
+pub struct CommitSnapshot {
+    pub entry: pb::Entry,
+    pub seq: u64,
+    pub uncommitted: u64,
 }
 
 /// Start of the earliest data chunk that a truncation to `size` cuts in the middle.
@@ -529,7 +597,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
             id,
             offset: k * cs + a as u64,
             data: data.slice(a..b),
-            ts: next_ts_ns(),
+            ts: s.next_run_ts(),
         };
         s.inflight.push(Inflight {
             id,
@@ -629,6 +697,57 @@ mod tests {
         assert_eq!(cut_start(&list, 150), None);
         assert_eq!(cut_start(&list, 0), None);
         assert_eq!(cut_start(&list, 500), None);
+    }
+
+    #[test]
+    fn a_commit_racing_an_upload_leaves_the_file_dirty() {
+        let f = file(4);
+        let sealed = f.write(0, b"0123");
+        assert_eq!(sealed.len(), 1);
+        // the commit's snapshot is taken while the chunk is still uploading ...
+        let snap = f.entry_for_commit();
+        assert!(snap.entry.chunks.is_empty());
+        // ... and the upload finishes before the filer answers the commit
+        f.upload_done(
+            sealed[0].id,
+            Ok(pb::FileChunk {
+                file_id: "3,01".into(),
+                size: 4,
+                ..Default::default()
+            }),
+        );
+        f.committed(&snap);
+        let s = f.state.lock();
+        assert!(
+            s.meta_dirty,
+            "the chunk that missed the commit must still be committed"
+        );
+        assert!(!s.is_clean());
+    }
+
+    #[test]
+    fn runs_sort_after_chunks_from_a_clock_ahead_of_ours() {
+        let ahead = next_ts_ns() + 3_600_000_000_000;
+        let e = pb::Entry {
+            name: "f".into(),
+            attributes: Some(pb::FuseAttributes {
+                file_size: 8,
+                ..Default::default()
+            }),
+            chunks: vec![pb::FileChunk {
+                file_id: "3,02".into(),
+                size: 8,
+                modified_ts_ns: ahead,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let f = OpenFile::new(5, "/d".into(), e, 8, 4);
+        let sealed = f.write(0, b"newbytes");
+        assert_eq!(sealed.len(), 1);
+        assert!(sealed[0].ts > ahead, "the new run must hide the old chunk");
+        let again = f.write(0, b"evennewr");
+        assert!(again[0].ts > sealed[0].ts);
     }
 
     #[test]

@@ -350,31 +350,24 @@ impl Fs {
             *self.root_attr.lock() = a.clone();
             return Ok(a);
         }
-        let mut e = (*self.entry_at(&dir, &name).await?).clone();
-        if let Some(size) = req.size {
+        if req.size.is_some() {
+            // A truncate rewrites the chunk list: build it on the filer's entry, not a cached
+            // one, and through the open-file path (a cut chunk is rewritten, inline content
+            // that grows past the inline limit becomes a chunk instead of a huge buffer).
+            let e = self.fresh_entry(&dir, &name).await?;
             if e.is_directory {
                 return Err(errno(libc::EISDIR, "truncate of a directory"));
             }
-            if e.content.is_empty() && cut_start(&e.chunks, size).is_some() {
-                // the kept part of a cut chunk is rewritten, as for an open file
-                let of = Arc::new(self.load_open_file(ino, &dir, e).await?);
-                self.bump_content_gen(ino);
-                return self.setattr_open(ino, &path, &of, &req).await;
-            }
-            if e.content.is_empty() {
-                e.chunks = crate::chunks::truncate(&e.chunks, size).0;
-            } else {
-                e.content.resize(size as usize, 0);
-            }
-            let a = e.attributes.get_or_insert_with(Default::default);
-            a.file_size = size;
-            if req.mtime.is_none() {
-                (a.mtime, a.mtime_ns) = now_parts();
-            }
+            let of = Arc::new(self.load_open_file(ino, &dir, e).await?);
             self.bump_content_gen(ino);
+            return self.setattr_open(ino, &path, &of, &req).await;
         }
-        self.apply_setattr(&mut e, &req);
-        self.update_entry(&dir, e.clone()).await?;
+        let e = self
+            .update_fresh(&dir, &name, |e| {
+                self.apply_setattr(e, &req);
+                Ok(())
+            })
+            .await?;
         Ok(self.attr_of(ino, &path, &e))
     }
 
@@ -411,7 +404,24 @@ impl Fs {
         of: &Arc<OpenFile>,
         req: &SetAttr,
     ) -> Result<Attr> {
+        let clean = {
+            let s = of.state.lock();
+            s.is_clean() && !s.unlinked
+        };
+        if req.size.is_none() && clean {
+            // nothing of ours to commit: change the filer's entry, never our copy of it
+            let (dir, name) = split(path);
+            let e = self
+                .update_fresh(&dir, &name, |e| {
+                    self.apply_setattr(e, req);
+                    Ok(())
+                })
+                .await?;
+            self.adopt_if_clean(ino, of, e.clone()).await;
+            return Ok(self.attr_of(ino, path, &e));
+        }
         if let Some(size) = req.size {
+            self.refresh_if_clean(ino, of).await?;
             let runs = of.seal_all();
             self.start_uploads(of, runs).await;
             of.wait_uploads().await;
@@ -442,7 +452,7 @@ impl Fs {
         {
             let mut st = of.state.lock();
             self.apply_setattr(&mut st.entry, req);
-            st.meta_dirty = true;
+            st.touch();
         }
         self.flush_file(of).await?;
         let e = of.state.lock().entry.clone();
@@ -459,6 +469,86 @@ impl Fs {
         self.filer.update_entry(req).await?;
         self.meta.upsert(dir, Arc::new(e));
         Ok(())
+    }
+
+    /// The filer's current entry `dir/name`, never a cached one.
+    async fn fresh_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.lookup_entry(dir, name).await {
+            Ok(e) => Ok(e),
+            Err(FilerError::NotFound(_)) => {
+                self.meta.remove(dir, name);
+                Err(errno(libc::ENOENT, format!("{dir}/{name}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Applies a metadata change to the filer's current entry and stores it. Never built from
+    /// a cached entry: its chunk list may predate another node's write, and the filer deletes
+    /// every chunk an update leaves out. (The filer has no compare-and-swap; what is left is
+    /// the round trip between this lookup and the update.)
+    async fn update_fresh(
+        &self,
+        dir: &str,
+        name: &str,
+        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+    ) -> Result<pb::Entry> {
+        let mut e = self.fresh_entry(dir, name).await?;
+        f(&mut e)?;
+        self.update_entry(dir, e.clone()).await?;
+        Ok(e)
+    }
+
+    /// Takes the filer's entry `e` into an open file that has nothing of its own to commit.
+    async fn adopt_if_clean(&self, ino: u64, of: &Arc<OpenFile>, e: pb::Entry) {
+        let resolved = if crate::chunks::has_manifest(&e.chunks) {
+            match crate::chunks::expand_manifests(&e.chunks, self.store.as_ref()).await {
+                Ok(r) => r,
+                Err(err) => {
+                    tracing::warn!(ino, error = %err, "manifest expansion failed; keeping the open file's entry");
+                    return;
+                }
+            }
+        } else {
+            e.chunks.clone()
+        };
+        let mut s = of.state.lock();
+        if !s.is_clean() {
+            return;
+        }
+        if s.entry.chunks != e.chunks
+            || crate::chunks::file_size(&s.entry) != crate::chunks::file_size(&e)
+        {
+            self.bump_content_gen(ino);
+        }
+        s.replace_entry(e, resolved);
+    }
+
+    /// Before an open file's data changes: if it has nothing of its own, start from the
+    /// filer's current entry (another node may have rewritten it since it was opened).
+    async fn refresh_if_clean(&self, ino: u64, of: &Arc<OpenFile>) -> Result<()> {
+        let (dir, name, clean) = {
+            let s = of.state.lock();
+            (
+                s.dir.clone(),
+                s.entry.name.clone(),
+                s.is_clean() && !s.pending_create && !s.unlinked,
+            )
+        };
+        if !clean {
+            return Ok(());
+        }
+        match self.fresh_entry(&dir, &name).await {
+            Ok(e) => {
+                self.adopt_if_clean(ino, of, e).await;
+                Ok(())
+            }
+            // deleted elsewhere: go on with what we have (writes stay local, as for an
+            // unlinked file)
+            Err(e) if e.errno == libc::ENOENT => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
@@ -799,7 +889,7 @@ impl Fs {
         {
             let mut s = of.state.lock();
             s.pending_create = true;
-            s.meta_dirty = true;
+            s.touch();
         }
         self.files.lock().insert(
             ino,
@@ -1034,14 +1124,23 @@ impl Fs {
             self.meta.invalidate_dir(&npath, true);
         }
         self.moved(&opath, &npath);
-        // POSIX: rename changes the moved inode's ctime
-        let mut moved = moved;
-        let a = moved.attributes.get_or_insert_with(Default::default);
-        (a.ctime, a.ctime_ns) = now_parts();
-        if let Err(e) = self.update_entry(ndir, moved.clone()).await {
-            tracing::debug!(path = npath, error = %e, "ctime update after rename failed");
-            self.meta.upsert(ndir, Arc::new(moved.clone()));
-        }
+        // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
+        // now: `src` may be older than another node's last write to it.
+        let moved = match self
+            .update_fresh(ndir, newname, |e| {
+                let a = e.attributes.get_or_insert_with(Default::default);
+                (a.ctime, a.ctime_ns) = now_parts();
+                Ok(())
+            })
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(path = npath, error = %e, "ctime update after rename failed");
+                self.meta.upsert(ndir, Arc::new(moved.clone()));
+                moved
+            }
+        };
         if let Some(of) = self.open_file(ino) {
             let mut s = of.state.lock();
             if let (Some(a), Some(m)) = (s.entry.attributes.as_mut(), moved.attributes.as_ref()) {
@@ -1266,6 +1365,11 @@ impl Fs {
             self.check_writable()?;
         }
         let of = self.open_inode(ino).await?;
+        if writable {
+            // close-to-open for writers: what this handle writes is laid over the filer's
+            // current chunk list, not one cached before another node's last close
+            self.refresh_if_clean(ino, &of).await?;
+        }
         let fh = self.add_handle(ino, of.clone(), writable);
         if flags & libc::O_TRUNC != 0 && writable {
             of.wait_uploads().await;
@@ -1380,10 +1484,10 @@ impl Fs {
         if !dirty || unlinked {
             return Ok(());
         }
-        let entry = of.entry_for_commit();
+        let snap = of.entry_for_commit();
         let mut attempt = 0;
         loop {
-            match self.create_on_filer(&dir, &entry, false).await {
+            match self.create_on_filer(&dir, &snap.entry, false).await {
                 Ok(()) => break,
                 Err(e) if attempt < 3 && e.errno == libc::EIO => {
                     attempt += 1;
@@ -1393,17 +1497,8 @@ impl Fs {
                 Err(e) => return Err(e),
             }
         }
-        {
-            let mut s = of.state.lock();
-            // only clear what this commit covered
-            if s.slots.is_empty() && s.inflight.is_empty() {
-                s.meta_dirty = false;
-                s.uncommitted = 0;
-            }
-            s.pending_create = false;
-        }
-        let committed = of.state.lock().entry.clone();
-        self.meta.upsert(&dir, Arc::new(committed));
+        of.committed(&snap);
+        self.meta.upsert(&dir, Arc::new(snap.entry));
         Ok(())
     }
 
@@ -1757,32 +1852,50 @@ impl Fs {
     async fn change_xattrs(
         &self,
         ino: u64,
-        f: impl FnOnce(&mut std::collections::HashMap<String, Vec<u8>>) -> Result<()>,
+        f: impl Fn(&mut std::collections::HashMap<String, Vec<u8>>) -> Result<()>,
     ) -> Result<()> {
         self.change_entry(ino, |e| f(&mut e.extended)).await
     }
 
     /// Applies `f` to the entry (xattrs, or the mode along with an ACL) and commits it.
-    async fn change_entry(
-        &self,
-        ino: u64,
-        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
-    ) -> Result<()> {
-        if let Some(of) = self.open_file(ino) {
-            {
+    async fn change_entry(&self, ino: u64, f: impl Fn(&mut pb::Entry) -> Result<()>) -> Result<()> {
+        let open = self.open_file(ino);
+        if let Some(of) = &open {
+            let local = {
                 let mut s = of.state.lock();
-                f(&mut s.entry)?;
-                let a = s.entry.attributes.get_or_insert_with(Default::default);
-                (a.ctime, a.ctime_ns) = now_parts();
-                s.meta_dirty = true;
+                let local = !s.is_clean() || s.unlinked;
+                if local {
+                    // our own entry goes to the filer anyway: the change rides that commit
+                    f(&mut s.entry)?;
+                    let a = s.entry.attributes.get_or_insert_with(Default::default);
+                    (a.ctime, a.ctime_ns) = now_parts();
+                    s.touch();
+                }
+                local
+            };
+            if local {
+                return self.flush_file(of).await;
             }
-            return self.flush_file(&of).await;
         }
-        let (dir, mut e) = self.entry_for_xattr(ino).await?;
-        f(&mut e)?;
-        let a = e.attributes.get_or_insert_with(Default::default);
-        (a.ctime, a.ctime_ns) = now_parts();
-        self.update_entry(&dir, e.clone()).await?;
+        let (dir, name) = if ino == ROOT_INO {
+            if self.cfg.root == "/" {
+                return Err(errno(libc::ENOTSUP, "no xattrs on the filer root"));
+            }
+            split(&self.cfg.root)
+        } else {
+            split(&self.path_of(ino)?)
+        };
+        let e = self
+            .update_fresh(&dir, &name, |e| {
+                f(e)?;
+                let a = e.attributes.get_or_insert_with(Default::default);
+                (a.ctime, a.ctime_ns) = now_parts();
+                Ok(())
+            })
+            .await?;
+        if let Some(of) = &open {
+            self.adopt_if_clean(ino, of, e).await;
+        }
         if ino == ROOT_INO {
             let _ = self.init_root().await;
         }
@@ -1824,7 +1937,7 @@ impl Fs {
             if grow {
                 (a.mtime, a.mtime_ns) = now;
             }
-            s.meta_dirty = true;
+            s.touch();
         }
         self.flush_file(&of).await
     }
@@ -1924,11 +2037,10 @@ impl Fs {
             let ino = entry_inode(&npath, new);
             if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();
-                if !s.meta_dirty && s.slots.is_empty() && s.inflight.is_empty() {
-                    s.entry = new.clone();
-                    s.size = attr::entry_size(new);
-                    s.resolved = Arc::new(new.chunks.clone());
-                    s.visible = None;
+                // A manifest entry needs its manifests fetched first: keep the old list
+                // (its needles stay readable with readDeleted) until the next open.
+                if s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
+                    s.replace_entry(new.clone(), new.chunks.clone());
                 }
             }
             self.bump_content_gen(ino);
