@@ -125,6 +125,9 @@ impl ChunkStore for InstrumentedStore {
     ) -> VolumeResult<Bytes> {
         timed(VOLUME, "read_range", self.0.fetch_range(chunk, offset, len)).await
     }
+    async fn delete_chunks(&self, file_ids: &[String]) -> VolumeResult<()> {
+        timed(VOLUME, "delete", self.0.delete_chunks(file_ids)).await
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,9 @@ pub struct SecurityConfig {
     pub jwt_read_expires_secs: u64,
     /// `[jwt.filer_signing] key` (filer HTTP writes).
     pub jwt_filer_key: Option<String>,
+    /// `[jwt.signing] key`: volume-server writes. Uploads get their token from AssignVolume;
+    /// with this key we can also delete chunks we uploaded but never committed.
+    pub jwt_write_key: Option<String>,
     /// `[https.client] enabled`
     pub https_client_enabled: bool,
     pub https_ca: Option<PathBuf>,
@@ -65,6 +68,7 @@ impl std::fmt::Debug for SecurityConfig {
             .field("jwt_read_key", &redact(&self.jwt_read_key))
             .field("jwt_read_expires_secs", &self.jwt_read_expires_secs)
             .field("jwt_filer_key", &redact(&self.jwt_filer_key))
+            .field("jwt_write_key", &redact(&self.jwt_write_key))
             .field("https_client_enabled", &self.https_client_enabled)
             .field("https_ca", &self.https_ca)
             .field("https_cert", &self.https_cert)
@@ -85,6 +89,7 @@ pub const SETTING_KEYS: &[&str] = &[
     "jwt.signing.read.key",
     "jwt.signing.read.expires_after_seconds",
     "jwt.filer_signing.key",
+    "jwt.signing.key",
     "https.client.enabled",
     "https.client.ca",
     "https.client.cert",
@@ -239,6 +244,7 @@ impl SecurityConfig {
             jwt_read_key: string("jwt.signing.read.key")?,
             jwt_read_expires_secs: uint("jwt.signing.read.expires_after_seconds")?,
             jwt_filer_key: string("jwt.filer_signing.key")?,
+            jwt_write_key: string("jwt.signing.key")?,
             https_client_enabled: boolean("https.client.enabled")?,
             https_ca: path("https.client.ca")?,
             https_cert: path("https.client.cert")?,

@@ -12,7 +12,7 @@ use crate::chunks;
 use crate::pb::filer as pb;
 use bytes::Bytes;
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::Notify;
@@ -92,13 +92,16 @@ fn add_range(ranges: &mut Vec<(usize, usize)>, s: usize, e: usize) {
     *ranges = out;
 }
 
-/// Data being uploaded: readable from memory until its chunk is in the entry.
+/// Data being uploaded: readable from memory until its chunk is in the entry. A run whose
+/// upload gave up stays here (`failed`) until a later flush places it: acknowledged bytes are
+/// never dropped while the file is open.
 #[derive(Clone)]
 pub struct Inflight {
     pub id: u64,
     pub offset: u64,
     pub data: Bytes,
     pub ts: i64,
+    pub failed: bool,
 }
 
 /// A run sealed for upload.
@@ -124,7 +127,7 @@ pub struct FileState {
     /// Not yet created on the filer (deferred create).
     pub pending_create: bool,
     pub unlinked: bool,
-    /// First upload error; the file stays poisoned (EIO) until reopened.
+    /// Why the runs marked `failed` could not be placed (cleared once none is left).
     pub error: Option<String>,
     /// Bytes written but not yet committed (for quota accounting).
     pub uncommitted: u64,
@@ -134,9 +137,31 @@ pub struct FileState {
     /// Highest `modified_ts_ns` among the file's chunks. New runs sort after it whatever this
     /// node's clock says: a node whose clock is behind the last writer's must still win.
     pub max_ts: i64,
+    /// Chunks we uploaded that no successful commit has carried yet.
+    pub ours: HashSet<String>,
+    /// Of those, the ones dropped from the list before a commit carried them (overwritten,
+    /// truncated away): no entry will ever reference them, so they are deleted after the next
+    /// successful commit (the filer only deletes chunks it once had).
+    pub garbage: Vec<String>,
 }
 
 impl FileState {
+    /// Notes dropped chunks that only we know about, for deletion after the next commit.
+    fn drop_ours(&mut self, dropped: &[pb::FileChunk]) {
+        for c in dropped {
+            if self.ours.contains(&c.file_id) {
+                self.garbage.push(c.file_id.clone());
+            }
+        }
+    }
+
+    /// Everything we uploaded that no entry references, now that the file will never be
+    /// committed again (unlinked or replaced before its last commit).
+    pub fn take_orphans(&mut self) -> Vec<String> {
+        self.garbage.clear();
+        self.ours.drain().collect()
+    }
+
     /// Records a change that the next commit must carry.
     pub fn touch(&mut self) {
         self.meta_dirty = true;
@@ -235,6 +260,8 @@ impl OpenFile {
                 uncommitted: 0,
                 seq: 0,
                 max_ts,
+                ours: HashSet::new(),
+                garbage: Vec::new(),
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),
@@ -299,26 +326,30 @@ impl OpenFile {
         out
     }
 
-    /// An upload finished: its chunk joins the entry and its memory copy is dropped.
+    /// An upload finished: its chunk joins the entry and its memory copy is dropped. A
+    /// failed upload keeps its bytes (readable, retried by the next flush).
     pub fn upload_done(&self, id: u64, result: Result<pb::FileChunk, String>) {
         let mut s = self.state.lock();
         if let Some(pos) = s.inflight.iter().position(|i| i.id == id) {
-            let inf = s.inflight.remove(pos);
             match result {
                 Ok(mut c) => {
+                    let inf = s.inflight.remove(pos);
                     c.offset = inf.offset as i64;
                     c.modified_ts_ns = inf.ts;
+                    s.ours.insert(c.file_id.clone());
                     s.entry.chunks.push(c.clone());
                     let mut r = (*s.resolved).clone();
                     r.push(c);
                     s.resolved = Arc::new(r);
                     s.visible = None;
                     s.seq += 1;
+                    if !s.inflight.iter().any(|i| i.failed) {
+                        s.error = None;
+                    }
                 }
                 Err(e) => {
-                    if s.error.is_none() {
-                        s.error = Some(e);
-                    }
+                    s.inflight[pos].failed = true;
+                    s.error = Some(e);
                 }
             }
         }
@@ -326,13 +357,40 @@ impl OpenFile {
         self.uploads_done.notify_waiters();
     }
 
-    /// Waits until no upload of this file is in flight.
+    /// Runs whose upload gave up, handed out again for another try (same ids and order).
+    pub fn retry_failed(&self) -> Vec<SealedRun> {
+        let mut s = self.state.lock();
+        s.inflight
+            .iter_mut()
+            .filter(|i| i.failed)
+            .map(|i| {
+                i.failed = false;
+                SealedRun {
+                    id: i.id,
+                    offset: i.offset,
+                    data: i.data.clone(),
+                    ts: i.ts,
+                }
+            })
+            .collect()
+    }
+
+    /// The reason if acknowledged bytes of this file could not be placed yet.
+    pub fn unplaced(&self) -> Option<String> {
+        let s = self.state.lock();
+        s.inflight
+            .iter()
+            .any(|i| i.failed)
+            .then(|| s.error.clone().unwrap_or_else(|| "upload failed".into()))
+    }
+
+    /// Waits until no upload of this file is running (failed runs wait for a retry).
     pub async fn wait_uploads(&self) {
         loop {
             let notified = self.uploads_done.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.state.lock().inflight.is_empty() {
+            if self.state.lock().inflight.iter().all(|i| i.failed) {
                 return;
             }
             notified.await;
@@ -353,6 +411,17 @@ impl OpenFile {
                 write_slots(&mut s, cs, 0, &c);
             }
         }
+        // runs that could not be placed yet are cut like any other data
+        s.inflight.retain_mut(|i| {
+            if !i.failed || i.offset + i.data.len() as u64 <= size {
+                return true;
+            }
+            if i.offset >= size {
+                return false;
+            }
+            i.data = i.data.slice(..(size - i.offset) as usize);
+            true
+        });
         s.slots.retain(|k, _| k * cs < size);
         if let Some((k, sl)) = s.slots.iter_mut().next_back() {
             let base = *k * cs;
@@ -361,7 +430,9 @@ impl OpenFile {
             }
         }
         s.slots.retain(|_, sl| !sl.ranges.is_empty());
-        s.entry.chunks = chunks::truncate(&s.entry.chunks, size).0;
+        let (kept, dropped) = chunks::truncate(&s.entry.chunks, size);
+        s.entry.chunks = kept;
+        s.drop_ours(&dropped);
         s.resolved = Arc::new(chunks::truncate(&s.resolved, size).0);
         s.visible = None;
         s.size = size;
@@ -526,8 +597,9 @@ impl OpenFile {
     /// (the change sequence number and the uncommitted bytes it takes to the filer).
     pub fn entry_for_commit(&self) -> CommitSnapshot {
         let mut s = self.state.lock();
-        let (kept, _garbage) = chunks::compact(&s.entry.chunks);
+        let (kept, garbage) = chunks::compact(&s.entry.chunks);
         s.entry.chunks = kept;
+        s.drop_ours(&garbage);
         let size = s.size;
         if let Some(a) = s.entry.attributes.as_mut() {
             a.file_size = size;
@@ -540,14 +612,26 @@ impl OpenFile {
     }
 
     /// A commit of `snap` succeeded: clear what it covered, and only that (a write that
-    /// finished uploading while the commit was in flight is still to be committed).
-    pub fn committed(&self, snap: &CommitSnapshot) {
+    /// finished uploading while the commit was in flight is still to be committed). Returns
+    /// the chunks of ours that are now referenced by nothing, to delete.
+    pub fn committed(&self, snap: &CommitSnapshot) -> Vec<String> {
         let mut s = self.state.lock();
         if s.seq == snap.seq && s.slots.is_empty() && s.inflight.is_empty() {
             s.meta_dirty = false;
         }
         s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
         s.pending_create = false;
+        let carried: HashSet<&str> = snap.entry.chunks.iter().map(|c| c.file_id.as_str()).collect();
+        // a chunk the commit carried is the filer's now (it deletes it when it drops it)
+        s.ours.retain(|f| !carried.contains(f.as_str()));
+        let garbage = std::mem::take(&mut s.garbage);
+        let mut delete = Vec::new();
+        for f in garbage {
+            if s.ours.remove(&f) {
+                delete.push(f);
+            }
+        }
+        delete
     }
 }
 
@@ -604,6 +688,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
             offset: run.offset,
             data: run.data.clone(),
             ts: run.ts,
+            failed: false,
         });
         out.push(run);
     }

@@ -100,6 +100,10 @@ pub struct FsConfig {
     /// Directories with more entries than this are not cached.
     pub max_cached_dir_entries: usize,
     pub cipher: bool,
+    /// How long an upload (and a commit) keeps retrying while volume servers or the filer
+    /// are unreachable before fsync/close report EIO. The bytes stay buffered either way
+    /// and the next fsync tries again.
+    pub upload_retry: Duration,
     /// An absent `security.selinux` label answers EOPNOTSUPP instead of ENODATA. Set when
     /// the node runs without SELinux: nothing on it can use a label, and tools that ask for
     /// one (`ls -l`, anything on libselinux with coreutils' per-device cache) then stop
@@ -140,6 +144,7 @@ impl FsConfig {
             readahead_chunks: (o.concurrent_readers / 4).clamp(1, 8),
             max_cached_dir_entries: 100_000,
             cipher: false,
+            upload_retry: Duration::from_secs(60),
             selinux_label_unsupported: !selinux_enabled(),
         }
     }
@@ -318,6 +323,15 @@ impl Fs {
             cipher: self.cfg.cipher,
         }
     }
+}
+
+/// Delay before retry `attempt` (0-based): doubling from 0.5 s up to 8 s, with jitter
+/// (0.5x-1.5x) so that many writers do not retry in lockstep.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    let step = Duration::from_millis(500)
+        .saturating_mul(1 << attempt.min(5))
+        .min(Duration::from_secs(8));
+    step.mul_f64(0.5 + rand::random::<f64>())
 }
 
 pub(crate) fn now_parts() -> (i64, i32) {

@@ -8,6 +8,7 @@ use super::meta::Cached;
 use super::{entry_with_name, errno, now_parts, Fs, Handle, OpenEntry, Result};
 use crate::filer::FilerError;
 use crate::pb::filer as pb;
+use crate::volume::VolumeError;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -1400,8 +1401,12 @@ impl Fs {
         self.check_writable()?;
         let h = self.handle(fh, ino).await?;
         let of = h.file.clone();
-        if let Some(e) = of.state.lock().error.clone() {
-            return Err(errno(libc::EIO, format!("earlier upload failed: {e}")));
+        if let Some(e) = of.unplaced() {
+            // no more bytes pile up behind data that cannot be placed; fsync retries it
+            return Err(errno(
+                libc::EIO,
+                format!("earlier upload failed (fsync retries it): {e}"),
+            ));
         }
         let quota = self.quota();
         if quota > 0 {
@@ -1450,9 +1455,10 @@ impl Fs {
                 .fetch_add(stats_bytes, Ordering::Relaxed);
             let fs_stats = crate::metrics::global();
             let cache = self.cache.clone();
+            let retry_for = self.cfg.upload_retry;
             tokio::spawn(async move {
                 let data = run.data.clone();
-                let r = store.upload(run.data, &opts).await;
+                let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
                 if let Ok(c) = &r {
                     // keep what we just wrote: reading it back is common
                     if run.offset == 0 || data.len() <= 1 << 20 {
@@ -1468,38 +1474,57 @@ impl Fs {
 
     /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
     pub async fn flush_file(&self, of: &Arc<OpenFile>) -> Result<()> {
-        let runs = of.seal_all();
+        // what an earlier flush could not place is tried again first (same order stamps)
+        let mut runs = of.retry_failed();
+        runs.extend(of.seal_all());
         if !runs.is_empty() {
             self.start_uploads(of, runs).await;
         }
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
-        let (dir, dirty, unlinked, err) = {
+        let (dir, dirty, unlinked) = {
             let s = of.state.lock();
-            (s.dir.clone(), s.meta_dirty, s.unlinked, s.error.clone())
+            (s.dir.clone(), s.meta_dirty, s.unlinked)
         };
-        if let Some(e) = err {
+        if let Some(e) = of.unplaced() {
             return Err(errno(libc::EIO, format!("upload failed: {e}")));
         }
         if !dirty || unlinked {
             return Ok(());
         }
         let snap = of.entry_for_commit();
+        let start = Instant::now();
         let mut attempt = 0;
         loop {
             match self.create_on_filer(&dir, &snap.entry, false).await {
                 Ok(()) => break,
-                Err(e) if attempt < 3 && e.errno == libc::EIO => {
+                Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
+                    let wait = super::backoff(attempt);
                     attempt += 1;
                     tracing::warn!(path = %of.path(), error = %e, attempt, "commit failed, retrying");
-                    tokio::time::sleep(Duration::from_millis(500 << attempt)).await;
+                    tokio::time::sleep(wait).await;
                 }
                 Err(e) => return Err(e),
             }
         }
-        of.committed(&snap);
+        let orphans = of.committed(&snap);
+        self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
         Ok(())
+    }
+
+    /// Deletes chunks of ours that no entry references, in the background.
+    fn delete_orphans(&self, fids: Vec<String>) {
+        if fids.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.delete_chunks(&fids).await {
+                tracing::warn!(count = fids.len(), error = %e,
+                    "orphaned chunks not deleted (volume.fsck finds them)");
+            }
+        });
     }
 
     pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
@@ -1525,7 +1550,30 @@ impl Fs {
             }
         };
         let r = self.flush_file(&of).await;
+        if last && self.open_file(ino).is_some_and(|o| Arc::ptr_eq(&o, &of)) {
+            let orphans = {
+                let mut s = of.state.lock();
+                if s.unlinked {
+                    s.take_orphans()
+                } else {
+                    Vec::new()
+                }
+            };
+            self.delete_orphans(orphans);
+        }
         if last {
+            if let Some(e) = of.unplaced() {
+                let lost: usize = of
+                    .state
+                    .lock()
+                    .inflight
+                    .iter()
+                    .filter(|i| i.failed)
+                    .map(|i| i.data.len())
+                    .sum();
+                tracing::error!(path = %of.path(), lost_bytes = lost, error = %e,
+                    "last handle closed with data that could not be placed; it is dropped");
+            }
             let mut files = self.files.lock();
             if files.get(&ino).map(|o| o.handles == 0).unwrap_or(false) {
                 files.remove(&ino);
@@ -2084,6 +2132,40 @@ impl Fs {
     }
 }
 
+/// Uploads one run, retrying with backoff while the cluster cannot take it (volume servers
+/// restarting, no writable volume, filer unreachable for assigns) for up to `retry_for`.
+/// Errors a retry cannot fix (authorization, configuration) return at once.
+async fn upload_with_retry(
+    store: &dyn crate::volume::ChunkStore,
+    data: bytes::Bytes,
+    opts: &crate::volume::UploadOptions,
+    retry_for: Duration,
+) -> std::result::Result<pb::FileChunk, VolumeError> {
+    let start = Instant::now();
+    let mut attempt = 0;
+    loop {
+        match store.upload(data.clone(), opts).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                let permanent = matches!(
+                    e,
+                    VolumeError::Unauthorized(_)
+                        | VolumeError::Unsupported(_)
+                        | VolumeError::Config(_)
+                        | VolumeError::InvalidFileId(_)
+                );
+                let wait = super::backoff(attempt);
+                if permanent || start.elapsed() + wait > retry_for {
+                    return Err(e);
+                }
+                attempt += 1;
+                tracing::warn!(path = %opts.path, error = %e, attempt, "chunk upload failed; retrying");
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
 fn xattr_key(name: &str) -> String {
     format!("{XATTR_PREFIX}{name}")
 }
@@ -2366,5 +2448,141 @@ mod xattr_tests {
         let (fs, ino) = fs_with(false).await;
         let e = fs.getxattr(ino, SELINUX_XATTR).await.unwrap_err();
         assert_eq!(e.errno, libc::ENODATA);
+    }
+}
+
+#[cfg(test)]
+mod integrity_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    const MIB: usize = 1 << 20;
+
+    fn fs_and_store(upload_retry: Duration) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions {
+            chunk_size_limit_mb: 1,
+            ..Default::default()
+        });
+        cfg.upload_retry = upload_retry;
+        let store = Arc::new(MockChunkStore::new());
+        let filer = Arc::new(MockFiler::new());
+        let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+        (fs, store, filer)
+    }
+
+    /// Background deletes have run (they are spawned after the commit).
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn referenced(filer: &MockFiler, path: &str) -> usize {
+        filer.get(path).map(|e| e.chunks.len()).unwrap_or(0)
+    }
+
+    #[tokio::test]
+    async fn runs_overwritten_before_the_commit_are_deleted() {
+        let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        // each full chunk is uploaded at once; the second hides the first
+        fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+        fs.write(fh, a.ino, 0, &vec![2u8; MIB]).await.unwrap();
+        fs.write(fh, a.ino, MIB as u64, &vec![3u8; MIB]).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        settle().await;
+        assert_eq!(referenced(&filer, "/f"), 2);
+        assert_eq!(store.len(), 2, "the hidden run's needle must be deleted");
+    }
+
+    #[tokio::test]
+    async fn runs_truncated_away_before_the_commit_are_deleted() {
+        let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
+        fs.setattr(
+            a.ino,
+            SetAttr {
+                size: Some(MIB as u64),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        settle().await;
+        assert_eq!(referenced(&filer, "/f"), 1);
+        assert_eq!(store.len(), 1, "chunks past the new size must be deleted");
+    }
+
+    #[tokio::test]
+    async fn a_file_unlinked_before_its_commit_leaves_no_chunks() {
+        let (fs, store, _filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
+        fs.unlink(ROOT_INO, "f").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        settle().await;
+        assert_eq!(store.len(), 0, "nothing references the unlinked file's chunks");
+    }
+
+    #[tokio::test]
+    async fn a_failed_upload_keeps_the_bytes_and_a_later_fsync_places_them() {
+        let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        store.fail_next_uploads(100);
+        let data = vec![7u8; MIB + 10];
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        let e = fs.flush(fh, a.ino).await.unwrap_err();
+        assert_eq!(e.errno, libc::EIO);
+        // no more bytes pile up behind it, but what was acknowledged is still readable
+        assert_eq!(
+            fs.write(fh, a.ino, 0, b"x").await.unwrap_err().errno,
+            libc::EIO
+        );
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        assert_eq!(&fs.read_range(&of, 0, 16).await.unwrap()[..], &data[..16]);
+        // the cluster is back: the next fsync places everything
+        store.fail_next_uploads(0);
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.write(fh, a.ino, (MIB + 10) as u64, b"more").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").unwrap();
+        assert_eq!(crate::chunks::file_size(&e), (MIB + 14) as u64);
+        let of = fs.open_inode(a.ino).await.unwrap();
+        let got = fs.read_range(&of, 0, (MIB + 14) as u64).await.unwrap();
+        assert_eq!(&got[..MIB + 10], &data[..]);
+        assert_eq!(&got[MIB + 10..], b"more");
+    }
+
+    #[tokio::test]
+    async fn uploads_retry_through_a_short_outage() {
+        let (fs, store, filer) = fs_and_store(Duration::from_secs(30));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        store.fail_next_uploads(2);
+        fs.write(fh, a.ino, 0, &vec![5u8; MIB]).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(referenced(&filer, "/f"), 1);
+        assert_eq!(store.len(), 1);
     }
 }

@@ -254,6 +254,53 @@ impl VolumeClient {
         ))
     }
 
+    /// DELETE of one needle on a volume server holding it (the server deletes the replicas).
+    async fn delete_one(&self, fid_str: &str) -> Result<()> {
+        let fid = FileId::parse(fid_str).map_err(|_| VolumeError::InvalidFileId(fid_str.into()))?;
+        let locs = self
+            .locations
+            .get(fid.volume_id)
+            .await
+            .map_err(|e| e.error)?;
+        let hosts = ordered_hosts(&locs, self.opts.access, &self.opts.data_center);
+        let host = hosts
+            .first()
+            .ok_or(VolumeError::NoLocation(fid.volume_id))?;
+        let url = format!("{}://{host}/{fid_str}", self.scheme);
+        let mut req = self.http.delete(&url).timeout(self.opts.read_timeout);
+        if let Some(key) = self
+            .opts
+            .security
+            .jwt_write_key
+            .as_deref()
+            .filter(|k| !k.is_empty())
+        {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            // write tokens carry the same claims as read tokens, signed with the write key
+            let token = mint_read_jwt(key.as_bytes(), fid_str, 10, now);
+            req = req.header(AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let resp = req.send().await.map_err(|e| VolumeError::Upload {
+            fid: fid_str.into(),
+            msg: format!("delete: {e}"),
+        })?;
+        let status = resp.status().as_u16();
+        if resp.status().is_success() || status == 404 {
+            return Ok(());
+        }
+        Err(if status == 401 {
+            VolumeError::Unauthorized(format!("delete of {fid_str}"))
+        } else {
+            VolumeError::Upload {
+                fid: fid_str.into(),
+                msg: format!("delete: HTTP {status}"),
+            }
+        })
+    }
+
     /// Full GET URLs of a needle, in the order to try.
     async fn read_urls(
         &self,
@@ -770,6 +817,22 @@ impl ChunkStore for VolumeClient {
             tokio::time::sleep(backoff).await;
             backoff = backoff.mul_f64(1.5);
         }
+    }
+
+    async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {
+        if self.opts.access == VolumeServerAccess::FilerProxy {
+            // the filer's proxy serves reads only; volume.fsck finds these
+            tracing::debug!(count = file_ids.len(), "orphaned chunks left (filerProxy access)");
+            return Ok(());
+        }
+        let mut first_err = None;
+        for fid_str in file_ids {
+            if let Err(e) = self.delete_one(fid_str).await {
+                tracing::debug!(fid = %fid_str, error = %e, "orphaned chunk not deleted");
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     async fn fetch_chunk(&self, chunk: &pb::FileChunk) -> Result<Bytes> {

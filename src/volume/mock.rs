@@ -158,6 +158,13 @@ impl ChunkStore for MockChunkStore {
             }),
         }
     }
+
+    async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {
+        for f in file_ids {
+            self.remove(f);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -86,4 +86,9 @@ pub trait ChunkStore: Send + Sync + 'static {
     /// `len` clear bytes starting at `offset` within the chunk's needle. Uses an HTTP Range
     /// request when the chunk is neither encrypted nor compressed.
     async fn fetch_range(&self, chunk: &pb::FileChunk, offset: u64, len: u64) -> Result<Bytes>;
+
+    /// Deletes needles this client uploaded that no filer entry references (runs overwritten
+    /// or truncated before their commit, files unlinked before it). Best effort: what is left
+    /// is found by `volume.fsck`. Only call it for chunks no entry can reference.
+    async fn delete_chunks(&self, file_ids: &[String]) -> Result<()>;
 }

