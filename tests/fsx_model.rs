@@ -7,7 +7,8 @@
 //!
 //! Environment: `FSX_OPS` (default 3000), `FSX_SEED` (number or `random`), `FSX_MAXLEN`
 //! (default 4 MiB + 1234), `FSX_REMOUNT_EVERY` (mean ops between remounts, default 1000).
-//! `scripts/soak.sh` runs the long version.
+//! `FSX_SABOTAGE=N` flips one byte of the model after operation N: the run must fail (a check
+//! of the checker). `scripts/soak.sh` runs the long version.
 
 mod common;
 mod fuse_support;
@@ -221,6 +222,8 @@ fn fsx_random_operations_match_an_in_memory_file() {
     let w = shared_server();
     let root = unique_path("fsx");
     let mount = mount_ours(&w, &root, MOUNT_ARGS);
+    // FSX_SABOTAGE=N: corrupt the model after operation N (the run must then fail)
+    let sabotage = env_u64("FSX_SABOTAGE", 0);
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
     let mut fx = Fsx {
         w,
@@ -384,6 +387,15 @@ fn fsx_random_operations_match_an_in_memory_file() {
                 fx.check_all("after reopen");
                 fx.bump("close+reopen");
             }
+        }
+        if i + 1 == sabotage {
+            // self-check of the checker: a model that is wrong by one byte must be caught
+            if fx.model.is_empty() {
+                fx.model.push(0);
+            }
+            let at = rng.below(fx.model.len() as u64) as usize;
+            fx.model[at] ^= 0x5a;
+            fx.note(format!("#{i} SABOTAGE: model byte {at} flipped"));
         }
         fx.check_size("after the operation");
         if (i + 1) % 250 == 0 {

@@ -15,7 +15,8 @@
 //!
 //! Environment: `MODEL_SEED` (number or `random`), `MODEL_OPS` (default 300),
 //! `MODEL_MOUNTS` (2 or 3), `MODEL_SETTLE_SECS` (default 5), `FIELD_REPS` (default 20).
-//! `scripts/soak.sh` runs long random-seed versions.
+//! `MODEL_SABOTAGE=N` changes the model after operation N: the run must fail (a check of
+//! the checker). `scripts/soak.sh` runs long random-seed versions.
 
 mod common;
 mod fuse_support;
@@ -249,7 +250,9 @@ impl World {
                 match r {
                     Ok(()) => break,
                     Err(e) if Instant::now() >= deadline => {
-                        return Err(format!("not settled after {:?}: {e}", start.elapsed()))
+                        let waited = start.elapsed();
+                        let diag = self.diagnose(n);
+                        return Err(format!("not settled after {waited:?}: {e}\n{diag}"));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(50)),
                 }
@@ -259,6 +262,60 @@ impl World {
         self.max_settle = self.max_settle.max(took);
         self.settles += 1;
         Ok(())
+    }
+
+    /// After a client failed to settle: what each name looks like there (lookup vs listing),
+    /// and whether (and when) it converges later (`MODEL_LATE_SECS`, default 70: longer than
+    /// the 60 s cache TTLs).
+    fn diagnose(&self, n: usize) -> String {
+        let mut out = String::from("    diagnosis:");
+        let label = if n == self.nodes.len() {
+            "http".to_string()
+        } else {
+            self.nodes[n].label.clone()
+        };
+        if n < self.nodes.len() {
+            for name in NAMES {
+                let p = self.nodes[n].guard.join(name);
+                let st = match fs::symlink_metadata(&p) {
+                    Ok(m) => format!("exists size {} mode {:o}", m.len(), m.mode() & 0o7777),
+                    Err(e) => format!("lstat: {e}"),
+                };
+                let model = match self.model.get(*name) {
+                    Some(f) => format!("size {} mode {:o}", f.data.len(), f.mode),
+                    None => "absent".into(),
+                };
+                out.push_str(&format!("\n      {label} {name}: {st}; model: {model}"));
+            }
+        }
+        let late = Duration::from_secs(env_u64("MODEL_LATE_SECS", 70));
+        let t = Instant::now();
+        let ok = wait_until(late, || {
+            std::thread::sleep(Duration::from_millis(200));
+            if n == self.nodes.len() {
+                self.check_http().is_ok()
+            } else {
+                self.check_node(n).is_ok()
+            }
+        });
+        if ok {
+            out.push_str(&format!(
+                "\n      {label} converged {:?} later",
+                t.elapsed()
+            ));
+        } else {
+            let e = if n == self.nodes.len() {
+                self.check_http()
+            } else {
+                self.check_node(n)
+            };
+            out.push_str(&format!(
+                "\n      {label} still differs {:?} later: {}",
+                t.elapsed(),
+                e.err().unwrap_or_default()
+            ));
+        }
+        out
     }
 
     /// Panics with everything needed to reproduce.
@@ -542,12 +599,31 @@ fn random_operations_by_several_clients_match_a_sequential_model() {
     if three {
         args.push(&[]);
     }
+    // MODEL_SABOTAGE=N: change the model after operation N (the run must then fail)
+    let sabotage = env_u64("MODEL_SABOTAGE", 0);
     let mut wd = World::new("model", &args, seed);
     let mut rng = Rng::new(seed);
     let started = Instant::now();
     for i in 0..ops {
         if let Err(e) = random_op(&mut wd, &mut rng, i) {
             wd.fail(&format!("operation #{i} failed: {e}"));
+        }
+        if i + 1 == sabotage {
+            // self-check of the checker: a wrong model must be caught
+            if let Some(f) = pick_existing(&mut rng, &wd.model) {
+                let st = wd.model.get_mut(&f).unwrap();
+                match rng.below(3) {
+                    0 if !st.data.is_empty() => {
+                        let at = (st.data.len() - 1) / 2;
+                        st.data[at] ^= 1;
+                    }
+                    1 => st.mode ^= 0o001,
+                    _ => {
+                        st.xattrs.insert("user.sabotage".into(), b"x".to_vec());
+                    }
+                }
+                wd.note(format!("#{i} SABOTAGE: model of {f} changed"));
+            }
         }
         if let Err(e) = wd.settle() {
             wd.fail(&format!("after operation #{i}: {e}"));
