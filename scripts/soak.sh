@@ -19,6 +19,9 @@
 #   FIELD_REPS=200      repetitions per variant of the field scenario
 #   KEEP_GOING=1        do not stop at the first failing run
 # Logs go to target/soak/. Exit status: 0 if every run passed.
+# The tests spawn <target dir>/debug/seaweedfs-csi-driver: with a CARGO_TARGET_DIR shared by
+# several worktrees that binary is whichever worktree built last. Give a soak its own
+# CARGO_TARGET_DIR (a `cp -al` of a built one, minus its .cargo-lock, is quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
