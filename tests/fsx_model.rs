@@ -51,6 +51,7 @@ impl Fsx {
             .read(true)
             .write(true)
             .create(true)
+            .truncate(false)
             .mode(0o644)
             .open(self.path())
             .unwrap_or_else(|e| self.fail(&format!("open: {e}")));

@@ -509,6 +509,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             let fh = OpenOptions::new()
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .mode(0o644)
                 .open(dir.join(&name))
                 .map_err(e2s)?;
