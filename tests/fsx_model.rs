@@ -397,6 +397,7 @@ fn fsx_random_operations_match_an_in_memory_file() {
             let at = rng.below(fx.model.len() as u64) as usize;
             fx.model[at] ^= 0x5a;
             fx.note(format!("#{i} SABOTAGE: model byte {at} flipped"));
+            fx.check_all("after sabotage (this must fail)");
         }
         fx.check_size("after the operation");
         if (i + 1) % 250 == 0 {

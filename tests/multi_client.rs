@@ -15,8 +15,9 @@
 //!
 //! Environment: `MODEL_SEED` (number or `random`), `MODEL_OPS` (default 300),
 //! `MODEL_MOUNTS` (2 or 3), `MODEL_SETTLE_SECS` (default 5), `FIELD_REPS` (default 20).
-//! `MODEL_SABOTAGE=N` changes the model after operation N: the run must fail (a check of
-//! the checker). `scripts/soak.sh` runs long random-seed versions.
+//! `MODEL_SABOTAGE=N` changes the model after operation N (or the first later one with a
+//! file): the run must fail (a check of the checker). `scripts/soak.sh` runs long
+//! random-seed versions.
 
 mod common;
 mod fuse_support;
@@ -601,7 +602,7 @@ fn random_operations_by_several_clients_match_a_sequential_model() {
         args.push(&[]);
     }
     // MODEL_SABOTAGE=N: change the model after operation N (the run must then fail)
-    let sabotage = env_u64("MODEL_SABOTAGE", 0);
+    let mut sabotage = env_u64("MODEL_SABOTAGE", 0);
     let mut wd = World::new("model", &args, seed);
     let mut rng = Rng::new(seed);
     let started = Instant::now();
@@ -609,7 +610,8 @@ fn random_operations_by_several_clients_match_a_sequential_model() {
         if let Err(e) = random_op(&mut wd, &mut rng, i) {
             wd.fail(&format!("operation #{i} failed: {e}"));
         }
-        if i + 1 == sabotage {
+        if i + 1 >= sabotage && sabotage > 0 && !wd.model.is_empty() {
+            sabotage = 0;
             // self-check of the checker: a wrong model must be caught
             if let Some(f) = pick_existing(&mut rng, &wd.model) {
                 let st = wd.model.get_mut(&f).unwrap();
