@@ -1,0 +1,804 @@
+//! Multi-client model test: two (optionally three) mounts of our filesystem on one filer
+//! directory — two "nodes" — plus the filer HTTP API as another client. A seeded PRNG picks
+//! operations (create, pwrite, truncate, chmod, utimensat, set/removexattr, rename, unlink,
+//! write+fsync with the descriptor still open, HTTP PUT/DELETE) on a few names, each done by
+//! one random client, one at a time. After each operation the test waits until every client
+//! shows exactly what a sequential in-memory model says (names, bytes, size, mode, user
+//! xattrs, and the mtime after a utimensat; HTTP: names, bytes, size, mode, xattrs from the
+//! filer's JSON listing) — the close-to-open promise of docs/SEMANTICS.md: another client's
+//! committed change is visible within about a second. No operation is issued before the
+//! previous one has settled everywhere.
+//!
+//! `field_*`: the case seen in the field — node A rewrites a 3 MiB file and closes it; node B,
+//! which had read (and cached) the old version, at once runs chmod + touch (or setxattr, or
+//! rename) on it. A's new bytes must survive on every client.
+//!
+//! Environment: `MODEL_SEED` (number or `random`), `MODEL_OPS` (default 300),
+//! `MODEL_MOUNTS` (2 or 3), `MODEL_SETTLE_SECS` (default 5), `FIELD_REPS` (default 20).
+//! `MODEL_SABOTAGE=N` changes the model after operation N (or the first later one with a
+//! file): the run must fail (a check of the checker). `scripts/soak.sh` runs long
+//! random-seed versions.
+
+mod common;
+mod fuse_support;
+mod model_support;
+
+use common::WeedServer;
+use fuse_support::*;
+use model_support::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+const NAMES: &[&str] = &["a", "b", "c", "d", "e"];
+/// Largest file the random test makes (several 1 MiB and 2 MiB chunks).
+const MAX_SIZE: usize = 3 * MIB + MIB / 2;
+/// Mode of a file made by open(O_CREAT, 0644) under umask 022.
+const CREATE_MODE: u32 = 0o644;
+/// Mode the filer gives a file uploaded over HTTP (its default `mode=0660`).
+const HTTP_MODE: u32 = 0o660;
+
+#[derive(Clone, Debug, PartialEq)]
+struct FileState {
+    data: Vec<u8>,
+    mode: u32,
+    xattrs: BTreeMap<String, Vec<u8>>,
+    /// Known exactly after a utimensat, until the next change of the data.
+    mtime: Option<(i64, i64)>,
+}
+
+impl FileState {
+    fn new(data: Vec<u8>, mode: u32) -> Self {
+        FileState {
+            data,
+            mode,
+            xattrs: BTreeMap::new(),
+            mtime: None,
+        }
+    }
+}
+
+type Model = BTreeMap<String, FileState>;
+
+struct Node {
+    label: String,
+    guard: MountGuard,
+}
+
+/// The clients of one filer directory and the sequential model of it.
+struct World {
+    w: Arc<WeedServer>,
+    root: String,
+    nodes: Vec<Node>,
+    model: Model,
+    log: Vec<String>,
+    settle_timeout: Duration,
+    seed: u64,
+    max_settle: Duration,
+    settles: u32,
+    /// `MODEL_VERBOSE=1`: print each operation as it is done.
+    verbose: bool,
+}
+
+impl World {
+    fn new(tag: &str, node_args: &[&[&str]], seed: u64) -> Self {
+        // modes of created files are part of the model
+        unsafe {
+            libc::umask(0o022);
+        }
+        let w = shared_server();
+        let root = unique_path(tag);
+        w.filer_put(&format!("{root}/.keep-dir"), b"x", "");
+        assert!(filer_delete(&w, &format!("{root}/.keep-dir")));
+        let nodes = node_args
+            .iter()
+            .enumerate()
+            .map(|(i, args)| Node {
+                label: format!(
+                    "node{}{}",
+                    (b'A' + i as u8) as char,
+                    if args.is_empty() {
+                        String::new()
+                    } else {
+                        format!("({})", args.join(" "))
+                    }
+                ),
+                guard: mount_ours(&w, &root, args),
+            })
+            .collect();
+        World {
+            w,
+            root,
+            nodes,
+            model: Model::new(),
+            log: Vec::new(),
+            settle_timeout: Duration::from_secs(env_u64("MODEL_SETTLE_SECS", 5)),
+            seed,
+            max_settle: Duration::ZERO,
+            settles: 0,
+            verbose: env_u64("MODEL_VERBOSE", 0) != 0,
+        }
+    }
+
+    fn http_path(&self, name: &str) -> String {
+        format!("{}/{name}", self.root)
+    }
+
+    fn note(&mut self, s: String) {
+        if self.verbose {
+            eprintln!("{s}");
+        }
+        self.log.push(s);
+    }
+
+    /// What node `n` shows, compared with the model; `Err` describes the first difference.
+    fn check_node(&self, n: usize) -> Result<(), String> {
+        let node = &self.nodes[n];
+        let l = &node.label;
+        let mut names = BTreeSet::new();
+        for e in fs::read_dir(node.guard.path()).map_err(|e| format!("{l}: readdir: {e}"))? {
+            let e = e.map_err(|e| format!("{l}: readdir: {e}"))?;
+            names.insert(e.file_name().to_string_lossy().to_string());
+        }
+        let want: BTreeSet<String> = self.model.keys().cloned().collect();
+        if names != want {
+            return Err(format!("{l}: names {names:?}, model {want:?}"));
+        }
+        for (name, st) in &self.model {
+            let p = node.guard.join(name);
+            let md = fs::symlink_metadata(&p).map_err(|e| format!("{l}: lstat {name}: {e}"))?;
+            if !md.is_file() {
+                return Err(format!("{l}: {name} is not a regular file: {md:?}"));
+            }
+            if md.len() != st.data.len() as u64 {
+                return Err(format!(
+                    "{l}: {name}: st_size {} model {}",
+                    md.len(),
+                    st.data.len()
+                ));
+            }
+            if md.mode() & 0o7777 != st.mode {
+                return Err(format!(
+                    "{l}: {name}: mode {:o} model {:o}",
+                    md.mode() & 0o7777,
+                    st.mode
+                ));
+            }
+            if let Some(t) = st.mtime {
+                let got = (md.mtime(), md.mtime_nsec());
+                if got != t {
+                    return Err(format!("{l}: {name}: mtime {got:?} model {t:?}"));
+                }
+            }
+            let x = user_xattrs(&p).map_err(|e| format!("{l}: listxattr {name}: errno {e}"))?;
+            if x != st.xattrs {
+                return Err(format!(
+                    "{l}: {name}: xattrs {:?} model {:?}",
+                    x.keys().collect::<Vec<_>>(),
+                    st.xattrs.keys().collect::<Vec<_>>()
+                ));
+            }
+            let data = fs::read(&p).map_err(|e| format!("{l}: read {name}: {e}"))?;
+            if data != st.data {
+                return Err(format!(
+                    "{l}: {name}: content differs: {}",
+                    describe_content(&st.data, &data)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// What the filer HTTP API shows, compared with the model.
+    fn check_http(&self) -> Result<(), String> {
+        let list = filer_list(&self.w, &self.root).map_err(|e| format!("http: {e}"))?;
+        let names: BTreeSet<String> = list.iter().map(|e| e.name.clone()).collect();
+        let want: BTreeSet<String> = self.model.keys().cloned().collect();
+        if names != want {
+            return Err(format!("http: names {names:?}, model {want:?}"));
+        }
+        for e in &list {
+            let st = &self.model[&e.name];
+            let n = &e.name;
+            if e.is_dir {
+                return Err(format!("http: {n} is a directory"));
+            }
+            if e.size != st.data.len() as u64 {
+                return Err(format!(
+                    "http: {n}: FileSize {} model {}",
+                    e.size,
+                    st.data.len()
+                ));
+            }
+            if e.perm != st.mode & 0o777 {
+                return Err(format!("http: {n}: mode {:o} model {:o}", e.perm, st.mode));
+            }
+            if e.xattrs != st.xattrs {
+                return Err(format!(
+                    "http: {n}: xattrs {:?} model {:?}",
+                    e.xattrs.keys().collect::<Vec<_>>(),
+                    st.xattrs.keys().collect::<Vec<_>>()
+                ));
+            }
+            let data = self
+                .w
+                .filer_get(&self.http_path(n))
+                .ok_or_else(|| format!("http: GET {n} failed"))?;
+            if data != st.data {
+                return Err(format!(
+                    "http: {n}: content differs: {}",
+                    describe_content(&st.data, &data)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every client shows the model (up to the settle timeout).
+    fn settle(&mut self) -> Result<(), String> {
+        let start = Instant::now();
+        let deadline = start + self.settle_timeout;
+        for n in 0..=self.nodes.len() {
+            loop {
+                let r = if n == self.nodes.len() {
+                    self.check_http()
+                } else {
+                    self.check_node(n)
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(e) if Instant::now() >= deadline => {
+                        let waited = start.elapsed();
+                        let diag = self.diagnose(n);
+                        return Err(format!("not settled after {waited:?}: {e}\n{diag}"));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+        let took = start.elapsed();
+        self.max_settle = self.max_settle.max(took);
+        self.settles += 1;
+        Ok(())
+    }
+
+    /// After a client failed to settle: what each name looks like there (lookup vs listing),
+    /// and whether (and when) it converges later (`MODEL_LATE_SECS`, default 70: longer than
+    /// the 60 s cache TTLs).
+    fn diagnose(&self, n: usize) -> String {
+        let mut out = String::from("    diagnosis:");
+        let label = if n == self.nodes.len() {
+            "http".to_string()
+        } else {
+            self.nodes[n].label.clone()
+        };
+        if n < self.nodes.len() {
+            for name in NAMES {
+                let p = self.nodes[n].guard.join(name);
+                let st = match fs::symlink_metadata(&p) {
+                    Ok(m) => format!("exists size {} mode {:o}", m.len(), m.mode() & 0o7777),
+                    Err(e) => format!("lstat: {e}"),
+                };
+                let model = match self.model.get(*name) {
+                    Some(f) => format!("size {} mode {:o}", f.data.len(), f.mode),
+                    None => "absent".into(),
+                };
+                out.push_str(&format!("\n      {label} {name}: {st}; model: {model}"));
+            }
+        }
+        let late = Duration::from_secs(env_u64("MODEL_LATE_SECS", 70));
+        let t = Instant::now();
+        let ok = wait_until(late, || {
+            std::thread::sleep(Duration::from_millis(200));
+            if n == self.nodes.len() {
+                self.check_http().is_ok()
+            } else {
+                self.check_node(n).is_ok()
+            }
+        });
+        if ok {
+            out.push_str(&format!(
+                "\n      {label} converged {:?} later",
+                t.elapsed()
+            ));
+        } else {
+            let e = if n == self.nodes.len() {
+                self.check_http()
+            } else {
+                self.check_node(n)
+            };
+            out.push_str(&format!(
+                "\n      {label} still differs {:?} later: {}",
+                t.elapsed(),
+                e.err().unwrap_or_default()
+            ));
+        }
+        out
+    }
+
+    /// Panics with everything needed to reproduce.
+    fn fail(&self, what: &str) -> ! {
+        let mut msg = format!(
+            "MODEL MISMATCH (seed {}; rerun with MODEL_SEED={}): {what}\n--- last operations ---\n{}\n",
+            self.seed,
+            self.seed,
+            tail(&self.log.join("\n"), 30)
+        );
+        for n in &self.nodes {
+            msg.push_str(&format!(
+                "--- {} mount log (tail) ---\n{}\n",
+                n.label,
+                tail(&n.guard.log_text(), 25)
+            ));
+        }
+        panic!("{msg}");
+    }
+}
+
+/// Whose content is it: for the 3 MiB rewrites, tells "old version" from "mixed" from "new".
+fn describe_content(want: &[u8], got: &[u8]) -> String {
+    first_difference(want, got)
+}
+
+// ---------- operations ----------
+
+fn rand_len(rng: &mut Rng) -> usize {
+    match rng.weighted(&[55, 25, 20]) {
+        // small: the filer may keep it inline in the entry
+        0 => rng.range(0, 4096) as usize,
+        1 => rng.range(4097, 300_000) as usize,
+        // one to three chunks of either chunk size
+        _ => rng.range(MIB as u64 - 3, (2 * MIB + MIB / 2) as u64) as usize,
+    }
+}
+
+/// An offset for a write into a file of `size` bytes: anywhere, at a chunk boundary, or past
+/// the end (a hole).
+fn rand_offset(rng: &mut Rng, size: usize) -> usize {
+    match rng.weighted(&[45, 35, 20]) {
+        0 => rng.range(0, size as u64) as usize,
+        1 => {
+            let k = rng.range(1, 3) as usize * MIB;
+            (k + rng.range(0, 8192) as usize).saturating_sub(4096)
+        }
+        _ => size + rng.range(1, 100_000) as usize,
+    }
+}
+
+fn apply_write(data: &mut Vec<u8>, off: usize, buf: &[u8]) {
+    if data.len() < off + buf.len() {
+        data.resize(off + buf.len(), 0);
+    }
+    data[off..off + buf.len()].copy_from_slice(buf);
+}
+
+fn pick_existing(rng: &mut Rng, model: &Model) -> Option<String> {
+    if model.is_empty() {
+        return None;
+    }
+    let keys: Vec<&String> = model.keys().collect();
+    Some(rng.pick(&keys).to_string())
+}
+
+const MODES: &[u32] = &[0o600, 0o640, 0o644, 0o664, 0o700, 0o755, 0o444, 0o606];
+
+/// One random operation by one random client. Returns an error for a failed system call.
+fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
+    let nn = wd.nodes.len() as u64;
+    // each node weight 3, HTTP 1
+    let c = rng.below(3 * nn + 1);
+    if c == 3 * nn {
+        return http_op(wd, rng, i);
+    }
+    let n = (c / 3) as usize;
+    let label = wd.nodes[n].label.clone();
+    let dir = wd.nodes[n].guard.path().to_path_buf();
+    let name = rng.pick(NAMES).to_string();
+    let existing = pick_existing(rng, &wd.model);
+    let op = rng.weighted(&[12, 14, 8, 8, 8, 8, 3, 8, 5, 6]);
+    let e2s = |e: std::io::Error| e.to_string();
+    match (op, existing) {
+        (1, Some(f)) => {
+            let size = wd.model[&f].data.len();
+            let off = rand_offset(rng, size).min(MAX_SIZE - 1);
+            let len = rand_len(rng).min(MAX_SIZE - off);
+            let buf = rng.bytes(len);
+            wd.note(format!(
+                "#{i} {label}: pwrite {f} off={off} len={len} (size {size})"
+            ));
+            let fh = OpenOptions::new()
+                .write(true)
+                .open(dir.join(&f))
+                .map_err(e2s)?;
+            fh.write_all_at(&buf, off as u64).map_err(e2s)?;
+            drop(fh);
+            let st = wd.model.get_mut(&f).unwrap();
+            apply_write(&mut st.data, off, &buf);
+            st.mtime = None;
+        }
+        (2, Some(f)) => {
+            let size = wd.model[&f].data.len();
+            let len = match rng.below(4) {
+                0 => 0,
+                1 => rng.range(0, size as u64) as usize,
+                2 => (rng.range(1, 3) as usize * MIB + rng.range(0, 4096) as usize)
+                    .saturating_sub(2048),
+                _ => size + rng.range(1, 300_000) as usize,
+            }
+            .min(MAX_SIZE);
+            wd.note(format!("#{i} {label}: truncate {f} {size} -> {len}"));
+            OpenOptions::new()
+                .write(true)
+                .open(dir.join(&f))
+                .and_then(|fh| fh.set_len(len as u64))
+                .map_err(e2s)?;
+            let st = wd.model.get_mut(&f).unwrap();
+            st.data.resize(len, 0);
+            st.mtime = None;
+        }
+        (3, Some(f)) => {
+            let mode = *rng.pick(MODES);
+            wd.note(format!("#{i} {label}: chmod {f} {mode:o}"));
+            fs::set_permissions(dir.join(&f), fs::Permissions::from_mode(mode)).map_err(e2s)?;
+            wd.model.get_mut(&f).unwrap().mode = mode;
+        }
+        (4, Some(f)) => {
+            let at = (rng.range(1_000_000_000, 1_700_000_000) as i64, 0);
+            let mt = (
+                rng.range(1_000_000_000, 1_700_000_000) as i64,
+                rng.below(1_000_000_000) as i64,
+            );
+            wd.note(format!("#{i} {label}: utimensat {f} mtime={mt:?}"));
+            utimens(&dir.join(&f), Some(at), Some(mt)).map_err(|e| format!("errno {e}"))?;
+            wd.model.get_mut(&f).unwrap().mtime = Some(mt);
+        }
+        (5, Some(f)) => {
+            let key = format!("user.k{}", rng.below(3));
+            let len = rng.range(0, 100) as usize;
+            let v = rng.bytes(len);
+            wd.note(format!("#{i} {label}: setxattr {f} {key} ({len} bytes)"));
+            setxattr(&dir.join(&f), &key, &v, 0).map_err(|e| format!("errno {e}"))?;
+            wd.model.get_mut(&f).unwrap().xattrs.insert(key, v);
+        }
+        (6, Some(f)) => {
+            let keys: Vec<String> = wd.model[&f].xattrs.keys().cloned().collect();
+            if keys.is_empty() {
+                return create_op(wd, rng, i, n, &f);
+            }
+            let key = rng.pick(&keys).clone();
+            wd.note(format!("#{i} {label}: removexattr {f} {key}"));
+            removexattr(&dir.join(&f), &key).map_err(|e| format!("errno {e}"))?;
+            wd.model.get_mut(&f).unwrap().xattrs.remove(&key);
+        }
+        (7, Some(f)) => {
+            let to = rng.pick(NAMES).to_string();
+            if to == f {
+                return create_op(wd, rng, i, n, &name);
+            }
+            let over = wd.model.contains_key(&to);
+            wd.note(format!(
+                "#{i} {label}: rename {f} -> {to}{}",
+                if over { " (replacing)" } else { "" }
+            ));
+            fs::rename(dir.join(&f), dir.join(&to)).map_err(e2s)?;
+            let st = wd.model.remove(&f).unwrap();
+            wd.model.insert(to, st);
+        }
+        (8, Some(f)) => {
+            wd.note(format!("#{i} {label}: unlink {f}"));
+            fs::remove_file(dir.join(&f)).map_err(e2s)?;
+            wd.model.remove(&f);
+        }
+        (9, _) => {
+            // write + fsync, check every client while the descriptor is still open, close
+            let size = wd.model.get(&name).map(|s| s.data.len()).unwrap_or(0);
+            let off = if rng.chance(1, 2) {
+                0
+            } else {
+                rand_offset(rng, size).min(MAX_SIZE - 1)
+            };
+            let len = rand_len(rng).min(MAX_SIZE - off);
+            let buf = rng.bytes(len);
+            let new = !wd.model.contains_key(&name);
+            wd.note(format!(
+                "#{i} {label}: open{} {name}, pwrite off={off} len={len}, fsync (size {size})",
+                if new { "(O_CREAT, new)" } else { "" }
+            ));
+            let fh = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o644)
+                .open(dir.join(&name))
+                .map_err(e2s)?;
+            fh.write_all_at(&buf, off as u64).map_err(e2s)?;
+            fh.sync_all().map_err(e2s)?;
+            let st = wd
+                .model
+                .entry(name.clone())
+                .or_insert_with(|| FileState::new(Vec::new(), CREATE_MODE));
+            apply_write(&mut st.data, off, &buf);
+            st.mtime = None;
+            if let Err(e) = wd.settle() {
+                wd.fail(&format!("after fsync, descriptor open: {e}"));
+            }
+            wd.note(format!("#{i} {label}: close {name}"));
+            drop(fh);
+        }
+        _ => return create_op(wd, rng, i, n, &name),
+    }
+    Ok(())
+}
+
+/// open(O_CREAT|O_TRUNC) + write + close on node `n`.
+fn create_op(wd: &mut World, rng: &mut Rng, i: u64, n: usize, name: &str) -> Result<(), String> {
+    let len = rand_len(rng);
+    let buf = rng.bytes(len);
+    let label = wd.nodes[n].label.clone();
+    let exists = wd.model.contains_key(name);
+    wd.note(format!(
+        "#{i} {label}: create{} {name} len={len}",
+        if exists { " (O_TRUNC existing)" } else { "" }
+    ));
+    let p = wd.nodes[n].guard.join(name);
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(&p)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &buf))
+        .map_err(|e| e.to_string())?;
+    match wd.model.get_mut(name) {
+        Some(st) => {
+            st.data = buf;
+            st.mtime = None;
+        }
+        None => {
+            wd.model
+                .insert(name.to_string(), FileState::new(buf, CREATE_MODE));
+        }
+    }
+    Ok(())
+}
+
+fn http_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
+    let existing = pick_existing(rng, &wd.model);
+    match existing {
+        Some(f) if rng.chance(1, 3) => {
+            wd.note(format!("#{i} http: DELETE {f}"));
+            if !filer_delete(&wd.w, &wd.http_path(&f)) {
+                return Err(format!("DELETE {f} failed"));
+            }
+            wd.model.remove(&f);
+        }
+        _ => {
+            let name = rng.pick(NAMES).to_string();
+            let len = rand_len(rng).max(1);
+            let buf = rng.bytes(len);
+            let exists = wd.model.contains_key(&name);
+            wd.note(format!(
+                "#{i} http: PUT {name} len={len}{}",
+                if exists { " (replacing)" } else { "" }
+            ));
+            wd.w.filer_put(&wd.http_path(&name), &buf, "");
+            // an upload replaces the whole entry: the filer's default mode, no xattrs
+            wd.model.insert(name, FileState::new(buf, HTTP_MODE));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn random_operations_by_several_clients_match_a_sequential_model() {
+    let seed = seed_from_env("MODEL_SEED", 20261201);
+    let ops = env_u64("MODEL_OPS", 300);
+    let three = env_u64("MODEL_MOUNTS", 2) >= 3;
+    let mut args: Vec<&[&str]> = vec![&[], &["--chunkSizeLimitMB=1"]];
+    if three {
+        args.push(&[]);
+    }
+    // MODEL_SABOTAGE=N: change the model after operation N (the run must then fail)
+    let mut sabotage = env_u64("MODEL_SABOTAGE", 0);
+    let mut wd = World::new("model", &args, seed);
+    let mut rng = Rng::new(seed);
+    let started = Instant::now();
+    for i in 0..ops {
+        if let Err(e) = random_op(&mut wd, &mut rng, i) {
+            wd.fail(&format!("operation #{i} failed: {e}"));
+        }
+        if i + 1 >= sabotage && sabotage > 0 && !wd.model.is_empty() {
+            sabotage = 0;
+            // self-check of the checker: a wrong model must be caught
+            if let Some(f) = pick_existing(&mut rng, &wd.model) {
+                let st = wd.model.get_mut(&f).unwrap();
+                match rng.below(3) {
+                    0 if !st.data.is_empty() => {
+                        let at = (st.data.len() - 1) / 2;
+                        st.data[at] ^= 1;
+                    }
+                    1 => st.mode ^= 0o001,
+                    _ => {
+                        st.xattrs.insert("user.sabotage".into(), b"x".to_vec());
+                    }
+                }
+                wd.note(format!("#{i} SABOTAGE: model of {f} changed"));
+            }
+        }
+        if let Err(e) = wd.settle() {
+            wd.fail(&format!("after operation #{i}: {e}"));
+        }
+        if (i + 1) % 100 == 0 {
+            eprintln!(
+                "{} ops, {:?}, files {:?}",
+                i + 1,
+                started.elapsed(),
+                wd.model
+                    .iter()
+                    .map(|(k, v)| format!("{k}:{}", v.data.len()))
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+    eprintln!(
+        "seed {seed}: {ops} operations in {:?}; {} settles, slowest {:?}",
+        started.elapsed(),
+        wd.settles,
+        wd.max_settle
+    );
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Follow {
+    /// chmod, then touch (utimensat UTIME_NOW)
+    ChmodTouch,
+    Setxattr,
+    Rename,
+}
+
+/// The field case: node A rewrites a 3 MiB file and closes it; node B, which had read (and
+/// cached) the old version, immediately — before A's change can have reached it — runs a
+/// metadata operation on the file. A's bytes must be what every client ends up with, and B's
+/// change must be applied on top of them. All variants run; failures are collected.
+#[test]
+fn field_rewrite_then_metadata_op_on_a_node_with_the_old_version_cached() {
+    let reps = env_u64("FIELD_REPS", 20);
+    let seed = seed_from_env("MODEL_SEED", 20261201);
+    let mut wd = World::new("field", &[&[], &[]], seed);
+    let mut rng = Rng::new(seed);
+    let mut failures: Vec<String> = Vec::new();
+    let size = 3 * MIB;
+    for variant in [Follow::ChmodTouch, Follow::Setxattr, Follow::Rename] {
+        let mut cur = "f".to_string();
+        for rep in 0..reps {
+            let (a, b) = (wd.nodes[0].guard.path(), wd.nodes[1].guard.path());
+            let (a, b) = (a.to_path_buf(), b.to_path_buf());
+            // the old version, everywhere; B reads it (the settle check reads it on B, too)
+            if !wd.model.contains_key(&cur) {
+                let v = rng.bytes(size);
+                wd.note(format!(
+                    "{variant:?} rep {rep}: A writes {cur} (old version)"
+                ));
+                fs::write(a.join(&cur), &v).unwrap();
+                wd.model.insert(cur.clone(), FileState::new(v, CREATE_MODE));
+            }
+            if let Err(e) = wd.settle() {
+                wd.fail(&format!("{variant:?} rep {rep}: old version: {e}"));
+            }
+            let old = fs::read(b.join(&cur)).unwrap();
+            assert_eq!(old, wd.model[&cur].data);
+
+            // A rewrites and closes; B at once does its operation
+            let v = rng.bytes(size);
+            wd.note(format!(
+                "{variant:?} rep {rep}: A rewrites {cur} (O_TRUNC, 3 MiB, close)"
+            ));
+            fs::write(a.join(&cur), &v).unwrap();
+            let st = wd.model.get_mut(&cur).unwrap();
+            st.data = v;
+            st.mtime = None;
+            let r = match variant {
+                Follow::ChmodTouch => {
+                    let mode = if rep % 2 == 0 { 0o600 } else { 0o640 };
+                    wd.note(format!(
+                        "{variant:?} rep {rep}: B chmod {mode:o} + touch {cur}"
+                    ));
+                    let r = fs::set_permissions(b.join(&cur), fs::Permissions::from_mode(mode))
+                        .map_err(|e| e.to_string())
+                        .and_then(|_| {
+                            utimens(&b.join(&cur), None, None).map_err(|e| format!("errno {e}"))
+                        });
+                    wd.model.get_mut(&cur).unwrap().mode = mode;
+                    r
+                }
+                Follow::Setxattr => {
+                    let val = format!("rep{rep}").into_bytes();
+                    wd.note(format!(
+                        "{variant:?} rep {rep}: B setxattr user.rep on {cur}"
+                    ));
+                    let r = setxattr(&b.join(&cur), "user.rep", &val, 0)
+                        .map_err(|e| format!("errno {e}"));
+                    wd.model
+                        .get_mut(&cur)
+                        .unwrap()
+                        .xattrs
+                        .insert("user.rep".into(), val);
+                    r
+                }
+                Follow::Rename => {
+                    let to = if cur == "f" { "g" } else { "f" }.to_string();
+                    wd.note(format!("{variant:?} rep {rep}: B rename {cur} -> {to}"));
+                    let r = fs::rename(b.join(&cur), b.join(&to)).map_err(|e| e.to_string());
+                    let st = wd.model.remove(&cur).unwrap();
+                    wd.model.insert(to.clone(), st);
+                    cur = to;
+                    r
+                }
+            };
+            let r = r.and_then(|_| wd.settle());
+            if let Err(e) = r {
+                let whose = |n: usize| -> String {
+                    let got = fs::read(wd.nodes[n].guard.join(&cur)).unwrap_or_default();
+                    describe_version(&got, &old, &wd.model[&cur].data)
+                };
+                let http = describe_version(
+                    &wd.w.filer_get(&wd.http_path(&cur)).unwrap_or_default(),
+                    &old,
+                    &wd.model[&cur].data,
+                );
+                let msg = format!(
+                    "{variant:?} rep {rep}: {e}\n    content now: A {}, B {}, http {}",
+                    whose(0),
+                    whose(1),
+                    http
+                );
+                eprintln!("FAILURE {msg}");
+                failures.push(msg);
+                // start the next repetition from scratch
+                for name in wd.model.keys().cloned().collect::<Vec<_>>() {
+                    filer_delete(&wd.w, &wd.http_path(&name));
+                }
+                for name in NAMES.iter().chain(["f", "g"].iter()) {
+                    filer_delete(&wd.w, &wd.http_path(name));
+                }
+                wd.model.clear();
+                if let Err(e) = wd.settle() {
+                    wd.fail(&format!("could not reset after a failure: {e}"));
+                }
+                cur = "f".into();
+            }
+        }
+    }
+    if !failures.is_empty() {
+        let mut msg = format!(
+            "{} of {} repetitions lost A's rewrite or B's change:\n{}\n",
+            failures.len(),
+            3 * reps,
+            failures.join("\n")
+        );
+        for n in &wd.nodes {
+            msg.push_str(&format!(
+                "--- {} mount log (tail) ---\n{}\n",
+                n.label,
+                tail(&n.guard.log_text(), 25)
+            ));
+        }
+        panic!("{msg}");
+    }
+}
+
+/// "new version", "old version", "empty", or where it differs from the new one.
+fn describe_version(got: &[u8], old: &[u8], new: &[u8]) -> String {
+    if got == new {
+        "= new version".into()
+    } else if got == old {
+        "= OLD version".into()
+    } else if got.is_empty() {
+        "empty/absent".into()
+    } else {
+        format!("neither: {}", first_difference(new, got))
+    }
+}
