@@ -137,7 +137,7 @@ cleanup() {
   # then the mounts (they flush to the filer), each by the pid its helper recorded
   while read -r p dir; do
     # only if the pid is still that daemon (pids of exited ones may have been reused)
-    if [[ -n $p ]] && tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -qF -- "dir=$dir"; then
+    if [[ -n $p ]] && { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -qF -- "dir=$dir"; then
       stop "$p"
     fi
   done <"$pidfile"
@@ -288,8 +288,11 @@ run_stress() { # client
   (cd "$out" && "$xfs/ltp/fsx" -q -N "$fsx_ops" -S "$seed" -p 10000 -P "$out" "$mnt/fsx.dat") \
     >"$out/fsx.log" 2>&1 || rc=$?
   if ((rc)); then
-    echo "$c: FSX FAILED (exit $rc, seed $seed); last lines of $out/fsx.log:" >&2
-    tail -40 "$out/fsx.log" >&2
+    echo "$c: FSX FAILED (exit $rc, seed $seed); from $out/fsx.log (ops in fsx.dat.fsxops):" >&2
+    # what differed, then the last operations before it
+    sed -n '/LOG DUMP/q;p' "$out/fsx.log" | head -12 >&2
+    echo "   ..." >&2
+    tail -25 "$out/fsx.log" >&2
     status=1
   else
     echo "   fsx: $fsx_ops ops, 0 failures ($((SECONDS - t0)) s)"
