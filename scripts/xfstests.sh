@@ -120,6 +120,9 @@ mkdir -p "$results"
 results="$(cd "$results" && pwd)"
 work="$(mktemp -d /tmp/xfstests.XXXXXX)"
 chmod 0755 "$work"
+# a private copy: a long run keeps one binary while target/debug is rebuilt
+cp "$bin" "$work/seaweedfs-csi-driver"
+bin="$work/seaweedfs-csi-driver"
 pidfile="$work/mount-pids" # "pid mountpoint" lines, appended by the mount helpers
 : >"$pidfile"
 pids=()       # weed server and filer, stopped newest first
