@@ -110,10 +110,10 @@ if [[ ! -x "$xfs/ltp/fsx" || ! -x "$xfs/ltp/fsstress" || "$(cat "$stamp" 2>/dev/
   echo "$built_from" >"$stamp"
 fi
 
-if [[ -z "${SEAWEEDFS_CSI_BIN:-}" ]]; then
+bin="${SEAWEEDFS_CSI_BIN:-$target/debug/seaweedfs-csi-driver}"
+if [[ $client != weed && -z "${SEAWEEDFS_CSI_BIN:-}" ]]; then
   cargo build --quiet --bin seaweedfs-csi-driver
 fi
-bin="${SEAWEEDFS_CSI_BIN:-$target/debug/seaweedfs-csi-driver}"
 
 # ---- scratch space; cleanup of everything we start
 mkdir -p "$results"
@@ -121,8 +121,10 @@ results="$(cd "$results" && pwd)"
 work="$(mktemp -d /tmp/xfstests.XXXXXX)"
 chmod 0755 "$work"
 # a private copy: a long run keeps one binary while target/debug is rebuilt
-cp "$bin" "$work/seaweedfs-csi-driver"
-bin="$work/seaweedfs-csi-driver"
+if [[ $client != weed ]]; then
+  cp "$bin" "$work/seaweedfs-csi-driver"
+  bin="$work/seaweedfs-csi-driver"
+fi
 pidfile="$work/mount-pids" # "pid mountpoint" lines, appended by the mount helpers
 : >"$pidfile"
 pids=()       # weed server and filer, stopped newest first
