@@ -8,6 +8,7 @@
 #                                   # (generic tests, FSTYP=fuse) on ours and on weed mount
 #   options: --client ours|weed|both  --only stress|generic  --fsx-ops N  --fsstress-ops N
 #            --seed N  --tests 'generic/001 generic/002'  --group NAME  --exclude 'generic/…'
+#            --test-timeout SECS (900; a generic test running longer is killed and counted failed)
 #            --results DIR (default target/xfstests-results)
 #   scripts/xfstests.sh --missing-apt-packages   # Debian packages still to install (.ci/run)
 #   scripts/xfstests.sh --compare   # ours-vs-weed lists from the results dir of earlier runs
@@ -46,6 +47,7 @@ missing_packages() {
 }
 
 compare_only=0 quick=0 client="" only="" fsx_ops="" fsstress_ops="" seed=1 tests="" group=quick exclude=""
+test_timeout=900
 results="$target/xfstests-results"
 while (($#)); do
   case $1 in
@@ -60,8 +62,9 @@ while (($#)); do
     --tests) tests=$2; shift ;;
     --group) group=$2; shift ;;
     --exclude) exclude=$2; shift ;;
+    --test-timeout) test_timeout=$2; shift ;;
     --results) results=$2; shift ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "xfstests.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -375,6 +378,26 @@ run_stress() { # client
 }
 
 # ---- xfstests ./check with FSTYP=fuse
+descendants() { # pid -> its descendants, deepest first
+  local k
+  for k in $(ps -o pid= --ppid "$1"); do descendants "$k"; echo "$k"; done
+}
+# xfstests has no per-test time limit, and some tests run for hours on a slow FUSE mount
+# (generic/069's 3,000,000 O_APPEND writes on weed mount): end a test that runs too long
+watchdog() { # check-pid timeout-seconds timeouts-file
+  local t age args p
+  while kill -0 "$1" 2>/dev/null; do
+    sleep 20
+    for t in $(ps -o pid= --ppid "$1"); do
+      read -r age args < <(ps -o etimes=,args= -p "$t") || continue
+      [[ $args == */tests/* && $age -gt $2 ]] || continue
+      echo "${args##*/tests/} killed after ${age} s" >>"$3"
+      for p in $(descendants "$t") "$t"; do kill -TERM "$p" 2>/dev/null; done
+      sleep 5
+      for p in $(descendants "$t") "$t"; do kill -KILL "$p" 2>/dev/null; done
+    done
+  done
+}
 run_generic() { # client
   local c=$1 out="$results/$1" rc=0
   mkdir -p "$out" "$work/$c-test" "$work/$c-scratch"
@@ -409,8 +432,13 @@ EOF
   (cd "$xfs" && HOST_OPTIONS="$work/$c.config" exec setsid ./check "${ex[@]}" "${sel[@]}") \
     >"$out/check.log" 2>&1 &
   check_pid=$!
+  : >"$out/timeouts.txt"
+  watchdog "$check_pid" "$test_timeout" "$out/timeouts.txt" &
+  local wd=$!
   wait "$check_pid" || rc=$?
   check_pid=""
+  kill "$wd" 2>/dev/null
+  wait "$wd" 2>/dev/null || true
   # per-test status from check's own summary lines
   local ran notrun failed
   ran=$(sed -n 's/^Ran: //p' "$out/check.log" | tail -1)
@@ -421,8 +449,9 @@ EOF
   # "Ran:" lists the not-run tests too
   tr ' ' '\n' <<<"$ran" | sed '/^$/d' | sort | comm -23 - "$out/fail.txt" |
     comm -23 - "$out/notrun.txt" >"$out/pass.txt"
-  printf 'pass %d\nfail %d\nnotrun %d\ncheck_exit %d\n' "$(wc -l <"$out/pass.txt")" \
-    "$(wc -l <"$out/fail.txt")" "$(wc -l <"$out/notrun.txt")" "$rc" >"$out/counts.txt"
+  printf 'pass %d\nfail %d\nnotrun %d\ntimeout %d (counted in fail)\ncheck_exit %d\n' \
+    "$(wc -l <"$out/pass.txt")" "$(wc -l <"$out/fail.txt")" "$(wc -l <"$out/notrun.txt")" \
+    "$(wc -l <"$out/timeouts.txt")" "$rc" >"$out/counts.txt"
   echo "   $c: $(tr '\n' ' ' <"$out/counts.txt")"
   if [[ -z $ran ]]; then
     echo "   $c: check produced no summary; last lines of $out/check.log:" >&2
