@@ -465,7 +465,7 @@ for c in "${clients[@]}"; do
   [[ $only == generic ]] || run_stress "$c"
 done
 if [[ $only != stress ]]; then
-  for c in "${clients[@]}"; do run_generic "$c" "${sub[$c]}"; done
+  for c in "${clients[@]}"; do run_generic "$c"; done
   compare_clients
 fi
 ((status == 0)) && echo "xfstests.sh: OK" || echo "xfstests.sh: FAILED (logs in $results)" >&2
