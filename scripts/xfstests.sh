@@ -311,8 +311,13 @@ EOF
   helpers+=("/sbin/mount.fuse.$s")
 }
 
-# the filer paths must exist before `weed mount` mounts them
-filer_mkdir() { curl -sf -X POST "http://$filer$1/" -o /dev/null || { echo "mkdir $1 on the filer failed" >&2; exit 1; }; }
+# The filer paths must exist before `weed mount` mounts them. 0755: the filer's default for
+# an HTTP mkdir is 0660, and our mount shows the root entry's mode (weed mount shows 0755), so
+# tests switching to other users could not enter it.
+filer_mkdir() {
+  curl -sf -X POST "http://$filer$1/?mode=0755" -o /dev/null ||
+    { echo "mkdir $1 on the filer failed" >&2; exit 1; }
+}
 
 mount_alive() { # client dir -> 0 if the daemon runs and the mount answers
   local dir=$2 pid
