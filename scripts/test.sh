@@ -10,3 +10,5 @@ mkdir -p target
 RUST_TEST_THREADS=${RUST_TEST_THREADS:-2} cargo test --all-targets 2>&1 | tee target/test.log
 # POSIX conformance of our mount (pjdfstest 0.2.2 with the Linux features enabled).
 tests/pjdfstest.sh
+# fsx (mmap on) and fsstress from xfstests on our mount; skipped without ../shared/thirdparty.
+scripts/xfstests.sh --quick
