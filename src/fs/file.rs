@@ -155,6 +155,16 @@ impl FileState {
         }
     }
 
+    /// A commit failed with an unknown outcome: the filer may hold what it carried, so none
+    /// of those chunks is ever deleted by us.
+    pub fn forget_carried(&mut self, snap_chunks: &[pb::FileChunk]) {
+        for c in snap_chunks {
+            self.ours.remove(&c.file_id);
+        }
+        let ours = &self.ours;
+        self.garbage.retain(|f| ours.contains(f));
+    }
+
     /// Everything we uploaded that no entry references, now that the file will never be
     /// committed again (unlinked or replaced before its last commit).
     pub fn take_orphans(&mut self) -> Vec<String> {
@@ -611,6 +621,11 @@ impl OpenFile {
         }
     }
 
+    /// See [`FileState::forget_carried`].
+    pub fn keep_carried(&self, snap: &CommitSnapshot) {
+        self.state.lock().forget_carried(&snap.entry.chunks);
+    }
+
     /// A commit of `snap` succeeded: clear what it covered, and only that (a write that
     /// finished uploading while the commit was in flight is still to be committed). Returns
     /// the chunks of ours that are now referenced by nothing, to delete.
@@ -621,7 +636,12 @@ impl OpenFile {
         }
         s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
         s.pending_create = false;
-        let carried: HashSet<&str> = snap.entry.chunks.iter().map(|c| c.file_id.as_str()).collect();
+        let carried: HashSet<&str> = snap
+            .entry
+            .chunks
+            .iter()
+            .map(|c| c.file_id.as_str())
+            .collect();
         // a chunk the commit carried is the filer's now (it deletes it when it drops it)
         s.ours.retain(|f| !carried.contains(f.as_str()));
         let garbage = std::mem::take(&mut s.garbage);

@@ -359,9 +359,18 @@ impl Fs {
             if e.is_directory {
                 return Err(errno(libc::EISDIR, "truncate of a directory"));
             }
-            let of = Arc::new(self.load_open_file(ino, &dir, e).await?);
-            self.bump_content_gen(ino);
-            return self.setattr_open(ino, &path, &of, &req).await;
+            // through a registered open state, so a concurrent open shares it and its commits
+            let fh = self.open(ino, libc::O_WRONLY).await?;
+            let of = self.handles.lock().get(&fh).map(|h| h.file.clone());
+            let r = match of {
+                Some(of) => {
+                    self.bump_content_gen(ino);
+                    self.setattr_open(ino, &path, &of, &req).await
+                }
+                None => Err(errno(libc::EIO, "handle vanished during truncate")),
+            };
+            let released = self.release(fh, ino).await;
+            return r.and_then(|a| released.map(|_| a));
         }
         let e = self
             .update_fresh(&dir, &name, |e| {
@@ -410,16 +419,20 @@ impl Fs {
             s.is_clean() && !s.unlinked
         };
         if req.size.is_none() && clean {
-            // nothing of ours to commit: change the filer's entry, never our copy of it
-            let (dir, name) = split(path);
-            let e = self
-                .update_fresh(&dir, &name, |e| {
-                    self.apply_setattr(e, req);
-                    Ok(())
-                })
-                .await?;
-            self.adopt_if_clean(ino, of, e.clone()).await;
-            return Ok(self.attr_of(ino, path, &e));
+            // nothing of ours to commit: change the filer's entry, never our copy of it. The
+            // commit lock keeps this node's own commits of the file out of the lookup→update.
+            let _commit = of.commit.lock().await;
+            if of.state.lock().is_clean() {
+                let (dir, name) = split(path);
+                let e = self
+                    .update_fresh(&dir, &name, |e| {
+                        self.apply_setattr(e, req);
+                        Ok(())
+                    })
+                    .await?;
+                self.adopt_if_clean(ino, of, e.clone()).await;
+                return Ok(self.attr_of(ino, path, &e));
+            }
         }
         if let Some(size) = req.size {
             self.refresh_if_clean(ino, of).await?;
@@ -515,7 +528,8 @@ impl Fs {
             e.chunks.clone()
         };
         let mut s = of.state.lock();
-        if !s.is_clean() {
+        // renamed meanwhile: the entry looked up under the old name is not this file's now
+        if !s.is_clean() || s.entry.name != e.name {
             return;
         }
         if s.entry.chunks != e.chunks
@@ -545,9 +559,8 @@ impl Fs {
                 self.adopt_if_clean(ino, of, e).await;
                 Ok(())
             }
-            // deleted elsewhere: go on with what we have (writes stay local, as for an
-            // unlinked file)
-            Err(e) if e.errno == libc::ENOENT => Ok(()),
+            // deleted elsewhere (its event not here yet): a commit would bring it back
+            // with chunks the filer already deleted
             Err(e) => Err(e),
         }
     }
@@ -1078,10 +1091,18 @@ impl Fs {
                 }
                 _ => {}
             }
-            // the replaced file lives on in open handles only
+            // the replaced file lives on in open handles only (undone if the rename fails)
             let dino = entry_inode(&npath, d);
             if let Some(of) = self.open_file(dino) {
-                of.state.lock().unlinked = true;
+                let marked = {
+                    let mut s = of.state.lock();
+                    !std::mem::replace(&mut s.unlinked, true)
+                };
+                let r = self.rename_plain(&odir, name, &ndir, newname, &src).await;
+                if r.is_err() && marked {
+                    of.state.lock().unlinked = false;
+                }
+                return r;
             }
         }
         self.rename_plain(&odir, name, &ndir, newname, &src).await
@@ -1253,11 +1274,22 @@ impl Fs {
 
     // ---------- handles ----------
 
+    /// Counts one more handle on `ino`'s open-file state and returns that state. The count
+    /// and the lookup are one step: a last release running concurrently (on another thread)
+    /// may have removed `file` from the table after the caller found it, and a handle on a
+    /// state the table no longer has would see its writes vanish from getattr and setattr.
+    fn register_open(&self, ino: u64, file: Arc<OpenFile>) -> Arc<OpenFile> {
+        let mut files = self.files.lock();
+        let o = files
+            .entry(ino)
+            .or_insert_with(|| OpenEntry { file, handles: 0 });
+        o.handles += 1;
+        o.file.clone()
+    }
+
     fn add_handle(&self, ino: u64, file: Arc<OpenFile>, writable: bool) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        if let Some(o) = self.files.lock().get_mut(&ino) {
-            o.handles += 1;
-        }
+        let file = self.register_open(ino, file);
         self.handles.lock().insert(
             fh,
             Arc::new(Handle {
@@ -1277,19 +1309,33 @@ impl Fs {
             return Ok(h.clone());
         }
         let of = self.open_inode(ino).await?;
+        let file = self.register_open(ino, of);
         let h = Arc::new(Handle {
             ino,
-            file: of,
+            file,
             writable: !self.cfg.read_only,
             seq: parking_lot::Mutex::new((0, 0)),
         });
-        let mut hs = self.handles.lock();
-        let h = hs.entry(fh).or_insert(h).clone();
-        drop(hs);
-        if let Some(o) = self.files.lock().get_mut(&ino) {
-            o.handles += 1;
+        let raced = {
+            let mut hs = self.handles.lock();
+            match hs.get(&fh) {
+                Some(other) => Some(other.clone()),
+                None => {
+                    hs.insert(fh, h.clone());
+                    None
+                }
+            }
+        };
+        match raced {
+            // another request re-created it first: give back the count taken above
+            Some(other) => {
+                if let Some(o) = self.files.lock().get_mut(&ino) {
+                    o.handles = o.handles.saturating_sub(1);
+                }
+                Ok(other)
+            }
+            None => Ok(h),
         }
-        Ok(h)
     }
 
     async fn open_inode(&self, ino: u64) -> Result<Arc<OpenFile>> {
@@ -1318,7 +1364,13 @@ impl Fs {
                 self.cfg.chunk_size,
                 self.cfg.max_dirty_slots,
             );
-            of.state.lock().resolved = Arc::new(resolved);
+            {
+                let mut s = of.state.lock();
+                s.max_ts = s
+                    .max_ts
+                    .max(resolved.iter().map(|c| c.modified_ts_ns).max().unwrap_or(0));
+                s.resolved = Arc::new(resolved);
+            }
             return Ok(of);
         }
         if entry
@@ -1366,12 +1418,18 @@ impl Fs {
             self.check_writable()?;
         }
         let of = self.open_inode(ino).await?;
+        let fh = self.add_handle(ino, of, writable);
+        let Some(of) = self.handles.lock().get(&fh).map(|h| h.file.clone()) else {
+            return Err(errno(libc::EIO, "handle vanished while opening"));
+        };
         if writable {
             // close-to-open for writers: what this handle writes is laid over the filer's
             // current chunk list, not one cached before another node's last close
-            self.refresh_if_clean(ino, &of).await?;
+            if let Err(e) = self.refresh_if_clean(ino, &of).await {
+                let _ = self.release(fh, ino).await;
+                return Err(e);
+            }
         }
-        let fh = self.add_handle(ino, of.clone(), writable);
         if flags & libc::O_TRUNC != 0 && writable {
             of.wait_uploads().await;
             of.truncate(0);
@@ -1496,6 +1554,10 @@ impl Fs {
         let start = Instant::now();
         let mut attempt = 0;
         loop {
+            if attempt > 0 && of.state.lock().unlinked {
+                // removed while we retried: committing now would bring it back
+                return Ok(());
+            }
             match self.create_on_filer(&dir, &snap.entry, false).await {
                 Ok(()) => break,
                 Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
@@ -1504,7 +1566,11 @@ impl Fs {
                     tracing::warn!(path = %of.path(), error = %e, attempt, "commit failed, retrying");
                     tokio::time::sleep(wait).await;
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // the filer may have stored it anyway: never delete what it carried
+                    of.keep_carried(&snap);
+                    return Err(e);
+                }
             }
         }
         let orphans = of.committed(&snap);
@@ -1550,18 +1616,20 @@ impl Fs {
             }
         };
         let r = self.flush_file(&of).await;
-        if last && self.open_file(ino).is_some_and(|o| Arc::ptr_eq(&o, &of)) {
+        if last {
             let orphans = {
+                let files = self.files.lock();
+                let still_last = files
+                    .get(&ino)
+                    .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, &of));
                 let mut s = of.state.lock();
-                if s.unlinked {
+                if still_last && s.unlinked {
                     s.take_orphans()
                 } else {
                     Vec::new()
                 }
             };
             self.delete_orphans(orphans);
-        }
-        if last {
             if let Some(e) = of.unplaced() {
                 let lost: usize = of
                     .state
@@ -1908,6 +1976,11 @@ impl Fs {
     /// Applies `f` to the entry (xattrs, or the mode along with an ACL) and commits it.
     async fn change_entry(&self, ino: u64, f: impl Fn(&mut pb::Entry) -> Result<()>) -> Result<()> {
         let open = self.open_file(ino);
+        // this node's own commits of the file stay out of the lookup→update below
+        let commit_lock = match &open {
+            Some(of) => Some(of.commit.lock().await),
+            None => None,
+        };
         if let Some(of) = &open {
             let local = {
                 let mut s = of.state.lock();
@@ -1922,6 +1995,7 @@ impl Fs {
                 local
             };
             if local {
+                drop(commit_lock);
                 return self.flush_file(of).await;
             }
         }
@@ -1944,6 +2018,7 @@ impl Fs {
         if let Some(of) = &open {
             self.adopt_if_clean(ino, of, e).await;
         }
+        drop(commit_lock);
         if ino == ROOT_INO {
             let _ = self.init_root().await;
         }
@@ -2496,7 +2571,9 @@ mod integrity_tests {
         // each full chunk is uploaded at once; the second hides the first
         fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
         fs.write(fh, a.ino, 0, &vec![2u8; MIB]).await.unwrap();
-        fs.write(fh, a.ino, MIB as u64, &vec![3u8; MIB]).await.unwrap();
+        fs.write(fh, a.ino, MIB as u64, &vec![3u8; MIB])
+            .await
+            .unwrap();
         fs.release(fh, a.ino).await.unwrap();
         settle().await;
         assert_eq!(referenced(&filer, "/f"), 2);
@@ -2537,7 +2614,11 @@ mod integrity_tests {
         fs.unlink(ROOT_INO, "f").await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
         settle().await;
-        assert_eq!(store.len(), 0, "nothing references the unlinked file's chunks");
+        assert_eq!(
+            store.len(),
+            0,
+            "nothing references the unlinked file's chunks"
+        );
     }
 
     #[tokio::test]
@@ -2562,7 +2643,9 @@ mod integrity_tests {
         // the cluster is back: the next fsync places everything
         store.fail_next_uploads(0);
         fs.flush(fh, a.ino).await.unwrap();
-        fs.write(fh, a.ino, (MIB + 10) as u64, b"more").await.unwrap();
+        fs.write(fh, a.ino, (MIB + 10) as u64, b"more")
+            .await
+            .unwrap();
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").unwrap();
         assert_eq!(crate::chunks::file_size(&e), (MIB + 14) as u64);

@@ -573,15 +573,12 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        // The kernel keeps listings across opens (KEEP_CACHE) until the directory changes
-        // here (its version moves) or the metadata subscription invalidates the directory's
-        // inode. Warm `ls -l` then sends no READDIRPLUS, whose entries would also drop every
-        // child's cached POSIX ACLs.
+        // The kernel may cache the listing while this handle reads it (CACHE_DIR), but every
+        // open lists afresh from our metadata cache: a listing kept across opens (KEEP_CACHE)
+        // was seen to hide a name another node created, for longer than the metadata TTL,
+        // when the subscription's invalidation raced a listing being filled.
         run!(self, "opendir", reply, |fs| fs.opendir(ino.0).await, |fh| {
-            reply.opened(
-                FileHandle(fh),
-                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
-            )
+            reply.opened(FileHandle(fh), FopenFlags::FOPEN_CACHE_DIR)
         });
     }
 

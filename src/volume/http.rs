@@ -822,7 +822,10 @@ impl ChunkStore for VolumeClient {
     async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {
         if self.opts.access == VolumeServerAccess::FilerProxy {
             // the filer's proxy serves reads only; volume.fsck finds these
-            tracing::debug!(count = file_ids.len(), "orphaned chunks left (filerProxy access)");
+            tracing::debug!(
+                count = file_ids.len(),
+                "orphaned chunks left (filerProxy access)"
+            );
             return Ok(());
         }
         let mut first_err = None;

@@ -227,7 +227,10 @@ impl WeedServer {
 
     /// Starts (or restarts) the separate volume server on the same port and data directory.
     pub fn start_volume(&mut self) {
-        assert!(self.opts.separate_volume, "needs WeedOptions::separate_volume");
+        assert!(
+            self.opts.separate_volume,
+            "needs WeedOptions::separate_volume"
+        );
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
