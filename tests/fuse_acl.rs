@@ -343,12 +343,14 @@ async fn kernel_caches_acls() {
     assert!(acl_calls <= 1.0, "ACL reads not cached: {acl_calls} calls");
     assert!(other_calls >= 50.0, "user.none: {other_calls}");
     assert!(after_set <= 1.0, "re-read after set: {after_set}");
-    let selinux_on = seaweedfs_csi_driver::fs::selinux_enabled();
-    if selinux_on {
-        // the kernel's SELinux answers the label itself; only ACLs were asked, and cached
-        assert!(warm_ls <= 3.0, "warm ls -l: {warm_ls} getxattr calls");
-    } else {
-        assert!(warm_ls <= 2.0, "warm ls -l: {warm_ls} getxattr calls");
-    }
+    // Directory listings are no longer kept in the kernel across opens (a kept listing hid
+    // names other nodes created), so a warm `ls -l` sends READDIRPLUS again, whose entries
+    // drop each child's cached ACL: one ACL read per file, plus the SELinux label once when
+    // SELinux is off. Bounded, but no longer ~0 (docs/BENCHMARKS.md).
+    let files = 200.0;
+    assert!(
+        warm_ls <= files + 3.0,
+        "warm ls -l: {warm_ls} getxattr calls for {files} files"
+    );
     vol.unmount().await.unwrap();
 }
