@@ -559,8 +559,21 @@ impl Fs {
                 self.adopt_if_clean(ino, of, e).await;
                 Ok(())
             }
-            // deleted elsewhere (its event not here yet): a commit would bring it back
-            // with chunks the filer already deleted
+            // deleted elsewhere (its event not here yet): a commit would bring it back with
+            // chunks the filer already deleted. ESTALE makes the kernel walk the path again
+            // (an O_CREAT open then creates a new file instead of failing).
+            Err(e) if e.errno == libc::ENOENT => {
+                self.meta.remove(&dir, &name);
+                if let (Some(nt), Some(pino)) =
+                    (self.notifier.read().clone(), self.inodes.ino_of(&dir))
+                {
+                    nt.inval_entry(pino, &name);
+                }
+                Err(errno(
+                    libc::ESTALE,
+                    format!("{dir}/{name} was deleted elsewhere"),
+                ))
+            }
             Err(e) => Err(e),
         }
     }

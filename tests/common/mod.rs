@@ -150,7 +150,16 @@ impl WeedServer {
                 "-ip=127.0.0.1".into(),
                 "-ip.bind=127.0.0.1".into(),
                 format!("-master.port={}", w.master_port),
-                format!("-volume.port={}", w.volume_port),
+                // `weed server -volume=false` still binds its volume ports: keep them apart
+                // from the separate volume server's
+                format!(
+                    "-volume.port={}",
+                    if w.opts.separate_volume {
+                        free_port_pair()
+                    } else {
+                        w.volume_port
+                    }
+                ),
                 format!("-metricsPort={}", w.metrics_port),
                 "-master.volumeSizeLimitMB=256".into(),
                 "-volume.max=100".into(),
