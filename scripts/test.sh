@@ -7,7 +7,7 @@ cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 mkdir -p target
 # Integration tests start their own weed servers; keep parallelism modest on small machines.
-RUST_TEST_THREADS=${RUST_TEST_THREADS:-2} cargo test --all-targets 2>&1 | tee target/test.log
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-2} cargo test --all-targets --no-fail-fast 2>&1 | tee target/test.log
 # POSIX conformance of our mount (pjdfstest 0.2.2 with the Linux features enabled).
 tests/pjdfstest.sh
 # fsx (mmap on) and fsstress from xfstests on our mount; skipped without ../shared/thirdparty.

@@ -1,18 +1,17 @@
 //! Data integrity and failure behaviour of our FUSE mount against a real `weed` 4.48: large
-//! random-offset writes, concurrent writers, unlink/rename of open files, inode stability across
-//! remounts, and upload failures surfacing as errors.
+//! random-offset writes, concurrent writers, unlink/rename of open files, and inode stability
+//! across remounts. Failures of the filer are in tests/fuse_faults.rs.
 
 mod common;
 mod fuse_support;
 
-use common::WeedServer;
 use fuse_support::*;
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const MIB: usize = 1 << 20;
 
@@ -301,7 +300,6 @@ fn rename_over_an_open_file() {
 }
 
 #[test]
-#[ignore = "known failure since 2026-12-01: run beside failed_uploads_surface_as_errors, the remount is not seen within 30 s (passes alone); under investigation, see issue 11's closing note"]
 fn inode_numbers_are_stable_across_remounts() {
     let w = shared_server();
     let root = unique_path("ino");
@@ -338,59 +336,4 @@ fn inode_numbers_are_stable_across_remounts() {
     // a rename keeps the number
     fs::rename(m.join("d/e/f"), m.join("f2")).unwrap();
     assert_eq!(lstat(&m.join("f2")).unwrap().st_ino, before["d/e/f"]);
-}
-
-/// Waits (bounded) for an fsync/close result and returns it.
-fn timed<T>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send) -> T
-where
-    T: Send,
-{
-    let started = Instant::now();
-    let r = std::thread::scope(|s| s.spawn(f).join().unwrap());
-    let took = started.elapsed();
-    assert!(took < limit, "{what} took {took:?}");
-    r
-}
-
-#[test]
-fn failed_uploads_surface_as_errors() {
-    // own server: this test stops its filer
-    let mut w = WeedServer::start();
-    let root = unique_path("eio");
-    let m = mount_ours(&w, &root, &[]);
-    fs::write(m.join("before"), b"ok").unwrap();
-    let p = m.join("f");
-    let mut f = File::create(&p).unwrap();
-    f.write_all(&pseudo_random(1, MIB)).unwrap();
-    w.stop_filer();
-    // the next chunk needs AssignVolume from the filer: the writes are buffered, fsync fails
-    let r = f.write_all(&pseudo_random(2, 3 * MIB));
-    let r2 = timed("fsync", Duration::from_secs(120), || f.sync_all());
-    let err = r.err().or(r2.err()).expect("write or fsync must fail");
-    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
-    // the handle stays poisoned; close reports the error too
-    let r = timed("close", Duration::from_secs(120), move || {
-        let fd = f.as_raw_fd();
-        std::mem::forget(f);
-        check(unsafe { libc::close(fd) })
-    });
-    assert_eq!(r.unwrap_err(), libc::EIO);
-    // a metadata operation fails cleanly as well
-    let e = timed("mkdir", Duration::from_secs(120), || {
-        fs::create_dir(m.join("newdir"))
-    })
-    .unwrap_err();
-    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
-    // the mount recovers when the filer is back
-    w.start_filer();
-    let ok = wait_until(Duration::from_secs(60), || {
-        fs::write(m.join("after"), b"back").is_ok()
-    });
-    assert!(
-        ok,
-        "writes work again after the filer restart: {}",
-        m.log_text()
-    );
-    assert_eq!(fs::read(m.join("before")).unwrap(), b"ok");
-    assert_eq!(w.filer_get(&format!("{root}/after")).unwrap(), b"back");
 }
