@@ -441,7 +441,9 @@ EOF
   [[ -n $tests ]] && sel=($tests)
   local ex=()
   if [[ -n $exclude ]]; then tr ' ' '\n' <<<"$exclude" >"$work/$c.exclude"; ex=(-E "$work/$c.exclude"); fi
-  echo "== $c: xfstests check ${sel[*]} (FSTYP=fuse) -> $out/check.log"
+  local what="${sel[*]}"
+  ((${#sel[@]} <= 4)) || what="${#sel[@]} tests"
+  echo "== $c: xfstests check $what (FSTYP=fuse) -> $out/check.log"
   # own session, so a cleanup can stop the test it is running along with it
   (cd "$xfs" && HOST_OPTIONS="$work/$c.config" exec setsid ./check "${ex[@]}" "${sel[@]}") \
     >"$out/check.log" 2>&1 &
