@@ -9,7 +9,7 @@
 #   options: --client ours|weed|both  --only stress|generic  --fsx-ops N  --fsstress-ops N
 #            --seed N  --tests 'generic/001 generic/002'  --group NAME  --exclude 'generic/…'
 #            --test-timeout SECS (900; a generic test running longer is killed and counted failed)
-#            --results DIR (default target/xfstests-results)
+#            --results DIR (default target/xfstests-results, -quick for --quick)
 #   scripts/xfstests.sh --missing-apt-packages   # Debian packages still to install (.ci/run)
 #   scripts/xfstests.sh --compare   # ours-vs-weed lists from the results dir of earlier runs
 #
@@ -48,7 +48,7 @@ missing_packages() {
 
 compare_only=0 quick=0 client="" only="" fsx_ops="" fsstress_ops="" seed=1 tests="" group=quick exclude=""
 test_timeout=900
-results="$target/xfstests-results"
+results=""
 while (($#)); do
   case $1 in
     --missing-apt-packages) missing_packages; exit 0 ;;
@@ -71,8 +71,10 @@ while (($#)); do
 done
 if ((quick)); then
   : "${client:=ours}" "${only:=stress}" "${fsx_ops:=20000}" "${fsstress_ops:=2000}"
+  : "${results:=$target/xfstests-results-quick}"
 else
   : "${client:=both}" "${fsx_ops:=100000}" "${fsstress_ops:=10000}"
+  : "${results:=$target/xfstests-results}"
 fi
 case $client in both) clients=(ours weed) ;; ours | weed) clients=("$client") ;;
   *) echo "xfstests.sh: --client ours|weed|both" >&2; exit 2 ;; esac
@@ -142,6 +144,13 @@ bin="${SEAWEEDFS_CSI_BIN:-$target/debug/seaweedfs-csi-driver}"
 if [[ $client != weed && -z "${SEAWEEDFS_CSI_BIN:-}" ]]; then
   cargo build --quiet --bin seaweedfs-csi-driver
 fi
+
+# One run per client and results dir at a time (ours and weed may run in parallel there).
+for c in "${clients[@]}"; do
+  mkdir -p "$results/$c"
+  exec {lock}>"$results/$c/.lock"
+  flock -n "$lock" || { echo "xfstests.sh: another run is using $results/$c" >&2; exit 2; }
+done
 
 # ---- scratch space; cleanup of everything we start
 work="$(mktemp -d /tmp/xfstests.XXXXXX)"
@@ -432,7 +441,9 @@ EOF
   [[ -n $tests ]] && sel=($tests)
   local ex=()
   if [[ -n $exclude ]]; then tr ' ' '\n' <<<"$exclude" >"$work/$c.exclude"; ex=(-E "$work/$c.exclude"); fi
-  echo "== $c: xfstests check ${sel[*]} (FSTYP=fuse) -> $out/check.log"
+  local what="${sel[*]}"
+  ((${#sel[@]} <= 4)) || what="${#sel[@]} tests"
+  echo "== $c: xfstests check $what (FSTYP=fuse) -> $out/check.log"
   # own session, so a cleanup can stop the test it is running along with it
   (cd "$xfs" && HOST_OPTIONS="$work/$c.config" exec setsid ./check "${ex[@]}" "${sel[@]}") \
     >"$out/check.log" 2>&1 &
