@@ -1176,6 +1176,7 @@ impl Fs {
         if let Some(h) = self.handles.lock().get(&fh) {
             return Ok(h.clone());
         }
+        self.verifier.adopted_handle(fh, ino);
         let of = self.open_inode(ino).await?;
         let h = Arc::new(Handle {
             ino,
@@ -1270,6 +1271,7 @@ impl Fs {
         if flags & libc::O_TRUNC != 0 && writable {
             of.wait_uploads().await;
             of.truncate(0);
+            self.verifier.dirtied(ino);
             {
                 let mut s = of.state.lock();
                 let a = s.entry.attributes.get_or_insert_with(Default::default);
@@ -1295,6 +1297,7 @@ impl Fs {
     pub async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
         self.check_writable()?;
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         let of = h.file.clone();
         if let Some(e) = of.state.lock().error.clone() {
             return Err(errno(libc::EIO, format!("earlier upload failed: {e}")));
@@ -1310,6 +1313,7 @@ impl Fs {
             }
         }
         let runs = of.write(offset, data);
+        self.verifier.dirtied(ino);
         {
             let mut s = of.state.lock();
             let (sec, ns) = now_parts();
@@ -1362,8 +1366,15 @@ impl Fs {
         }
     }
 
-    /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
+    /// [`Self::commit_file`]; the verifier then forgets the file if nothing is left to commit.
     pub async fn flush_file(&self, of: &Arc<OpenFile>) -> Result<()> {
+        let r = self.commit_file(of).await;
+        self.verifier.settled(of);
+        r
+    }
+
+    /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
+    async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
         let runs = of.seal_all();
         if !runs.is_empty() {
             self.start_uploads(of, runs).await;
@@ -1409,10 +1420,12 @@ impl Fs {
 
     pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         self.flush_file(&h.file).await
     }
 
     pub async fn release(&self, fh: u64, ino: u64) -> Result<()> {
+        self.verifier.released(fh);
         let h = self.handles.lock().remove(&fh);
         let file = match h {
             Some(h) => Some(h.file.clone()),
@@ -1443,9 +1456,12 @@ impl Fs {
     pub async fn flush_all(&self) -> Result<()> {
         let files: Vec<Arc<OpenFile>> =
             self.files.lock().values().map(|o| o.file.clone()).collect();
+        // all at once: a handover must finish within the pod's grace period (uploads stay
+        // bounded by the upload semaphore)
+        let flushed = futures::future::join_all(files.iter().map(|of| self.flush_file(of))).await;
         let mut first_err = None;
-        for of in files {
-            if let Err(e) = self.flush_file(&of).await {
+        for (of, r) in files.iter().zip(flushed) {
+            if let Err(e) = r {
                 tracing::error!(path = %of.path(), error = %e, "flush failed");
                 first_err.get_or_insert(e);
             }
@@ -1806,6 +1822,7 @@ impl Fs {
             return Err(errno(libc::EOPNOTSUPP, "fallocate mode not supported"));
         }
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         let end = offset
             .checked_add(length)
             .ok_or_else(|| errno(libc::EFBIG, "too large"))?;
