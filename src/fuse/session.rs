@@ -519,6 +519,7 @@ impl MountedVolume {
             opts,
             init,
         } = *k;
+        let started = std::time::Instant::now();
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
@@ -544,7 +545,11 @@ impl MountedVolume {
         // Leave the fuser threads blocked on the fd; process exit releases them.
         std::mem::forget(bg);
         std::mem::forget(keeper);
-        tracing::info!(volume_id, "handed over");
+        tracing::info!(
+            volume_id,
+            took_ms = started.elapsed().as_millis() as u64,
+            "handed over"
+        );
         flushed.map_err(MountError::Fs)
     }
 
