@@ -1905,10 +1905,13 @@ async fn handover_of_many_dirty_volumes_fits_the_grace_period() {
             .find(|l| l.contains("sessions shut down"))
             .unwrap_or("no shutdown line")
     );
-    // deploy/: node terminationGracePeriodSeconds is 30 (see the comment there)
+    // SIGTERM may first wait up to SHUTDOWN_GRACE for in-flight CSI calls
+    let grace = node_grace_period();
+    let drain = seaweedfs_csi_driver::csi::server::SHUTDOWN_GRACE;
     assert!(
-        handover < Duration::from_secs(20),
-        "the handover took {handover:?}: it must stay well inside the 30 s grace period"
+        handover + drain < grace,
+        "the handover took {handover:?}: with {drain:?} for CSI calls it must fit the node's \
+         terminationGracePeriodSeconds ({grace:?})"
     );
     for v in &vols {
         c.node
@@ -1918,4 +1921,19 @@ async fn handover_of_many_dirty_volumes_fits_the_grace_period() {
     }
     let left = mounts_below(fx.dir.path());
     assert!(left.is_empty(), "mounts left after unstage: {left:?}");
+}
+
+/// The node plugin's terminationGracePeriodSeconds in deploy/kubernetes/base/node.yaml.
+fn node_grace_period() -> Duration {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/kubernetes/base/node.yaml"
+    );
+    let y = std::fs::read_to_string(path).unwrap();
+    let secs = y
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("terminationGracePeriodSeconds in node.yaml");
+    Duration::from_secs(secs)
 }
