@@ -6,9 +6,12 @@
 //!     and the keeper claim; SIGTERM to the old one -> handover, adoption, nothing fails, every
 //!     byte written (even unsynced) is on the filer.
 //! (b) crash: SIGKILL, a new driver adopts; everything acknowledged by fsync/close is on the
-//!     filer, the open file handle keeps working.
+//!     filer; the open file handle keeps working unless it had unsynced bytes, which died
+//!     with the process: then its writes, syncs and close fail with EIO.
 //! (c) keeper and driver killed: a new keeper + driver stage and bind the recorded volume again
 //!     (new mounts); NodeGetVolumeStats goes from abnormal to normal.
+//! (d) crash with dirty data: EIO on exactly the handles that lost data.
+//! (e) upgrade with 20 volumes holding dirty data: the handover fits the grace period.
 //!
 //! The pods are separate processes (this test binary re-executed, see [`pod_process_entry`]),
 //! so the test process never holds a file open on the mount: a process with files open on a
@@ -453,6 +456,12 @@ fn pod_process_entry() {
 
 const BIN: &str = env!("CARGO_BIN_EXE_seaweedfs-csi-driver");
 
+/// The driver binary: `RESTART_SURVIVAL_BIN` (e.g. a release build, to measure the handover
+/// as shipped), else the one cargo built with the test.
+fn driver_binary() -> String {
+    std::env::var("RESTART_SURVIVAL_BIN").unwrap_or_else(|_| BIN.to_string())
+}
+
 struct Proc {
     name: String,
     child: Child,
@@ -463,7 +472,7 @@ impl Proc {
     fn spawn(name: &str, args: &[String], dir: &Path) -> Proc {
         let log = dir.join(format!("{name}.log"));
         let f = File::create(&log).unwrap();
-        let child = Command::new(BIN)
+        let child = Command::new(driver_binary())
             .args(args)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
@@ -1215,11 +1224,18 @@ async fn crash_is_adopted_and_synced_data_survives() {
     let mut lost = Vec::new();
     for (pod, r) in &reports {
         let synced_before = synced_before(r, t_event);
+        let held_lost = held_lost_data(r, t_event, t_gone);
         for op in errors(r) {
             // Only what was never flushed before the crash may be gone: it lived in the dead
             // process. A file created before and never flushed no longer exists; a held block
             // written before and never synced reads back as a hole. Anything else fails.
-            let expected = if op.worker == "held" {
+            let expected = if op.worker == "held" && op.errno == Some(libc::EIO) {
+                // the held fd had unsynced bytes when its process died: from then on its
+                // writes, syncs and close fail (reads go on)
+                held_lost
+                    && op.end > t_event
+                    && ["write", "fsync", "close"].contains(&op.op.as_str())
+            } else if op.worker == "held" {
                 op.op == "read"
                     && op.errno.is_none()
                     && op.file.is_some_and(|b| {
@@ -1253,7 +1269,10 @@ async fn crash_is_adopted_and_synced_data_survives() {
     );
     let (mut blocks, mut files, mut lost_blocks) = (0, 0, 0);
     for (pod, r) in &reports {
-        assert!(r.held.closed, "pod {pod}: closing the held file failed");
+        assert!(
+            r.held.closed || held_lost_data(r, t_event, t_gone),
+            "pod {pod}: closing the held file failed"
+        );
         // fsynced before the crash, or written after the new process took over.
         let synced_before = synced_before(r, t_event);
         let (checked, lost) = check_held(&weed, &v, pod, r, |i, end| {
@@ -1276,6 +1295,20 @@ async fn crash_is_adopted_and_synced_data_survives() {
         an.ops_after
     );
     v.tear_down(&mut c, &fx).await;
+}
+
+/// Whether the held fd may have lost data in a crash at `t_event` (process gone at `t_gone`):
+/// a block written and not covered by an fsync that finished before the crash, or a write in
+/// flight across it (the dead process may have buffered it).
+fn held_lost_data(r: &PodReport, t_event: u64, t_gone: u64) -> bool {
+    let synced = synced_before(r, t_event);
+    r.held
+        .written
+        .iter()
+        .any(|(i, end)| *i >= synced && *end < t_gone)
+        || r.ops
+            .iter()
+            .any(|o| o.worker == "held" && o.op == "write" && o.start < t_gone && o.end > t_event)
 }
 
 /// Kills keeper and driver; checks that the volume's mounts are dead.
@@ -1457,4 +1490,450 @@ async fn failed_adoption_falls_back_to_staging_again() {
     }
     assert_eq!(fx.keeper_ids(), vec![v.vol.volume_id.clone()]);
     v.tear_down(&mut c, &fx).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helper processes holding files open across an event (a crash, a handover): like the pods,
+// separate processes, so that the test process never has a file open on the mount.
+
+const HELPER_ENV: &str = "RESTART_SURVIVAL_HELPER";
+/// Lost-handles helper: A's committed prefix, its never-synced tail, B, C, A's later write.
+const A_SYNCED: usize = 100_000;
+const A_UNSYNCED: usize = 50_000;
+const B_LEN: usize = 70_000;
+const B_MORE: usize = 10_000;
+const C_LEN: usize = 30_000;
+const A_NEW: usize = 4096;
+/// Dirty helper: per file, this many slots of the default 2 MiB chunk, each filled but for
+/// its last 4 KiB, so nothing is sealed (uploaded) before the handover flushes it.
+const DIRTY_SLOTS: usize = 4;
+const SLOT: usize = 2 << 20;
+const DIRTY_RUN: usize = SLOT - 4096;
+
+#[derive(Serialize, Deserialize)]
+struct HelperConfig {
+    kind: String,
+    dirs: Vec<PathBuf>,
+    out: PathBuf,
+}
+
+/// 0 for success, else the errno (-1 for a wrong result).
+fn outcome<T>(r: io::Result<T>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
+    }
+}
+
+fn read_check(f: &File, at: u64, want: &[u8]) -> io::Result<()> {
+    let mut got = vec![0u8; want.len()];
+    f.read_exact_at(&mut got, at)?;
+    if got != want {
+        return Err(mismatch("read back"));
+    }
+    Ok(())
+}
+
+fn wait_go(out: &Path) {
+    std::fs::write(out.join("ready"), b"").unwrap();
+    let mut line = String::new();
+    let _ = io::stdin().read_line(&mut line);
+}
+
+/// File A gets bytes it never syncs, B is written and fsynced, C only read; after the crash
+/// every operation on the old fds and on a new open of A is reported.
+fn run_lost_handles(cfg: &HelperConfig) -> BTreeMap<String, i32> {
+    let dir = &cfg.dirs[0];
+    let rw = |name: &str| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join(name))
+            .unwrap()
+    };
+    let a = rw("a.dat");
+    a.write_all_at(&file_data(1, A_SYNCED), 0).unwrap();
+    a.sync_all().unwrap();
+    a.write_all_at(&file_data(2, A_UNSYNCED), A_SYNCED as u64)
+        .unwrap();
+    let b = rw("b.dat");
+    b.write_all_at(&file_data(3, B_LEN), 0).unwrap();
+    b.sync_all().unwrap();
+    std::fs::write(dir.join("c.dat"), file_data(4, C_LEN)).unwrap();
+    let c = File::open(dir.join("c.dat")).unwrap();
+    read_check(&c, 0, &file_data(4, C_LEN)).unwrap();
+    wait_go(&cfg.out);
+
+    let mut r = BTreeMap::new();
+    let end = (A_SYNCED + A_UNSYNCED) as u64;
+    r.insert("a write".into(), outcome(a.write_all_at(&[7; 4096], end)));
+    r.insert("a fsync".into(), outcome(a.sync_all()));
+    r.insert(
+        "a read".into(),
+        outcome(read_check(&a, 0, &file_data(1, A_SYNCED))),
+    );
+    r.insert(
+        "b write".into(),
+        outcome(b.write_all_at(&file_data(5, B_MORE), B_LEN as u64)),
+    );
+    r.insert("b fsync".into(), outcome(b.sync_all()));
+    r.insert(
+        "c read".into(),
+        outcome(read_check(&c, 0, &file_data(4, C_LEN))),
+    );
+    r.insert(
+        "new open of a: write, fsync, close".into(),
+        outcome((|| {
+            let f = OpenOptions::new().write(true).open(dir.join("a.dat"))?;
+            f.write_all_at(&file_data(6, A_NEW), A_SYNCED as u64)?;
+            f.sync_all()?;
+            close_file(f)
+        })()),
+    );
+    r.insert("a close".into(), outcome(close_file(a)));
+    r.insert("b close".into(), outcome(close_file(b)));
+    r.insert("c close".into(), outcome(close_file(c)));
+    r
+}
+
+fn dirty_content(seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; (DIRTY_SLOTS - 1) * SLOT + DIRTY_RUN];
+    for k in 0..DIRTY_SLOTS {
+        v[k * SLOT..k * SLOT + DIRTY_RUN].copy_from_slice(&file_data(seed + k as u64, DIRTY_RUN));
+    }
+    v
+}
+
+/// One file per directory with `DIRTY_SLOTS` unsealed slots of dirty data, held open across
+/// the event, then closed.
+fn run_dirty_holder(cfg: &HelperConfig) -> BTreeMap<String, i32> {
+    let files: Vec<File> = cfg
+        .dirs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(d.join("dirty.dat"))
+                .unwrap();
+            let want = dirty_content(i as u64 * 100);
+            for k in 0..DIRTY_SLOTS {
+                let at = k * SLOT;
+                f.write_all_at(&want[at..at + DIRTY_RUN], at as u64)
+                    .unwrap();
+            }
+            f
+        })
+        .collect();
+    wait_go(&cfg.out);
+    files
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| (format!("close {i}"), outcome(close_file(f))))
+        .collect()
+}
+
+/// Not a test: the body of the helper processes (this binary re-executed with
+/// `RESTART_SURVIVAL_HELPER` set). Does nothing when run any other way.
+#[test]
+#[ignore = "entry point of helper child processes; started by the scenarios"]
+fn helper_process_entry() {
+    let Ok(cfg) = std::env::var(HELPER_ENV) else {
+        return;
+    };
+    let cfg: HelperConfig = serde_json::from_str(&cfg).expect("helper config");
+    let report = match cfg.kind.as_str() {
+        "lost-handles" => run_lost_handles(&cfg),
+        "dirty" => run_dirty_holder(&cfg),
+        k => panic!("unknown helper {k}"),
+    };
+    std::fs::write(
+        cfg.out.join("report.json"),
+        serde_json::to_vec(&report).unwrap(),
+    )
+    .unwrap();
+    std::process::exit(0);
+}
+
+struct Helper {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: PathBuf,
+}
+
+impl Helper {
+    fn start(kind: &str, dirs: Vec<PathBuf>, base: &Path) -> Helper {
+        let out = base.join(format!("helper-{kind}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let cfg = HelperConfig {
+            kind: kind.into(),
+            dirs,
+            out: out.clone(),
+        };
+        let log = File::create(out.join("helper.log")).unwrap();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "helper_process_entry",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(HELPER_ENV, serde_json::to_string(&cfg).unwrap())
+            .stdin(Stdio::piped())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut h = Helper {
+            stdin: child.stdin.take(),
+            child,
+            out,
+        };
+        let deadline = Instant::now() + BOUND * 2;
+        while !h.out.join("ready").exists() {
+            if let Ok(Some(st)) = h.child.try_wait() {
+                panic!("helper {kind} exited ({st}):\n{}", h.log());
+            }
+            assert!(Instant::now() < deadline, "helper {kind} never got ready");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        h
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.out.join("helper.log")).unwrap_or_default()
+    }
+
+    /// Lets it go on and returns its report.
+    fn finish(&mut self) -> BTreeMap<String, i32> {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + BOUND;
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "helper did not finish:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        serde_json::from_slice(
+            &std::fs::read(self.out.join("report.json"))
+                .unwrap_or_else(|e| panic!("helper report: {e}\n{}", self.log())),
+        )
+        .unwrap()
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+/// (d) SIGKILL while file A holds acknowledged, never-synced bytes and B does not: after the
+/// adoption A's old fd fails writes, fsync and close with EIO (its bytes are gone), while B's
+/// old fd, a read-only fd on C and a new open of A work, and their data is on the filer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_fails_exactly_the_handles_that_lost_data() {
+    let _serial = SERIAL.lock().await;
+    let weed = common::WeedServer::start();
+    let mut fx = Fixture::new();
+    fx.start_keeper("keeper");
+    let a = fx.spawn_driver("driver-a", &weed.filer_addr());
+    fx.wait_socket(a);
+    let mut c = clients(&fx).await;
+    let v = Volume::provision(&mut c, &weed, &fx, "pvc-lost").await;
+    let mut helper = Helper::start("lost-handles", vec![v.targets[0].clone()], fx.dir.path());
+
+    fx.procs[a].signal(Signal::SIGKILL);
+    fx.procs[a].wait_exit(BOUND);
+    let b = fx.spawn_driver("driver-b", &weed.filer_addr());
+    fx.procs[b].wait_for("session adopted", BOUND);
+    let got = helper.finish();
+
+    let eio = libc::EIO;
+    let want: BTreeMap<String, i32> = [
+        ("a write", eio),
+        ("a fsync", eio),
+        ("a close", eio),
+        ("a read", 0),
+        ("b write", 0),
+        ("b fsync", 0),
+        ("b close", 0),
+        ("c read", 0),
+        ("c close", 0),
+        ("new open of a: write, fsync, close", 0),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(got, want, "errno per operation after the crash (0 = ok)");
+    let mut a_want = file_data(1, A_SYNCED);
+    a_want.extend(file_data(6, A_NEW));
+    assert!(
+        weed.filer_get(&v.filer_path("a.dat")) == Some(a_want),
+        "a.dat: the committed prefix and the new open's write"
+    );
+    let mut b_want = file_data(3, B_LEN);
+    b_want.extend(file_data(5, B_MORE));
+    assert!(weed.filer_get(&v.filer_path("b.dat")) == Some(b_want));
+    assert!(
+        fx.procs[b].log().contains("on inodes with unflushed data"),
+        "the adoption logs the loss"
+    );
+    v.tear_down(&mut c, &fx).await;
+}
+
+/// Waits until `needle` is in the log of `fx.procs[i]` `n` times.
+fn wait_count(fx: &mut Fixture, i: usize, needle: &str, n: usize, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let log = fx.procs[i].log();
+        if log.matches(needle).count() >= n {
+            return;
+        }
+        assert!(fx.procs[i].running(), "{} exited:\n{log}", fx.procs[i].name);
+        assert!(
+            Instant::now() < deadline,
+            "{}: {needle:?} not {n} times within {timeout:?}:\n{log}",
+            fx.procs[i].name
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Volumes staged for the handover measurement (the grace period in deploy/ is sized from it).
+const HANDOVER_VOLUMES: usize = 20;
+
+/// (e) Rolling update with `HANDOVER_VOLUMES` staged volumes that each hold 8 MiB of dirty,
+/// unsealed data: SIGTERM -> the old process has flushed all of it and exited within the
+/// grace period (sessions hand over in parallel); every byte is on the filer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handover_of_many_dirty_volumes_fits_the_grace_period() {
+    let _serial = SERIAL.lock().await;
+    let weed = common::WeedServer::start();
+    let mut fx = Fixture::new();
+    let keeper = fx.start_keeper("keeper");
+    let a = fx.spawn_driver("driver-a", &weed.filer_addr());
+    fx.wait_socket(a);
+    let mut c = clients(&fx).await;
+    let mut vols = Vec::new();
+    for i in 0..HANDOVER_VOLUMES {
+        let vol = c
+            .controller
+            // one collection for all: the test server's 100 volumes do not cover 20
+            // collections of 7 each
+            .create_volume(create_req(
+                &format!("pvc-many-{i}"),
+                0,
+                &[("collection", "handover")],
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let staging = fx.path(&format!(
+            "kubelet/plugins/kubernetes.io/csi/seaweedfs-csi-driver/pvc-many-{i}/globalmount"
+        ));
+        std::fs::create_dir_all(&staging).unwrap();
+        c.node
+            .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+            .await
+            .unwrap();
+        vols.push(Volume {
+            vol,
+            staging,
+            targets: Vec::new(),
+        });
+    }
+    let dirs = vols.iter().map(|v| v.staging.clone()).collect();
+    let mut helper = Helper::start("dirty", dirs, fx.dir.path());
+
+    let b = fx.spawn_driver("driver-b", &weed.filer_addr());
+    fx.procs[b].wait_for("waiting for it to stop", BOUND);
+    wait_count(
+        &mut fx,
+        keeper,
+        "claim waits for the current owner",
+        HANDOVER_VOLUMES,
+        BOUND,
+    );
+    let t_event = now_ns();
+    fx.procs[a].signal(Signal::SIGTERM);
+    let (ok, t_gone) = fx.procs[a].wait_exit(BOUND * 2);
+    assert!(ok, "old driver failed:\n{}", fx.procs[a].log());
+    let handover = Duration::from_nanos(t_gone - t_event);
+    wait_count(&mut fx, b, "session adopted", HANDOVER_VOLUMES, BOUND);
+    let closes = helper.finish();
+    let problems = |i: usize| -> Vec<String> {
+        fx.procs[i]
+            .log()
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .map(String::from)
+            .collect()
+    };
+    assert!(
+        closes.values().all(|&e| e == 0),
+        "closes after the handover: {closes:?}\nold: {:#?}\nnew: {:#?}",
+        problems(a),
+        problems(b)
+    );
+    for (i, v) in vols.iter().enumerate() {
+        let got = weed.filer_get(&v.filer_path("dirty.dat"));
+        assert!(
+            got.as_deref() == Some(dirty_content(i as u64 * 100).as_slice()),
+            "volume {i}: dirty.dat is not on the filer as written ({:?} bytes)",
+            got.map(|g| g.len())
+        );
+    }
+    let dirty_mib = (HANDOVER_VOLUMES * DIRTY_SLOTS * DIRTY_RUN) >> 20;
+    println!(
+        "handover of {HANDOVER_VOLUMES} volumes with {dirty_mib} MiB dirty in all: SIGTERM -> \
+         old process gone {:.0} ms ({})",
+        handover.as_secs_f64() * 1000.0,
+        fx.procs[a]
+            .log()
+            .lines()
+            .find(|l| l.contains("sessions shut down"))
+            .unwrap_or("no shutdown line")
+    );
+    // SIGTERM may first wait up to SHUTDOWN_GRACE for in-flight CSI calls
+    let grace = node_grace_period();
+    let drain = seaweedfs_csi_driver::csi::server::SHUTDOWN_GRACE;
+    assert!(
+        handover + drain < grace,
+        "the handover took {handover:?}: with {drain:?} for CSI calls it must fit the node's \
+         terminationGracePeriodSeconds ({grace:?})"
+    );
+    for v in &vols {
+        c.node
+            .node_unstage_volume(unstage_req(&v.vol, &v.staging))
+            .await
+            .unwrap();
+    }
+    let left = mounts_below(fx.dir.path());
+    assert!(left.is_empty(), "mounts left after unstage: {left:?}");
+}
+
+/// The node plugin's terminationGracePeriodSeconds in deploy/kubernetes/base/node.yaml.
+fn node_grace_period() -> Duration {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/kubernetes/base/node.yaml"
+    );
+    let y = std::fs::read_to_string(path).unwrap();
+    let secs = y
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("terminationGracePeriodSeconds in node.yaml");
+    Duration::from_secs(secs)
 }

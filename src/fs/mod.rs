@@ -11,6 +11,7 @@ pub mod meta;
 mod ops;
 mod read;
 mod resent;
+pub mod verifier;
 
 pub use attr::{Attr, IdMap, Kind};
 pub use ops::{DirEntryOut, SetAttr, StatFs};
@@ -214,6 +215,8 @@ pub struct Fs {
     posix_acl: AtomicBool,
     pub stats: FsStats,
     root_attr: Mutex<Attr>,
+    /// Which handles lost data in a crash of a previous process.
+    pub verifier: verifier::Verifier,
 }
 
 impl Fs {
@@ -267,6 +270,7 @@ impl Fs {
             posix_acl: AtomicBool::new(false),
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
+            verifier: verifier::Verifier::new(start_fh),
         })
     }
 

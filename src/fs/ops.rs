@@ -1321,6 +1321,7 @@ impl Fs {
         if let Some(h) = self.handles.lock().get(&fh) {
             return Ok(h.clone());
         }
+        self.verifier.adopted_handle(fh, ino);
         let of = self.open_inode(ino).await?;
         let file = self.register_open(ino, of);
         let h = Arc::new(Handle {
@@ -1446,6 +1447,7 @@ impl Fs {
         if flags & libc::O_TRUNC != 0 && writable {
             of.wait_uploads().await;
             of.truncate(0);
+            self.verifier.dirtied(ino);
             {
                 let mut s = of.state.lock();
                 let a = s.entry.attributes.get_or_insert_with(Default::default);
@@ -1471,6 +1473,7 @@ impl Fs {
     pub async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
         self.check_writable()?;
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         let of = h.file.clone();
         if let Some(e) = of.unplaced() {
             // no more bytes pile up behind data that cannot be placed; fsync retries it
@@ -1490,6 +1493,7 @@ impl Fs {
             }
         }
         let runs = of.write(offset, data);
+        self.verifier.dirtied(ino);
         {
             let mut s = of.state.lock();
             let (sec, ns) = now_parts();
@@ -1543,8 +1547,15 @@ impl Fs {
         }
     }
 
-    /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
+    /// [`Self::commit_file`]; the verifier then forgets the file if nothing is left to commit.
     pub async fn flush_file(&self, of: &Arc<OpenFile>) -> Result<()> {
+        let r = self.commit_file(of).await;
+        self.verifier.settled(of);
+        r
+    }
+
+    /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
+    async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
         // what an earlier flush could not place is tried again first (same order stamps)
         let mut runs = of.retry_failed();
         runs.extend(of.seal_all());
@@ -1608,10 +1619,12 @@ impl Fs {
 
     pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         self.flush_file(&h.file).await
     }
 
     pub async fn release(&self, fh: u64, ino: u64) -> Result<()> {
+        self.verifier.released(fh);
         let h = self.handles.lock().remove(&fh);
         let file = match h {
             Some(h) => Some(h.file.clone()),
@@ -1667,9 +1680,12 @@ impl Fs {
     pub async fn flush_all(&self) -> Result<()> {
         let files: Vec<Arc<OpenFile>> =
             self.files.lock().values().map(|o| o.file.clone()).collect();
+        // all at once: a handover must finish within the pod's grace period (uploads stay
+        // bounded by the upload semaphore)
+        let flushed = futures::future::join_all(files.iter().map(|of| self.flush_file(of))).await;
         let mut first_err = None;
-        for of in files {
-            if let Err(e) = self.flush_file(&of).await {
+        for (of, r) in files.iter().zip(flushed) {
+            if let Err(e) = r {
                 tracing::error!(path = %of.path(), error = %e, "flush failed");
                 first_err.get_or_insert(e);
             }
@@ -2055,6 +2071,7 @@ impl Fs {
             return Err(errno(libc::EOPNOTSUPP, "fallocate mode not supported"));
         }
         let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
         let end = offset
             .checked_add(length)
             .ok_or_else(|| errno(libc::EFBIG, "too large"))?;

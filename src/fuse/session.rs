@@ -352,6 +352,13 @@ impl MountedVolume {
         let journal =
             Arc::new(crate::fs::journal::Journal::create().map_err(|e| mount_err(mountpoint, e))?);
         fs.inodes.set_journal(journal.clone());
+        let dirty =
+            crate::fs::verifier::DirtyLog::create().map_err(|e| mount_err(mountpoint, e))?;
+        let dfd = dirty
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| mount_err(mountpoint, e))?;
+        fs.verifier.attach(dirty);
         let adapter =
             super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
         let gate = adapter.gate();
@@ -384,7 +391,7 @@ impl MountedVolume {
             .map_err(|e| mount_err(mountpoint, e))?;
         let put = tokio::task::spawn_blocking(move || {
             use std::os::fd::AsFd;
-            k.put(&id, &blob, &[fd.as_fd(), jfd.as_fd()])
+            k.put(&id, &blob, &[fd.as_fd(), jfd.as_fd(), dfd.as_fd()])
         })
         .await
         .map_err(|e| mount_err(mountpoint, e.to_string()))?;
@@ -429,6 +436,7 @@ impl MountedVolume {
                 crate::fs::journal::Journal::create().map_err(|e| mount_err(&mountpoint, e))?,
             ),
         };
+        let dirty_fd = fds.next();
         let state = blob.state;
         // The kernel queues requests meanwhile; keep trying while the filer is unreachable.
         let mut delay = Duration::from_millis(200);
@@ -450,6 +458,15 @@ impl MountedVolume {
             }
         }
         fs.inodes.set_journal(journal);
+        // before serving: the first request may carry a handle that lost data
+        match dirty_fd {
+            Some(fd) => {
+                fs.verifier.adopt(crate::fs::verifier::DirtyLog::open(fd));
+            }
+            None => {
+                tracing::warn!(volume_id = %state.volume_id, "the previous process kept no dirty-inode log (older version); lost writes are not reported until the volume is staged again")
+            }
+        }
         let adapter =
             super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
         let gate = adapter.gate();
@@ -502,6 +519,7 @@ impl MountedVolume {
             opts,
             init,
         } = *k;
+        let started = std::time::Instant::now();
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
@@ -527,7 +545,11 @@ impl MountedVolume {
         // Leave the fuser threads blocked on the fd; process exit releases them.
         std::mem::forget(bg);
         std::mem::forget(keeper);
-        tracing::info!(volume_id, "handed over");
+        tracing::info!(
+            volume_id,
+            took_ms = started.elapsed().as_millis() as u64,
+            "handed over"
+        );
         flushed.map_err(MountError::Fs)
     }
 

@@ -145,8 +145,12 @@ impl FuseStager {
     /// successor); without one, flush what is dirty (the mounts die with the process).
     pub async fn shutdown(&self) {
         let sessions: Vec<(String, MountedVolume)> = self.sessions.lock().drain().collect();
-        for (id, m) in sessions {
-            let r = if self.keeper.is_some() {
+        let (n, started) = (sessions.len(), std::time::Instant::now());
+        let kept = self.keeper.is_some();
+        // All at once: the pod's grace period bounds the whole shutdown, and one after another
+        // it grew with every staged volume's dirty data.
+        futures::future::join_all(sessions.into_iter().map(|(id, m)| async move {
+            let r = if kept {
                 m.hand_over().await
             } else {
                 let r = m.fs.flush_all().await.map_err(Into::into);
@@ -156,6 +160,14 @@ impl FuseStager {
             if let Err(e) = r {
                 tracing::error!(volume_id = %id, error = %e, "shutdown of a session failed");
             }
+        }))
+        .await;
+        if n > 0 {
+            tracing::info!(
+                sessions = n,
+                took_ms = started.elapsed().as_millis() as u64,
+                "sessions shut down"
+            );
         }
     }
 
