@@ -735,6 +735,25 @@ mod tests {
     }
 
     #[test]
+    fn reads_with_uploads_in_flight_keep_the_intervals() {
+        let f = file(4);
+        let a = f.write(0, b"aaaa");
+        f.upload_done(a[0].id, Ok(chunk("3,01", 4)));
+        let _b = f.write(4, b"bbbb");
+        assert!(f.state.lock().visible.is_none());
+        // built once for the committed chunks, the upload laid over this read's range only
+        assert_eq!(
+            shape(&f, 0, 8),
+            vec![("3,01".into(), 0, 4), ("mem:bbbb".into(), 4, 4)]
+        );
+        let s = f.state.lock();
+        assert_eq!(
+            s.visible.as_deref().map(|v| v.as_slice()),
+            Some(chunks::visible_intervals(&s.resolved).as_slice())
+        );
+    }
+
+    #[test]
     fn reads_order_uploads_in_flight_and_chunks_by_ts() {
         let f = file(4);
         let x = f.write(0, b"xxxx");
