@@ -132,7 +132,7 @@ OURS=$(sha256sum "$WORK/ours/big.bin" | cut -d' ' -f1)
 t1=$(date +%s.%N)
 echo "our mount  sha256 $OURS ($(python3 -c "print(f'{$SIZE_GIB*1024/($t1-$t0):.0f}')") MiB/s)"
 curl -s "http://127.0.0.1:$FPORT/bench/big.bin?metadata=true" |
-  python3 -c 'import json,sys; c=json.load(sys.stdin).get("chunks") or []; print(f"filer entry: {len(c)} chunks, {sum(1 for x in c if x.get(\"is_chunk_manifest\"))} manifests")' || true
+  python3 -c 'import json,sys; c=json.load(sys.stdin).get("chunks") or []; m=sum(1 for x in c if x.get("is_chunk_manifest")); print("filer entry:", len(c), "chunks,", m, "manifests")' || true
 if [ "$WANT" = "$WEED" ] && [ "$WANT" = "$OURS" ]; then
   echo "checksums match"
 else
