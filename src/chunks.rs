@@ -17,7 +17,11 @@ use crate::volume::{ChunkStore, Result, UploadOptions, VolumeError};
 use prost::Message;
 use std::collections::BTreeMap;
 
-/// Data chunks per manifest (SeaweedFS `ManifestBatch`).
+/// Data chunks per manifest (SeaweedFS `ManifestBatch`, used by `weed mount` and the filer).
+/// A commit then sends at most this many data chunks (under 1 MB of protobuf) plus one
+/// manifest chunk per batch. Lower would fold sooner but make more, smaller manifests that
+/// every open of the file fetches; the same value as the filer also means the filer never
+/// folds our entries itself (it does at this count), so what we commit is what it stores.
 pub const MANIFEST_BATCH: usize = 10_000;
 
 /// Deepest manifest nesting we follow (guards against cycles in corrupt data).
@@ -156,6 +160,74 @@ pub fn visible_intervals(chunks: &[pb::FileChunk]) -> Vec<VisibleInterval> {
     map.into_values().collect()
 }
 
+/// Lays `new` over `intervals` (sorted, non-overlapping, as from [`visible_intervals`]) as if
+/// its chunk were appended to the list: it shows wherever its ts is at least the visible one's
+/// (a tie goes to the later chunk, as there). Only the intervals it overlaps are touched, so a
+/// writer appending chunk after chunk never rebuilds the whole list.
+pub fn paint(intervals: &mut Vec<VisibleInterval>, new: VisibleInterval) {
+    let (a, b, t) = (new.start, new.stop, new.modified_ts_ns);
+    if a >= b {
+        return;
+    }
+    let i0 = intervals.partition_point(|iv| iv.stop <= a);
+    let i1 = intervals.partition_point(|iv| iv.start < b);
+    let piece = |x: u64, y: u64| VisibleInterval {
+        start: x,
+        stop: y,
+        offset_in_chunk: new.offset_in_chunk + (x - a),
+        ..new
+    };
+    let mut out = Vec::with_capacity(i1 - i0 + 2);
+    // `new` fills [cursor, ..) up to the next interval that outranks it
+    let mut cursor = a;
+    for iv in &intervals[i0..i1] {
+        if iv.modified_ts_ns > t {
+            if iv.start > cursor {
+                out.push(piece(cursor, iv.start));
+            }
+            out.push(*iv);
+            cursor = cursor.max(iv.stop);
+            continue;
+        }
+        if iv.start < a {
+            out.push(VisibleInterval { stop: a, ..*iv });
+        }
+        if iv.stop > b {
+            if b > cursor {
+                out.push(piece(cursor, b));
+                cursor = b;
+            }
+            out.push(VisibleInterval {
+                start: b,
+                offset_in_chunk: iv.offset_in_chunk + (b - iv.start),
+                ..*iv
+            });
+        }
+    }
+    if b > cursor {
+        out.push(piece(cursor, b));
+    }
+    intervals.splice(i0..i1, out);
+}
+
+/// The intervals overlapping `[start, stop)`, clipped to it.
+pub fn intervals_in(intervals: &[VisibleInterval], start: u64, stop: u64) -> Vec<VisibleInterval> {
+    let first = intervals.partition_point(|iv| iv.stop <= start);
+    intervals[first..]
+        .iter()
+        .take_while(|iv| iv.start < stop)
+        .map(|iv| {
+            let s = iv.start.max(start);
+            VisibleInterval {
+                start: s,
+                stop: iv.stop.min(stop),
+                offset_in_chunk: iv.offset_in_chunk + (s - iv.start),
+                ..*iv
+            }
+        })
+        .collect()
+}
+
 /// Plans reading `[offset, offset + len)` clipped to `file_size`: chunk slices and zero gaps in
 /// file order, covering the clipped range exactly. `intervals` must come from
 /// [`visible_intervals`] (sorted, non-overlapping).
@@ -207,7 +279,8 @@ pub fn read_plan(
 /// end keep their fid with `size` shrunk; chunks starting at or after it are dropped. Returns
 /// `(kept, dropped)`; the dropped chunks' needles are garbage once the entry is saved.
 /// Shrinking (rather than relying on `file_size`) keeps old bytes from reappearing if the file
-/// grows again. Manifest chunks are only dropped when entirely past the end: expand first.
+/// grows again. Manifest chunks are only dropped when entirely past the end: one the new end
+/// cuts ([`cuts_manifest`]) would keep listing its chunks at full length, so expand first.
 pub fn truncate(
     chunks: &[pb::FileChunk],
     new_size: u64,
@@ -227,6 +300,13 @@ pub fn truncate(
         kept.push(c);
     }
     (kept, dropped)
+}
+
+/// Whether truncating to `new_size` cuts through a manifest chunk (see [`truncate`]).
+pub fn cuts_manifest(chunks: &[pb::FileChunk], new_size: u64) -> bool {
+    chunks.iter().any(|c| {
+        c.is_chunk_manifest && chunk_range(c).is_some_and(|(s, e)| s < new_size && new_size < e)
+    })
 }
 
 /// Drops chunks no longer visible at any byte. Returns `(kept, garbage)` in list order;
@@ -671,6 +751,39 @@ mod tests {
         ));
     }
 
+    /// Byte-level view of intervals: for each byte, (chunk, offset in chunk) or None.
+    fn byte_map(ivs: &[VisibleInterval], size: u64) -> Vec<Option<(usize, u64)>> {
+        let mut m = vec![None; size as usize];
+        for iv in ivs {
+            for x in iv.start..iv.stop.min(size) {
+                m[x as usize] = Some((iv.chunk_index, iv.offset_in_chunk + (x - iv.start)));
+            }
+        }
+        m
+    }
+
+    fn iv_of(chunks: &[pb::FileChunk], i: usize) -> VisibleInterval {
+        let (start, stop) = chunk_range(&chunks[i]).unwrap_or((0, 0));
+        VisibleInterval {
+            start,
+            stop,
+            chunk_index: i,
+            offset_in_chunk: 0,
+            modified_ts_ns: chunks[i].modified_ts_ns,
+        }
+    }
+
+    #[test]
+    fn cuts_manifest_only_inside_its_span() {
+        let mut m = ch(9, 100, 50, 0);
+        m.is_chunk_manifest = true;
+        let list = [ch(1, 0, 100, 1), m];
+        assert!(cuts_manifest(&list, 120));
+        assert!(!cuts_manifest(&list, 100));
+        assert!(!cuts_manifest(&list, 150));
+        assert!(!cuts_manifest(&list, 50), "a data chunk is not a manifest");
+    }
+
     fn arb_chunks() -> impl Strategy<Value = Vec<pb::FileChunk>> {
         // Small offsets/sizes so overlaps are common; few distinct timestamps so ties happen.
         prop::collection::vec((0i64..200, 0u64..80, 0i64..6), 0..12).prop_map(|v| {
@@ -690,6 +803,47 @@ mod tests {
             let lo = (off as usize).min(want.len());
             let hi = ((off + len) as usize).min(want.len());
             prop_assert_eq!(got, want[lo..hi].to_vec());
+        }
+
+        #[test]
+        fn painting_chunk_by_chunk_equals_rebuilding(chunks in arb_chunks()) {
+            let size = chunks_end(&chunks);
+            let mut ivs = Vec::new();
+            for i in 0..chunks.len() {
+                paint(&mut ivs, iv_of(&chunks, i));
+                for w in ivs.windows(2) {
+                    prop_assert!(w[0].stop <= w[1].start);
+                }
+                let want = visible_intervals(&chunks[..=i]);
+                prop_assert_eq!(byte_map(&ivs, size), byte_map(&want, size));
+            }
+        }
+
+        #[test]
+        fn painting_over_a_range_equals_rebuilding(
+            chunks in arb_chunks(),
+            more in arb_chunks(),
+            off in 0u64..300,
+            len in 0u64..300,
+        ) {
+            // `more` plays the uploads in flight: listed after `chunks`, painted on a range.
+            let mut all = chunks.clone();
+            all.extend(more.iter().cloned());
+            let size = chunks_end(&all);
+            let mut ivs = intervals_in(&visible_intervals(&chunks), off, off + len);
+            for i in chunks.len()..all.len() {
+                paint(&mut ivs, iv_of(&all, i));
+            }
+            // what lies outside the range is never read
+            let clip = |mut m: Vec<Option<(usize, u64)>>| {
+                for (x, b) in m.iter_mut().enumerate() {
+                    if (x as u64) < off || (x as u64) >= off + len {
+                        *b = None;
+                    }
+                }
+                m
+            };
+            prop_assert_eq!(clip(byte_map(&ivs, size)), clip(byte_map(&visible_intervals(&all), size)));
         }
 
         #[test]

@@ -63,6 +63,8 @@ pub struct MountOptions {
     pub read_retry_secs: u64,
     /// FUSE worker threads.
     pub fuse_threads: usize,
+    /// Data chunks per manifest chunk; only tests lower it.
+    pub manifest_batch: usize,
 }
 
 impl Default for MountOptions {
@@ -90,6 +92,7 @@ impl Default for MountOptions {
             quota_bytes: 0,
             read_retry_secs: 6,
             fuse_threads: 4,
+            manifest_batch: crate::chunks::MANIFEST_BATCH,
         }
     }
 }

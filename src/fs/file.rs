@@ -34,9 +34,6 @@ pub fn next_ts_ns() -> i64 {
     }
 }
 
-/// Marks in-flight pseudo-chunks (never a real file id).
-const INFLIGHT: &str = "\0inflight:";
-
 /// Writes at least this large reserve the whole slot up front (small files never do).
 const LARGE_WRITE: usize = 64 * 1024;
 
@@ -115,8 +112,10 @@ pub struct SealedRun {
 pub struct FileState {
     pub dir: String,
     pub entry: pb::Entry,
-    /// `entry.chunks` with manifests expanded (what reads resolve against).
+    /// `entry.chunks` with manifests expanded (what reads resolve against). `entry.chunks`
+    /// keeps the manifest chunks, so a commit sends only the chunks not yet in a manifest.
     pub resolved: Arc<Vec<pb::FileChunk>>,
+    /// `visible_intervals(resolved)`, built on first use and then kept up to date per upload.
     pub visible: Option<Arc<Vec<chunks::VisibleInterval>>>,
     pub size: u64,
     pub slots: BTreeMap<u64, Slot>,
@@ -204,6 +203,15 @@ impl FileState {
 
 fn max_ts(chunks: &[pb::FileChunk]) -> i64 {
     chunks.iter().map(|c| c.modified_ts_ns).max().unwrap_or(0)
+}
+
+impl FileState {
+    /// The visible intervals of `resolved`, built once and then updated in place.
+    fn visible(&mut self) -> Arc<Vec<chunks::VisibleInterval>> {
+        self.visible
+            .get_or_insert_with(|| Arc::new(chunks::visible_intervals(&self.resolved)))
+            .clone()
+    }
 }
 
 pub struct OpenFile {
@@ -348,10 +356,24 @@ impl OpenFile {
                     c.modified_ts_ns = inf.ts;
                     s.ours.insert(c.file_id.clone());
                     s.entry.chunks.push(c.clone());
-                    let mut r = (*s.resolved).clone();
-                    r.push(c);
-                    s.resolved = Arc::new(r);
-                    s.visible = None;
+                    let size = c.size;
+                    let s = &mut *s;
+                    // in place: nothing outside the lock holds these Arcs for long, so a
+                    // large file's list is not copied per chunk
+                    let resolved = Arc::make_mut(&mut s.resolved);
+                    resolved.push(c);
+                    if let Some(v) = s.visible.as_mut() {
+                        chunks::paint(
+                            Arc::make_mut(v),
+                            chunks::VisibleInterval {
+                                start: inf.offset,
+                                stop: inf.offset.saturating_add(size),
+                                chunk_index: resolved.len() - 1,
+                                offset_in_chunk: 0,
+                                modified_ts_ns: inf.ts,
+                            },
+                        );
+                    }
                     s.seq += 1;
                     if !s.inflight.iter().any(|i| i.failed) {
                         s.error = None;
@@ -440,10 +462,22 @@ impl OpenFile {
             }
         }
         s.slots.retain(|_, sl| !sl.ranges.is_empty());
-        let (kept, dropped) = chunks::truncate(&s.entry.chunks, size);
-        s.entry.chunks = kept;
-        s.drop_ours(&dropped);
-        s.resolved = Arc::new(chunks::truncate(&s.resolved, size).0);
+        if chunks::cuts_manifest(&s.entry.chunks, size) {
+            // A cut manifest lists its chunks at full length: the bytes past `size` would come
+            // back when the file grows. Commit the expanded chunks; the next commit folds them
+            // into new manifests.
+            let (kept, dropped) = chunks::truncate(&s.resolved, size);
+            let (kept, hidden) = chunks::compact(&kept);
+            s.drop_ours(&dropped);
+            s.drop_ours(&hidden);
+            s.entry.chunks = kept.clone();
+            s.resolved = Arc::new(kept);
+        } else {
+            let (kept, dropped) = chunks::truncate(&s.entry.chunks, size);
+            s.entry.chunks = kept;
+            s.drop_ours(&dropped);
+            s.resolved = Arc::new(chunks::truncate(&s.resolved, size).0);
+        }
         s.visible = None;
         s.size = size;
         if let Some(a) = s.entry.attributes.as_mut() {
@@ -478,33 +512,34 @@ impl OpenFile {
                 });
             }
         } else {
-            let has_inflight = !s.inflight.is_empty();
-            // In-flight data takes part in the ts ordering as pseudo-chunks.
-            let (list, visible) = if has_inflight {
-                let mut list: Vec<pb::FileChunk> = (*s.resolved).clone();
-                for inf in &s.inflight {
-                    list.push(pb::FileChunk {
-                        file_id: format!("{INFLIGHT}{}", inf.id),
-                        offset: inf.offset as i64,
-                        size: inf.data.len() as u64,
-                        modified_ts_ns: inf.ts,
-                        ..Default::default()
-                    });
-                }
-                let v = Arc::new(chunks::visible_intervals(&list));
-                (Arc::new(list), v)
+            let visible = s.visible();
+            let n = s.resolved.len();
+            // In-flight data takes part in the ts ordering as chunks numbered after `resolved`,
+            // laid over the visible intervals of this read's range only.
+            let overlaid;
+            let visible: &[chunks::VisibleInterval] = if s.inflight.is_empty() {
+                &visible
             } else {
-                let v = match &s.visible {
-                    Some(v) => v.clone(),
-                    None => {
-                        let v = Arc::new(chunks::visible_intervals(&s.resolved));
-                        s.visible = Some(v.clone());
-                        v
+                let mut v = chunks::intervals_in(&visible, offset, end);
+                for (k, inf) in s.inflight.iter().enumerate() {
+                    let stop = inf.offset + inf.data.len() as u64;
+                    if inf.offset < end && stop > offset {
+                        chunks::paint(
+                            &mut v,
+                            chunks::VisibleInterval {
+                                start: inf.offset,
+                                stop,
+                                chunk_index: n + k,
+                                offset_in_chunk: 0,
+                                modified_ts_ns: inf.ts,
+                            },
+                        );
                     }
-                };
-                (s.resolved.clone(), v)
+                }
+                overlaid = v;
+                &overlaid
             };
-            for p in chunks::read_plan(&visible, offset, end - offset, end) {
+            for p in chunks::read_plan(visible, offset, end - offset, end) {
                 match p {
                     chunks::ReadPiece::Zero { file_offset, len } => pieces.push(Piece::Zero {
                         len,
@@ -516,25 +551,20 @@ impl OpenFile {
                         len,
                         file_offset,
                     } => {
-                        let chunk = &list[chunk_index];
-                        match chunk.file_id.strip_prefix(INFLIGHT) {
-                            Some(id) => {
-                                let id: u64 = id.parse().unwrap_or(0);
-                                if let Some(inf) = s.inflight.iter().find(|i| i.id == id) {
-                                    let a = (offset_in_chunk as usize).min(inf.data.len());
-                                    let b = (a + len as usize).min(inf.data.len());
-                                    pieces.push(Piece::Mem {
-                                        data: inf.data.slice(a..b),
-                                        at: file_offset,
-                                    });
-                                }
-                            }
-                            None => pieces.push(Piece::Chunk {
+                        if let Some(chunk) = s.resolved.get(chunk_index) {
+                            pieces.push(Piece::Chunk {
                                 chunk: chunk.clone(),
                                 offset_in_chunk,
                                 len,
                                 at: file_offset,
-                            }),
+                            });
+                        } else if let Some(inf) = s.inflight.get(chunk_index - n) {
+                            let a = (offset_in_chunk as usize).min(inf.data.len());
+                            let b = (a + len as usize).min(inf.data.len());
+                            pieces.push(Piece::Mem {
+                                data: inf.data.slice(a..b),
+                                at: file_offset,
+                            });
                         }
                     }
                 }
@@ -564,17 +594,13 @@ impl OpenFile {
     /// Sorted, merged byte ranges holding data (chunks, uploads in flight, dirty slots), clipped
     /// to the file size; everything else reads as zeros (holes).
     pub fn data_ranges(&self) -> Vec<(u64, u64)> {
-        let s = self.state.lock();
+        let mut s = self.state.lock();
         let size = s.size;
         let mut r: Vec<(u64, u64)> = Vec::new();
         if !s.entry.content.is_empty() {
             r.push((0, s.entry.content.len() as u64));
         }
-        r.extend(
-            chunks::visible_intervals(&s.resolved)
-                .iter()
-                .map(|iv| (iv.start, iv.stop)),
-        );
+        r.extend(s.visible().iter().map(|iv| (iv.start, iv.stop)));
         r.extend(
             s.inflight
                 .iter()
@@ -618,12 +644,16 @@ impl OpenFile {
             entry: s.entry.clone(),
             seq: s.seq,
             uncommitted: s.uncommitted,
+            folded: Vec::new(),
+            manifests: Vec::new(),
         }
     }
 
     /// See [`FileState::forget_carried`].
     pub fn keep_carried(&self, snap: &CommitSnapshot) {
-        self.state.lock().forget_carried(&snap.entry.chunks);
+        let mut s = self.state.lock();
+        s.forget_carried(&snap.entry.chunks);
+        s.forget_carried(&snap.folded);
     }
 
     /// A commit of `snap` succeeded: clear what it covered, and only that (a write that
@@ -640,6 +670,7 @@ impl OpenFile {
             .entry
             .chunks
             .iter()
+            .chain(&snap.folded)
             .map(|c| c.file_id.as_str())
             .collect();
         // a chunk the commit carried is the filer's now (it deletes it when it drops it)
@@ -660,6 +691,38 @@ pub struct CommitSnapshot {
     pub entry: pb::Entry,
     pub seq: u64,
     pub uncommitted: u64,
+    /// Data chunks of the entry folded into `manifests` for this commit (carried inside them).
+    pub folded: Vec<pb::FileChunk>,
+    /// Manifest chunks made for this commit.
+    pub manifests: Vec<pb::FileChunk>,
+}
+
+impl OpenFile {
+    /// A commit folded the data chunks `folded` of `entry.chunks` into `manifests`: the entry
+    /// keeps the manifests from now on, so later commits send only the newer chunks. If the
+    /// list lost any of them meanwhile (a truncate), it stays as it is: the next commit sends
+    /// the data chunks, and the filer deletes these manifests (not their chunks, still listed).
+    pub fn manifestized(&self, folded: &[pb::FileChunk], manifests: Vec<pb::FileChunk>) -> bool {
+        fn key(c: &pb::FileChunk) -> (&str, i64, u64, i64) {
+            (&c.file_id, c.offset, c.size, c.modified_ts_ns)
+        }
+        let want: HashSet<_> = folded.iter().map(key).collect();
+        let mut s = self.state.lock();
+        let present = s
+            .entry
+            .chunks
+            .iter()
+            .filter(|c| !c.is_chunk_manifest && want.contains(&key(c)))
+            .count();
+        if present != want.len() {
+            return false;
+        }
+        s.entry
+            .chunks
+            .retain(|c| c.is_chunk_manifest || !want.contains(&key(c)));
+        s.entry.chunks.extend(manifests);
+        true
+    }
 }
 
 /// Start of the earliest data chunk that a truncation to `size` cuts in the middle.
@@ -802,6 +865,193 @@ mod tests {
         assert_eq!(cut_start(&list, 150), None);
         assert_eq!(cut_start(&list, 0), None);
         assert_eq!(cut_start(&list, 500), None);
+    }
+
+    fn chunk(id: &str, size: u64) -> pb::FileChunk {
+        pb::FileChunk {
+            file_id: id.into(),
+            size,
+            ..Default::default()
+        }
+    }
+
+    /// (chunk id or "mem:<bytes>" or "zero", at, len) per piece.
+    fn shape(f: &OpenFile, off: u64, len: u64) -> Vec<(String, u64, u64)> {
+        let (_, pieces, _) = f.plan_read(off, len).unwrap();
+        pieces
+            .into_iter()
+            .map(|p| match p {
+                Piece::Chunk { chunk, len, at, .. } => (chunk.file_id, at, len),
+                Piece::Mem { data, at } => (
+                    format!("mem:{}", String::from_utf8_lossy(&data)),
+                    at,
+                    data.len() as u64,
+                ),
+                Piece::Zero { len, at } => ("zero".into(), at, len),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn uploads_update_the_chunk_list_and_intervals_in_place() {
+        let f = file(4);
+        let a = f.write(0, b"aaaa");
+        f.upload_done(a[0].id, Ok(chunk("3,01", 4)));
+        assert_eq!(shape(&f, 0, 4), vec![("3,01".into(), 0, 4)]);
+        let (list, ivs) = {
+            let s = f.state.lock();
+            (
+                Arc::as_ptr(&s.resolved),
+                Arc::as_ptr(s.visible.as_ref().unwrap()),
+            )
+        };
+        let b = f.write(4, b"bbbb");
+        // a read with an upload in flight uses (and keeps) the intervals built before
+        assert_eq!(
+            shape(&f, 0, 8),
+            vec![("3,01".into(), 0, 4), ("mem:bbbb".into(), 4, 4)]
+        );
+        f.upload_done(b[0].id, Ok(chunk("3,02", 4)));
+        let s = f.state.lock();
+        assert_eq!(Arc::as_ptr(&s.resolved), list, "chunk list copied");
+        let v = s.visible.as_ref().expect("intervals dropped");
+        assert_eq!(Arc::as_ptr(v), ivs, "intervals copied");
+        assert_eq!(**v, chunks::visible_intervals(&s.resolved));
+    }
+
+    #[test]
+    fn reads_with_uploads_in_flight_keep_the_intervals() {
+        let f = file(4);
+        let a = f.write(0, b"aaaa");
+        f.upload_done(a[0].id, Ok(chunk("3,01", 4)));
+        let _b = f.write(4, b"bbbb");
+        assert!(f.state.lock().visible.is_none());
+        // built once for the committed chunks, the upload laid over this read's range only
+        assert_eq!(
+            shape(&f, 0, 8),
+            vec![("3,01".into(), 0, 4), ("mem:bbbb".into(), 4, 4)]
+        );
+        let s = f.state.lock();
+        assert_eq!(
+            s.visible.as_deref().map(|v| v.as_slice()),
+            Some(chunks::visible_intervals(&s.resolved).as_slice())
+        );
+    }
+
+    #[test]
+    fn reads_order_uploads_in_flight_and_chunks_by_ts() {
+        let f = file(4);
+        let x = f.write(0, b"xxxx");
+        let y = f.write(0, b"yyyy");
+        let z = f.write(8, b"zzzz");
+        assert_eq!(shape(&f, 0, 12)[0], ("mem:yyyy".into(), 0, 4));
+        // the newer run finishes first: the older one still in flight must not hide it
+        f.upload_done(y[0].id, Ok(chunk("3,0y", 4)));
+        assert_eq!(
+            shape(&f, 0, 12),
+            vec![
+                ("3,0y".into(), 0, 4),
+                ("zero".into(), 4, 4),
+                ("mem:zzzz".into(), 8, 4)
+            ]
+        );
+        f.upload_done(x[0].id, Ok(chunk("3,0x", 4)));
+        f.upload_done(z[0].id, Ok(chunk("3,0z", 4)));
+        assert_eq!(
+            shape(&f, 2, 8),
+            vec![
+                ("3,0y".into(), 2, 2),
+                ("zero".into(), 4, 4),
+                ("3,0z".into(), 8, 2)
+            ]
+        );
+    }
+
+    /// A file whose first three 4-byte chunks are in a manifest, the fourth not.
+    fn manifest_file() -> (OpenFile, Vec<pb::FileChunk>) {
+        let data: Vec<pb::FileChunk> = (0..4)
+            .map(|i| pb::FileChunk {
+                offset: 4 * i,
+                modified_ts_ns: 1 + i,
+                ..chunk(&format!("3,0{i}"), 4)
+            })
+            .collect();
+        let m = pb::FileChunk {
+            is_chunk_manifest: true,
+            offset: 0,
+            ..chunk("3,0m", 12)
+        };
+        let e = pb::Entry {
+            name: "f".into(),
+            attributes: Some(pb::FuseAttributes {
+                file_size: 16,
+                ..Default::default()
+            }),
+            chunks: vec![m, data[3].clone()],
+            ..Default::default()
+        };
+        let f = OpenFile::new(5, "/d".into(), e, 4, 4);
+        f.state.lock().resolved = Arc::new(data.clone());
+        (f, data)
+    }
+
+    #[test]
+    fn truncate_through_a_manifest_commits_its_chunks_cut() {
+        let (f, _) = manifest_file();
+        f.truncate(6);
+        {
+            let s = f.state.lock();
+            assert!(
+                !chunks::has_manifest(&s.entry.chunks),
+                "{:?}",
+                s.entry.chunks
+            );
+            assert_eq!(chunks::chunks_end(&s.entry.chunks), 6);
+            assert_eq!(*s.resolved, s.entry.chunks);
+        }
+        f.truncate(16);
+        assert_eq!(
+            shape(&f, 0, 16),
+            vec![
+                ("3,00".into(), 0, 4),
+                ("3,01".into(), 4, 2),
+                ("zero".into(), 6, 10)
+            ]
+        );
+        assert_eq!(chunks::chunks_end(&f.entry_for_commit().entry.chunks), 6);
+    }
+
+    #[test]
+    fn truncate_past_a_manifest_keeps_it() {
+        let (f, _) = manifest_file();
+        f.truncate(13);
+        let s = f.state.lock();
+        assert_eq!(s.entry.chunks.len(), 2);
+        assert!(s.entry.chunks[0].is_chunk_manifest);
+        assert_eq!(s.entry.chunks[1].size, 1);
+    }
+
+    #[test]
+    fn manifestized_swaps_folded_chunks_unless_the_list_changed() {
+        let (f, data) = manifest_file();
+        {
+            let mut s = f.state.lock();
+            s.entry.chunks = data.clone();
+        }
+        let m = pb::FileChunk {
+            is_chunk_manifest: true,
+            ..chunk("3,0n", 8)
+        };
+        assert!(f.manifestized(&data[..2], vec![m.clone()]));
+        assert_eq!(
+            f.state.lock().entry.chunks,
+            vec![data[2].clone(), data[3].clone(), m.clone()]
+        );
+        // a truncate meanwhile cut a folded chunk: the fold is dropped
+        f.truncate(10);
+        let before = f.state.lock().entry.chunks.clone();
+        assert!(!f.manifestized(&data[2..], vec![m]));
+        assert_eq!(f.state.lock().entry.chunks, before);
     }
 
     #[test]

@@ -84,6 +84,8 @@ pub struct FsConfig {
     pub root: String,
     pub chunk_size: usize,
     pub max_dirty_slots: usize,
+    /// Data chunks per manifest chunk (see [`crate::chunks::MANIFEST_BATCH`]).
+    pub manifest_batch: usize,
     pub collection: String,
     pub replication: String,
     pub disk_type: String,
@@ -127,6 +129,7 @@ impl FsConfig {
             root,
             chunk_size: (o.chunk_size_limit_mb.max(1) as usize) << 20,
             max_dirty_slots: 4,
+            manifest_batch: o.manifest_batch.max(1),
             collection: o.collection.clone(),
             replication: o.replication.clone(),
             disk_type: o.disk_type.clone(),

@@ -2,7 +2,7 @@
 
 use super::acl::{self, Acl};
 use super::attr::{self, entry_attr, entry_inode, to_go_mode, Attr, Kind};
-use super::file::{cut_start, OpenFile, SealedRun};
+use super::file::{cut_start, CommitSnapshot, OpenFile, SealedRun};
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
 use super::{entry_with_name, errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -442,7 +442,7 @@ impl Fs {
             let cut = {
                 let s = of.state.lock();
                 if s.entry.content.is_empty() {
-                    cut_start(&s.entry.chunks, size)
+                    cut_start(&s.resolved, size)
                 } else {
                     None
                 }
@@ -1574,7 +1574,8 @@ impl Fs {
         if !dirty || unlinked {
             return Ok(());
         }
-        let snap = of.entry_for_commit();
+        let mut snap = of.entry_for_commit();
+        self.manifestize(of, &mut snap).await;
         let start = Instant::now();
         let mut attempt = 0;
         loop {
@@ -1597,6 +1598,9 @@ impl Fs {
                 }
             }
         }
+        if !snap.folded.is_empty() {
+            of.manifestized(&snap.folded, snap.manifests.clone());
+        }
         let orphans = of.committed(&snap);
         self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
@@ -1615,6 +1619,52 @@ impl Fs {
                     "orphaned chunks not deleted (volume.fsck finds them)");
             }
         });
+    }
+
+    /// Folds `entry`'s data chunks into manifest chunks once there are `manifest_batch` of them,
+    /// as `weed mount` does, so a commit sends at most that many data chunks plus one manifest
+    /// per batch instead of the whole list. Records in `snap` the data chunks folded and the
+    /// new manifests. On an upload error the entry is committed unfolded (still correct).
+    async fn manifestize(&self, of: &OpenFile, snap: &mut CommitSnapshot) {
+        let batch = self.cfg.manifest_batch;
+        let entry = &mut snap.entry;
+        let data = entry.chunks.iter().filter(|c| !c.is_chunk_manifest).count();
+        if data < batch {
+            return;
+        }
+        let opts = self.upload_options(&of.path());
+        let before = entry.chunks.clone();
+        let after = match crate::chunks::maybe_manifestize(
+            before.clone(),
+            self.store.as_ref(),
+            &opts,
+            batch,
+        )
+        .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(path = %of.path(), error = %e, "chunk manifest upload failed; committing the chunks unfolded");
+                return;
+            }
+        };
+        let ids = |list: &[pb::FileChunk], manifest: bool| -> std::collections::HashSet<String> {
+            list.iter()
+                .filter(|c| c.is_chunk_manifest == manifest)
+                .map(|c| c.file_id.clone())
+                .collect()
+        };
+        let (unfolded, old_manifests) = (ids(&after, false), ids(&before, true));
+        snap.folded = before
+            .into_iter()
+            .filter(|c| !c.is_chunk_manifest && !unfolded.contains(&c.file_id))
+            .collect();
+        snap.manifests = after
+            .iter()
+            .filter(|c| c.is_chunk_manifest && !old_manifests.contains(&c.file_id))
+            .cloned()
+            .collect();
+        snap.entry.chunks = after;
     }
 
     pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
@@ -2697,5 +2747,126 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         assert_eq!(referenced(&filer, "/f"), 1);
         assert_eq!(store.len(), 1);
+    }
+}
+
+#[cfg(test)]
+mod manifest_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::chunks;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+    use crate::volume::ChunkStore;
+
+    const CS: usize = 8;
+
+    fn fs() -> (Arc<Fs>, Arc<MockFiler>, Arc<MockChunkStore>) {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions {
+            manifest_batch: 3,
+            ..Default::default()
+        });
+        cfg.chunk_size = CS;
+        let filer = Arc::new(MockFiler::new());
+        let store = Arc::new(MockChunkStore::new());
+        let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+        (fs, filer, store)
+    }
+
+    /// The file as a reader of the filer's entry sees it (manifests expanded).
+    async fn filer_bytes(filer: &MockFiler, store: &MockChunkStore, path: &str) -> Vec<u8> {
+        let e = filer.get(path).unwrap();
+        let list = chunks::expand_manifests(&e.chunks, store).await.unwrap();
+        let size = chunks::file_size(&e);
+        let mut out = vec![0u8; size as usize];
+        let ivs = chunks::visible_intervals(&list);
+        for p in chunks::read_plan(&ivs, 0, size, size) {
+            if let chunks::ReadPiece::Chunk {
+                chunk_index,
+                offset_in_chunk,
+                len,
+                file_offset,
+            } = p
+            {
+                let body = store.fetch_chunk(&list[chunk_index]).await.unwrap();
+                out[file_offset as usize..][..len as usize]
+                    .copy_from_slice(&body[offset_in_chunk as usize..][..len as usize]);
+            }
+        }
+        out
+    }
+
+    fn manifests(filer: &MockFiler, path: &str) -> Vec<String> {
+        let e = filer.get(path).unwrap();
+        e.chunks
+            .iter()
+            .filter(|c| c.is_chunk_manifest)
+            .map(|c| c.file_id.clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn commits_fold_chunks_into_manifests_once() {
+        let (fs, filer, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..10 * CS).map(|i| (i % 251) as u8 + 1).collect();
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // 10 chunks, 3 per manifest: 3 manifests and 1 data chunk
+        let e = filer.get("/f").unwrap();
+        let first = manifests(&filer, "/f");
+        assert_eq!(first.len(), 3, "{:?}", e.chunks);
+        assert_eq!(e.chunks.len(), 4);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, data);
+
+        // one more chunk: the manifests already made are kept, not made again
+        fs.write(fh, a.ino, data.len() as u64, &data[..CS])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        assert_eq!(manifests(&filer, "/f"), first);
+        assert_eq!(filer.get("/f").unwrap().chunks.len(), 5);
+        let mut want = data.clone();
+        want.extend_from_slice(&data[..CS]);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, want);
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn truncating_through_a_manifest_never_brings_old_bytes_back() {
+        let (fs, filer, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..10 * CS).map(|i| (i % 251) as u8 + 1).collect();
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(manifests(&filer, "/f").len(), 3);
+        // not open: inside the first manifest, in the middle of a chunk; then grow again
+        let cut = CS as u64 + 3;
+        for size in [cut, 10 * CS as u64] {
+            fs.setattr(
+                a.ino,
+                SetAttr {
+                    size: Some(size),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        }
+        let mut want = data[..cut as usize].to_vec();
+        want.resize(10 * CS, 0);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, want);
+        let fh = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        let got = fs.read(fh, a.ino, 0, 1 << 20).await.unwrap();
+        assert_eq!(&got[..], &want[..]);
+        fs.release(fh, a.ino).await.unwrap();
     }
 }

@@ -69,6 +69,9 @@ pub struct MountArgs {
     /// FUSE worker threads
     #[arg(long = "fuse.threads", default_value_t = 4)]
     pub fuse_threads: usize,
+    /// Data chunks per manifest chunk. Tests lower it to reach manifests with few chunks.
+    #[arg(long = "manifestBatch", hide = true, default_value_t = crate::chunks::MANIFEST_BATCH)]
+    pub manifest_batch: usize,
 }
 
 impl MountArgs {
@@ -112,6 +115,7 @@ impl MountArgs {
             volume_server_access: access,
             quota_bytes: self.collection_quota_mb << 20,
             fuse_threads: self.fuse_threads.max(1),
+            manifest_batch: self.manifest_batch.max(1),
             ..Default::default()
         })
     }
