@@ -402,9 +402,15 @@ pub async fn maybe_manifestize(
     batch: usize,
 ) -> Result<Vec<pb::FileChunk>> {
     let batch = batch.max(1);
-    let (mut data, manifests): (Vec<_>, Vec<_>) =
-        chunks.into_iter().partition(|c| !c.is_chunk_manifest);
+    // a chunk without a valid range (negative offset, empty, overflowing) is never folded: a
+    // manifest spanning it would have no valid range either, and a truncate would drop it
+    // together with every chunk inside
+    let (manifests, plain): (Vec<_>, Vec<_>) =
+        chunks.into_iter().partition(|c| c.is_chunk_manifest);
+    let (mut data, invalid): (Vec<_>, Vec<_>) =
+        plain.into_iter().partition(|c| chunk_range(c).is_some());
     if data.len() < batch {
+        data.extend(invalid);
         data.extend(manifests);
         return Ok(data);
     }
@@ -413,12 +419,9 @@ pub async fn maybe_manifestize(
     let full = data.len() / batch * batch;
     let rest = data.split_off(full);
     for group in data.chunks(batch) {
-        let min = group.iter().map(|c| c.offset).min().unwrap_or(0);
-        let max = group
-            .iter()
-            .map(|c| c.offset.saturating_add(c.size as i64))
-            .max()
-            .unwrap_or(0);
+        let ranges = || group.iter().filter_map(chunk_range);
+        let min = ranges().map(|r| r.0).min().unwrap_or(0);
+        let max = ranges().map(|r| r.1).max().unwrap_or(min);
         // Inside manifests the filer keeps only the `fid` message.
         let stored: Vec<pb::FileChunk> = group
             .iter()
@@ -434,12 +437,13 @@ pub async fn maybe_manifestize(
         let body = pb::FileChunkManifest { chunks: stored }.encode_to_vec();
         let mut m = store.upload(body.into(), opts).await?;
         m.is_chunk_manifest = true;
-        m.offset = min;
-        m.size = u64::try_from(max - min).unwrap_or(0);
+        m.offset = i64::try_from(min).unwrap_or(i64::MAX);
+        m.size = max - min;
         m.modified_ts_ns = 0;
         out.push(m);
     }
     out.extend(rest);
+    out.extend(invalid);
     Ok(out)
 }
 
@@ -660,6 +664,27 @@ mod tests {
         let (kept, dropped) = truncate(&chunks, 0);
         assert!(kept.is_empty());
         assert_eq!(dropped.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_chunk_without_a_valid_range_is_never_folded() {
+        let store = MockChunkStore::new();
+        let mut data = Vec::new();
+        for i in 0..3u64 {
+            let mut c = store.insert(vec![i as u8; 10]);
+            c.offset = (i * 10) as i64;
+            data.push(c);
+        }
+        data[0].offset = -1;
+        let out = maybe_manifestize(data.clone(), &store, &UploadOptions::default(), 2)
+            .await
+            .unwrap();
+        // two valid chunks make one manifest over [10, 30); the broken one stays outside it
+        let m: Vec<_> = out.iter().filter(|c| c.is_chunk_manifest).collect();
+        assert_eq!(m.len(), 1);
+        assert_eq!(chunk_range(m[0]), Some((10, 30)));
+        assert!(out.iter().any(|c| c.offset == -1 && !c.is_chunk_manifest));
+        assert_eq!(out.len(), 2);
     }
 
     #[tokio::test]

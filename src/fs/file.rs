@@ -429,10 +429,28 @@ impl OpenFile {
         }
     }
 
-    /// Truncates (or extends) to `size`. Call after [`wait_uploads`](Self::wait_uploads).
-    pub fn truncate(&self, size: u64) {
+    /// Truncates (or extends) to `size`, once no upload in flight reaches past it: such a
+    /// run's chunk would land in the list after the cut and bring its bytes back (a write
+    /// racing the truncate, or an fsync retrying a failed run).
+    pub async fn truncate(&self, size: u64) {
+        loop {
+            let notified = self.uploads_done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut s = self.state.lock();
+                let past = |i: &Inflight| !i.failed && i.offset + i.data.len() as u64 > size;
+                if !s.inflight.iter().any(past) {
+                    self.truncate_locked(&mut s, size);
+                    return;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn truncate_locked(&self, s: &mut FileState, size: u64) {
         let cs = self.chunk_size as u64;
-        let mut s = self.state.lock();
         if !s.entry.content.is_empty() {
             let mut c = std::mem::take(&mut s.entry.content);
             if s.entry.chunks.is_empty() && s.slots.is_empty() && size <= 64 * 1024 {
@@ -440,7 +458,7 @@ impl OpenFile {
                 s.entry.content = c;
             } else {
                 c.truncate(size as usize);
-                write_slots(&mut s, cs, 0, &c);
+                write_slots(s, cs, 0, &c);
             }
         }
         // runs that could not be placed yet are cut like any other data
@@ -791,6 +809,31 @@ mod tests {
         OpenFile::new(5, "/d".into(), e, cs, 4)
     }
 
+    #[tokio::test]
+    async fn truncate_waits_for_a_run_in_flight_past_the_new_size() {
+        let f = Arc::new(file(4));
+        // a run sealed by a racing write is uploading when the truncate comes
+        let run = f.write(0, b"0123");
+        assert_eq!(run.len(), 1);
+        let g = f.clone();
+        let t = tokio::spawn(async move { g.truncate(1).await });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(!t.is_finished(), "the truncate must wait for the upload");
+        f.upload_done(
+            run[0].id,
+            Ok(pb::FileChunk {
+                file_id: "3,01".into(),
+                size: 4,
+                ..Default::default()
+            }),
+        );
+        t.await.unwrap();
+        // the chunk that landed is cut, so its bytes past 1 never come back
+        let snap = f.entry_for_commit();
+        assert_eq!(chunks::file_size(&snap.entry), 1);
+        assert_eq!(chunks::chunks_end(&snap.entry.chunks), 1);
+    }
+
     fn read_all(f: &OpenFile, off: u64, len: u64) -> Vec<u8> {
         let (end, pieces, overlays) = f.plan_read(off, len).unwrap();
         let mut out = vec![0u8; (end - off) as usize];
@@ -835,9 +878,9 @@ mod tests {
     fn truncate_drops_dirty_tail() {
         let f = file(8);
         f.write(0, b"0123456");
-        f.truncate(3);
+        futures::executor::block_on(f.truncate(3));
         assert_eq!(read_all(&f, 0, 100), b"012");
-        f.truncate(5);
+        futures::executor::block_on(f.truncate(5));
         assert_eq!(read_all(&f, 0, 100), b"012\0\0");
     }
 
@@ -848,7 +891,7 @@ mod tests {
         f.write(2, b"abcdefgh"); // spans slots 0 and 1
         f.write(10, b"z");
         assert_eq!(f.data_ranges(), vec![(2, 11), (20, 22)]);
-        f.truncate(21);
+        futures::executor::block_on(f.truncate(21));
         assert_eq!(f.data_ranges(), vec![(2, 11), (20, 21)]);
     }
 
@@ -998,7 +1041,7 @@ mod tests {
     #[test]
     fn truncate_through_a_manifest_commits_its_chunks_cut() {
         let (f, _) = manifest_file();
-        f.truncate(6);
+        futures::executor::block_on(f.truncate(6));
         {
             let s = f.state.lock();
             assert!(
@@ -1009,7 +1052,7 @@ mod tests {
             assert_eq!(chunks::chunks_end(&s.entry.chunks), 6);
             assert_eq!(*s.resolved, s.entry.chunks);
         }
-        f.truncate(16);
+        futures::executor::block_on(f.truncate(16));
         assert_eq!(
             shape(&f, 0, 16),
             vec![
@@ -1024,7 +1067,7 @@ mod tests {
     #[test]
     fn truncate_past_a_manifest_keeps_it() {
         let (f, _) = manifest_file();
-        f.truncate(13);
+        futures::executor::block_on(f.truncate(13));
         let s = f.state.lock();
         assert_eq!(s.entry.chunks.len(), 2);
         assert!(s.entry.chunks[0].is_chunk_manifest);
@@ -1048,7 +1091,7 @@ mod tests {
             vec![data[2].clone(), data[3].clone(), m.clone()]
         );
         // a truncate meanwhile cut a folded chunk: the fold is dropped
-        f.truncate(10);
+        futures::executor::block_on(f.truncate(10));
         let before = f.state.lock().entry.chunks.clone();
         assert!(!f.manifestized(&data[2..], vec![m]));
         assert_eq!(f.state.lock().entry.chunks, before);

@@ -220,6 +220,13 @@ pub struct Fs {
     root_attr: Mutex<Attr>,
     /// Which handles lost data in a crash of a previous process.
     pub verifier: verifier::Verifier,
+    /// Paths this node changed on the filer lately, and when. Another client's event about
+    /// one of them may predate our change (the filer does not send us our own events), so
+    /// it is checked against the filer instead of being applied.
+    local_changes: Mutex<HashMap<String, Instant>>,
+    /// Per path, the newest check against the filer started; an older one's answer is dropped.
+    checks: Mutex<HashMap<String, u64>>,
+    next_check: AtomicU64,
 }
 
 impl Fs {
@@ -273,6 +280,9 @@ impl Fs {
             posix_acl: AtomicBool::new(false),
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
+            local_changes: Mutex::new(HashMap::new()),
+            checks: Mutex::new(HashMap::new()),
+            next_check: AtomicU64::new(0),
             verifier: verifier::Verifier::new(start_fh),
         })
     }

@@ -52,6 +52,11 @@ const SELINUX_XATTR: &str = "security.selinux";
 const RENAME_NOREPLACE: u32 = 1;
 const RENAME_EXCHANGE: u32 = 2;
 const RENAME_WHITEOUT: u32 = 4;
+/// How long another client's event about a name we changed is checked against the filer
+/// (far beyond the subscription's delivery delay; a longer window costs only lookups).
+const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
+/// Bound on the names remembered for that (about 100 B each).
+const LOCAL_CHANGES_MAX: usize = 65_536;
 
 impl Fs {
     // ---------- path and entry resolution ----------
@@ -447,7 +452,7 @@ impl Fs {
                     None
                 }
             };
-            of.truncate(size);
+            of.truncate(size).await;
             if let Some(lo) = cut {
                 // A chunk cut in the middle would be recorded with a size smaller than its
                 // needle, which the filer's HTTP/S3 readers cannot serve: rewrite the kept
@@ -474,6 +479,7 @@ impl Fs {
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
+        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
@@ -579,6 +585,7 @@ impl Fs {
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
+        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),
@@ -957,6 +964,7 @@ impl Fs {
             None => (false, false),
         };
         if !pending {
+            self.note_local(&dir, name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let r = self
                 .filer
@@ -1003,6 +1011,7 @@ impl Fs {
                 }
             }
         }
+        self.note_local(&dir, name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         self.filer
             .delete_entry(pb::DeleteEntryRequest {
@@ -1136,6 +1145,8 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
+        self.note_local(odir, name);
+        self.note_local(ndir, newname);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let events = self
             .filer
@@ -1445,8 +1456,7 @@ impl Fs {
             }
         }
         if flags & libc::O_TRUNC != 0 && writable {
-            of.wait_uploads().await;
-            of.truncate(0);
+            of.truncate(0).await;
             self.verifier.dirtied(ino);
             {
                 let mut s = of.state.lock();
@@ -1550,7 +1560,13 @@ impl Fs {
     /// [`Self::commit_file`]; the verifier then forgets the file if nothing is left to commit.
     pub async fn flush_file(&self, of: &Arc<OpenFile>) -> Result<()> {
         let r = self.commit_file(of).await;
-        self.verifier.settled(of);
+        // only the inode's current open state speaks for it: a flush of one replaced
+        // meanwhile must not clear a newer one's record (the files lock keeps it current)
+        let files = self.files.lock();
+        if files.get(&of.ino).is_some_and(|o| Arc::ptr_eq(&o.file, of)) {
+            self.verifier.settled(of);
+        }
+        drop(files);
         r
     }
 
@@ -1721,6 +1737,7 @@ impl Fs {
             let mut files = self.files.lock();
             if files.get(&ino).map(|o| o.handles == 0).unwrap_or(false) {
                 files.remove(&ino);
+                self.verifier.closed(ino);
             }
         }
         r
@@ -2128,8 +2145,7 @@ impl Fs {
         let of = h.file.clone();
         let grow = mode & libc::FALLOC_FL_KEEP_SIZE == 0 && end > of.state.lock().size;
         if grow {
-            of.wait_uploads().await;
-            of.truncate(end);
+            of.truncate(end).await;
         }
         {
             // a successful fallocate changes ctime (and mtime when the size grew)
@@ -2176,7 +2192,114 @@ impl Fs {
     // ---------- coherence ----------
 
     /// Applies one metadata event from the filer (another client's change).
-    pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
+    /// Applies another client's change. An event about a name this node changed lately may
+    /// be older than our change (the filer sends us only others' events, in its order, so it
+    /// can arrive after ours took effect here): applied as is, it would bring back a name we
+    /// removed or an entry we replaced. Such names are looked up on the filer instead, and
+    /// what it says now is applied (a rename is applied first: open files follow it).
+    pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
+        let Some(n) = ev.event_notification.as_ref() else {
+            return;
+        };
+        let dir = ev.directory.as_str();
+        let ndir = if n.new_parent_path.is_empty() {
+            dir
+        } else {
+            n.new_parent_path.as_str()
+        };
+        let mut names: Vec<(String, String)> = Vec::new();
+        if let Some(o) = &n.old_entry {
+            names.push((dir.to_string(), o.name.clone()));
+        }
+        if let Some(ne) = &n.new_entry {
+            if !names.iter().any(|(d, nm)| d == ndir && *nm == ne.name) {
+                names.push((ndir.to_string(), ne.name.clone()));
+            }
+        }
+        names.retain(|(d, nm)| self.changed_here_lately(d, nm));
+        let rename = names.is_empty()
+            || matches!((&n.old_entry, &n.new_entry), (Some(o), Some(ne))
+            if o.name != ne.name || ndir != dir);
+        if names.is_empty() || rename {
+            self.apply_event_now(ev);
+        }
+        for (d, nm) in names {
+            self.check_name(d, nm);
+        }
+    }
+
+    /// Notes a change of `dir/name` made by this node (see [`Self::apply_event`]).
+    fn note_local(&self, dir: &str, name: &str) {
+        let mut m = self.local_changes.lock();
+        if m.len() >= LOCAL_CHANGES_MAX {
+            m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);
+            if m.len() >= LOCAL_CHANGES_MAX {
+                // a burst beyond the bound: events are applied as they come again
+                m.clear();
+            }
+        }
+        m.insert(join(dir, name), Instant::now());
+    }
+
+    fn changed_here_lately(&self, dir: &str, name: &str) -> bool {
+        self.local_changes
+            .lock()
+            .get(&join(dir, name))
+            .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
+    }
+
+    /// Looks `dir/name` up on the filer and applies the answer as an event from our cached
+    /// entry to it. Only the newest check of a path applies.
+    fn check_name(self: &Arc<Self>, dir: String, name: String) {
+        let path = join(&dir, &name);
+        let id = self.next_check.fetch_add(1, Ordering::Relaxed);
+        self.checks.lock().insert(path.clone(), id);
+        let fs = self.clone();
+        tokio::spawn(async move {
+            fs.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            let now = match fs.filer.lookup_entry(&dir, &name).await {
+                Ok(e) => Some(e),
+                Err(FilerError::NotFound(_)) => None,
+                Err(e) => {
+                    // unknown: ask the filer again on the next lookup
+                    tracing::debug!(path, error = %e, "checking a changed name failed");
+                    fs.meta.invalidate_dir(&dir, false);
+                    return;
+                }
+            };
+            {
+                let mut checks = fs.checks.lock();
+                if checks.get(&path) != Some(&id) {
+                    return;
+                }
+                checks.remove(&path);
+            }
+            let cached = match fs.meta.lookup(&dir, &name) {
+                Cached::Found(e) => Some((*e).clone()),
+                _ => None,
+            };
+            match (cached, now) {
+                (None, None) => {
+                    if let (Some(nt), Some(pino)) =
+                        (fs.notifier.read().clone(), fs.inodes.ino_of(&dir))
+                    {
+                        nt.inval_entry(pino, &name);
+                    }
+                }
+                (cached, now) => fs.apply_event_now(&pb::SubscribeMetadataResponse {
+                    directory: dir,
+                    event_notification: Some(pb::EventNotification {
+                        old_entry: cached,
+                        new_entry: now,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+            }
+        });
+    }
+
+    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2639,6 +2762,54 @@ mod integrity_tests {
 
     fn referenced(filer: &MockFiler, path: &str) -> usize {
         filer.get(path).map(|e| e.chunks.len()).unwrap_or(0)
+    }
+
+    #[tokio::test]
+    async fn an_older_event_does_not_bring_back_a_name_we_renamed() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"old").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        fs.readdir(ROOT_INO, 0, 0).await.ok();
+        // another node rewrote f just before our rename; its event arrives after it
+        let before = filer.get("/f").unwrap();
+        fs.rename(ROOT_INO, "f", ROOT_INO, "g", 0).await.unwrap();
+        let mut theirs = before.clone();
+        theirs.content = b"new".to_vec();
+        fs.apply_event(&pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: Some(before),
+                new_entry: Some(theirs),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            fs.lookup(ROOT_INO, "f").await.unwrap_err().errno,
+            libc::ENOENT,
+            "the old event must not bring f back"
+        );
+        assert!(fs.lookup(ROOT_INO, "g").await.is_ok());
+        // a name we did not touch is applied as the event says
+        let mut other = filer.get("/g").unwrap();
+        other.name = "h".into();
+        fs.apply_event(&pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                new_entry: Some(other),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert!(fs.lookup(ROOT_INO, "h").await.is_ok());
     }
 
     #[tokio::test]

@@ -163,6 +163,11 @@ impl DirtyLog {
         if start < HEADER || end < start || (end - start) % REC as u64 != 0 {
             return Err(bad(&format!("corrupt header ({start}, {end})")));
         }
+        if end > self.file.metadata()?.len() {
+            return Err(bad(&format!(
+                "header ({start}, {end}) past the end of the log"
+            )));
+        }
         let len = usize::try_from(end - start).map_err(|_| bad("too large"))?;
         let mut data = vec![0u8; len];
         self.file.read_exact_at(&mut data, start)?;
@@ -184,14 +189,14 @@ impl DirtyLog {
             nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
                 | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             old.0 as i64,
-            (old.1 - old.0) as i64,
+            old.1.saturating_sub(old.0) as i64,
         );
         Ok(())
     }
 
     fn len(&self) -> u64 {
         let r = self.range.lock();
-        r.1 - r.0
+        r.1.saturating_sub(r.0)
     }
 }
 
@@ -302,25 +307,39 @@ impl Verifier {
             return;
         }
         if let Err(e) = log.append(Record::Dirty(ino)) {
+            // not recorded: the next write tries again
+            st.dirty.remove(&ino);
             tracing::error!(ino, error = %e, "dirty-inode log append failed; a crash may not report this file's lost data");
         }
     }
 
-    /// After a flush of `of`: forgets the inode once nothing of it is left to commit. A write
-    /// buffered since is seen here, or records itself again afterwards ([`Self::dirtied`]
-    /// runs after the buffering, both under the lock).
+    /// After a flush of `of`, the inode's current open state: forgets the inode once nothing
+    /// of it is left to commit. A write buffered since is seen here, or records itself again
+    /// afterwards ([`Self::dirtied`] runs after the buffering, both under the lock).
     pub fn settled(&self, of: &OpenFile) {
         let Some(log) = self.log.get() else { return };
         let mut st = self.state.lock();
-        if !st.dirty.contains(&of.ino) {
+        if !st.dirty.contains(&of.ino) || !of.state.lock().is_clean() {
             return;
         }
-        if !of.state.lock().is_clean() {
-            return;
+        self.forget(log, &mut st, of.ino);
+    }
+
+    /// The inode's last handle of ours was released: no handle of this process is left to
+    /// lose anything on it (data that could not be placed was reported at that close), so it
+    /// leaves the set even if never committed (unlinked while open, or failed).
+    pub fn closed(&self, ino: u64) {
+        let Some(log) = self.log.get() else { return };
+        let mut st = self.state.lock();
+        if st.dirty.contains(&ino) {
+            self.forget(log, &mut st, ino);
         }
-        st.dirty.remove(&of.ino);
-        if let Err(e) = log.append(Record::Clean(of.ino)) {
-            tracing::warn!(ino = of.ino, error = %e, "dirty-inode log append failed");
+    }
+
+    fn forget(&self, log: &DirtyLog, st: &mut State, ino: u64) {
+        st.dirty.remove(&ino);
+        if let Err(e) = log.append(Record::Clean(ino)) {
+            tracing::warn!(ino, error = %e, "dirty-inode log append failed");
         }
         if log.len() >= COMPACT_AT {
             let mut records: Vec<Record> = st
@@ -412,6 +431,10 @@ mod tests {
         assert!(reopen(&log).replay().is_err());
         log.write_header(HEADER, HEADER + 5).unwrap();
         assert!(reopen(&log).replay().is_err());
+        // a header claiming far more than the log holds is an error, not a huge allocation
+        log.write_header(HEADER, HEADER + REC as u64 * (1 << 40))
+            .unwrap();
+        assert!(reopen(&log).replay().is_err());
         log.file.set_len(3).unwrap();
         assert!(reopen(&log).replay().is_err());
         assert!(Record::decode(&[1, 2]).is_err());
@@ -457,6 +480,22 @@ mod tests {
             reopen(&kept).replay().unwrap(),
             [Record::Dirty(4), Record::Clean(4)]
         );
+    }
+
+    #[test]
+    fn the_last_close_takes_an_inode_out_of_the_set() {
+        // unlinked while open (never committed): the set must not keep it forever
+        let v = Verifier::new(1000);
+        let log = DirtyLog::create().unwrap();
+        let kept = reopen(&log);
+        v.attach(log);
+        v.dirtied(9);
+        v.closed(9);
+        v.closed(9);
+        let rs = reopen(&kept).replay().unwrap();
+        assert_eq!(rs, [Record::Dirty(9), Record::Clean(9)]);
+        assert!(lost_inodes(&rs).is_empty());
+        assert!(v.state.lock().dirty.is_empty());
     }
 
     #[test]
