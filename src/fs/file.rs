@@ -449,6 +449,15 @@ impl OpenFile {
         }
     }
 
+    /// Extends to `size` if the file is shorter (fallocate): never cuts a write that landed
+    /// past it meanwhile.
+    pub fn grow_to(&self, size: u64) {
+        let mut s = self.state.lock();
+        if s.size < size {
+            self.truncate_locked(&mut s, size);
+        }
+    }
+
     fn truncate_locked(&self, s: &mut FileState, size: u64) {
         let cs = self.chunk_size as u64;
         if !s.entry.content.is_empty() {

@@ -221,12 +221,8 @@ pub struct Fs {
     /// Which handles lost data in a crash of a previous process.
     pub verifier: verifier::Verifier,
     /// Paths this node changed on the filer lately, and when. Another client's event about
-    /// one of them may predate our change (the filer does not send us our own events), so
-    /// it is checked against the filer instead of being applied.
+    /// one of them may predate our change (the filer does not send us our own events).
     local_changes: Mutex<HashMap<String, Instant>>,
-    /// Per path, the newest check against the filer started; an older one's answer is dropped.
-    checks: Mutex<HashMap<String, u64>>,
-    next_check: AtomicU64,
 }
 
 impl Fs {
@@ -281,8 +277,6 @@ impl Fs {
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
             local_changes: Mutex::new(HashMap::new()),
-            checks: Mutex::new(HashMap::new()),
-            next_check: AtomicU64::new(0),
             verifier: verifier::Verifier::new(start_fh),
         })
     }

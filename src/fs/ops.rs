@@ -52,8 +52,8 @@ const SELINUX_XATTR: &str = "security.selinux";
 const RENAME_NOREPLACE: u32 = 1;
 const RENAME_EXCHANGE: u32 = 2;
 const RENAME_WHITEOUT: u32 = 4;
-/// How long another client's event about a name we changed is checked against the filer
-/// (far beyond the subscription's delivery delay; a longer window costs only lookups).
+/// How long another client's event about a name we changed makes us re-read its directory
+/// (far beyond the subscription's delivery delay; a longer window costs only listings).
 const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
@@ -2145,7 +2145,7 @@ impl Fs {
         let of = h.file.clone();
         let grow = mode & libc::FALLOC_FL_KEEP_SIZE == 0 && end > of.state.lock().size;
         if grow {
-            of.truncate(end).await;
+            of.grow_to(end);
         }
         {
             // a successful fallocate changes ctime (and mtime when the size grew)
@@ -2194,10 +2194,11 @@ impl Fs {
     /// Applies one metadata event from the filer (another client's change).
     /// Applies another client's change. An event about a name this node changed lately may
     /// be older than our change (the filer sends us only others' events, in its order, so it
-    /// can arrive after ours took effect here): applied as is, it would bring back a name we
-    /// removed or an entry we replaced. Such names are looked up on the filer instead, and
-    /// what it says now is applied (a rename is applied first: open files follow it).
-    pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
+    /// can arrive after ours took effect here): the cached listing would then bring back a
+    /// name we removed or an entry we replaced. So after such an event the directory's
+    /// listing is dropped and read from the filer again on the next lookup.
+    pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
+        self.apply_event_now(ev);
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2207,24 +2208,20 @@ impl Fs {
         } else {
             n.new_parent_path.as_str()
         };
-        let mut names: Vec<(String, String)> = Vec::new();
-        if let Some(o) = &n.old_entry {
-            names.push((dir.to_string(), o.name.clone()));
-        }
-        if let Some(ne) = &n.new_entry {
-            if !names.iter().any(|(d, nm)| d == ndir && *nm == ne.name) {
-                names.push((ndir.to_string(), ne.name.clone()));
+        let touched = n
+            .old_entry
+            .iter()
+            .map(|o| (dir, o.name.as_str()))
+            .chain(n.new_entry.iter().map(|e| (ndir, e.name.as_str())));
+        for (d, name) in touched {
+            if self.changed_here_lately(d, name) {
+                self.meta.invalidate_dir(d, false);
+                if let (Some(nt), Some(pino)) =
+                    (self.notifier.read().clone(), self.inodes.ino_of(d))
+                {
+                    nt.inval_entry(pino, name);
+                }
             }
-        }
-        names.retain(|(d, nm)| self.changed_here_lately(d, nm));
-        let rename = names.is_empty()
-            || matches!((&n.old_entry, &n.new_entry), (Some(o), Some(ne))
-            if o.name != ne.name || ndir != dir);
-        if names.is_empty() || rename {
-            self.apply_event_now(ev);
-        }
-        for (d, nm) in names {
-            self.check_name(d, nm);
         }
     }
 
@@ -2234,7 +2231,7 @@ impl Fs {
         if m.len() >= LOCAL_CHANGES_MAX {
             m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);
             if m.len() >= LOCAL_CHANGES_MAX {
-                // a burst beyond the bound: events are applied as they come again
+                // a burst beyond the bound: listings are trusted as events come again
                 m.clear();
             }
         }
@@ -2246,57 +2243,6 @@ impl Fs {
             .lock()
             .get(&join(dir, name))
             .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
-    }
-
-    /// Looks `dir/name` up on the filer and applies the answer as an event from our cached
-    /// entry to it. Only the newest check of a path applies.
-    fn check_name(self: &Arc<Self>, dir: String, name: String) {
-        let path = join(&dir, &name);
-        let id = self.next_check.fetch_add(1, Ordering::Relaxed);
-        self.checks.lock().insert(path.clone(), id);
-        let fs = self.clone();
-        tokio::spawn(async move {
-            fs.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-            let now = match fs.filer.lookup_entry(&dir, &name).await {
-                Ok(e) => Some(e),
-                Err(FilerError::NotFound(_)) => None,
-                Err(e) => {
-                    // unknown: ask the filer again on the next lookup
-                    tracing::debug!(path, error = %e, "checking a changed name failed");
-                    fs.meta.invalidate_dir(&dir, false);
-                    return;
-                }
-            };
-            {
-                let mut checks = fs.checks.lock();
-                if checks.get(&path) != Some(&id) {
-                    return;
-                }
-                checks.remove(&path);
-            }
-            let cached = match fs.meta.lookup(&dir, &name) {
-                Cached::Found(e) => Some((*e).clone()),
-                _ => None,
-            };
-            match (cached, now) {
-                (None, None) => {
-                    if let (Some(nt), Some(pino)) =
-                        (fs.notifier.read().clone(), fs.inodes.ino_of(&dir))
-                    {
-                        nt.inval_entry(pino, &name);
-                    }
-                }
-                (cached, now) => fs.apply_event_now(&pb::SubscribeMetadataResponse {
-                    directory: dir,
-                    event_notification: Some(pb::EventNotification {
-                        old_entry: cached,
-                        new_entry: now,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-            }
-        });
     }
 
     fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
@@ -2364,8 +2310,12 @@ impl Fs {
             if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();
                 // A manifest entry needs its manifests fetched first: keep the old list
-                // (its needles stay readable with readDeleted) until the next open.
-                if s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
+                // (its needles stay readable with readDeleted) until the next open. An event
+                // about another name than the file has here (not a hard link) is older than
+                // our rename of it: its entry is not this file's any more.
+                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
+                    || !new.hard_link_id.is_empty();
+                if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
                     s.replace_entry(new.clone(), new.chunks.clone());
                 }
             }
@@ -2788,10 +2738,6 @@ mod integrity_tests {
             }),
             ..Default::default()
         });
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
         assert_eq!(
             fs.lookup(ROOT_INO, "f").await.unwrap_err().errno,
             libc::ENOENT,
@@ -2810,6 +2756,37 @@ mod integrity_tests {
             ..Default::default()
         });
         assert!(fs.lookup(ROOT_INO, "h").await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_older_event_about_the_old_name_leaves_a_renamed_open_file_alone() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let before = filer.get("/f").unwrap();
+        fs.rename(ROOT_INO, "f", ROOT_INO, "g", 0).await.unwrap();
+        let mut theirs = before.clone();
+        theirs.content = b"old!".to_vec();
+        fs.apply_event(&pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: Some(before),
+                new_entry: Some(theirs),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        // the open file is g now: an entry named f is not its entry
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        assert_eq!(of.state.lock().entry.name, "g");
+        assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours");
+        fs.release(fh, a.ino).await.unwrap();
+        assert!(filer.get("/f").is_none(), "the rename is not undone");
+        assert_eq!(crate::chunks::file_size(&filer.get("/g").unwrap()), 4);
     }
 
     #[tokio::test]
