@@ -920,6 +920,8 @@ impl Fs {
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
         ));
+        // the name exists here from now on, before the filer has it
+        self.note_local(&dir, name);
         {
             let mut s = of.state.lock();
             s.pending_create = true;
@@ -2288,7 +2290,15 @@ impl Fs {
                         if let Some(replaced) = self.inodes.ino_of(&npath) {
                             if replaced != moving {
                                 if let Some(of) = self.open_file(replaced) {
-                                    of.state.lock().unlinked = true;
+                                    // The event may predate our own change of that name: an
+                                    // open file of ours with data to commit is then kept (its
+                                    // commit wins, as the last writer does), never dropped.
+                                    let mut s = of.state.lock();
+                                    if s.is_clean() || !self.changed_here_lately(ndir, &new.name) {
+                                        s.unlinked = true;
+                                    } else {
+                                        tracing::warn!(path = npath, "another client renamed a file onto a name changed here lately; keeping our open file's data");
+                                    }
                                 }
                                 self.inodes.unlink_path(&npath);
                             }
@@ -2787,6 +2797,37 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         assert!(filer.get("/f").is_none(), "the rename is not undone");
         assert_eq!(crate::chunks::file_size(&filer.get("/g").unwrap()), 4);
+    }
+
+    #[tokio::test]
+    async fn an_older_rename_onto_our_new_file_keeps_its_data() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        // another client's rename t -> f, done at the filer before our create
+        let t = pb::Entry {
+            name: "t".into(),
+            attributes: Some(pb::FuseAttributes {
+                inode: 777,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        fs.apply_event(&pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: Some(t.clone()),
+                new_entry: Some(entry_with_name(&t, "f")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        fs.release(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").expect("our file must be committed");
+        assert_eq!(crate::chunks::file_size(&e), 4);
     }
 
     #[tokio::test]
