@@ -52,10 +52,8 @@ const SELINUX_XATTR: &str = "security.selinux";
 const RENAME_NOREPLACE: u32 = 1;
 const RENAME_EXCHANGE: u32 = 2;
 const RENAME_WHITEOUT: u32 = 4;
-/// How long another client's event about a name we changed makes us re-read its directory
-/// (far beyond the subscription's delivery delay; a longer window costs only listings).
-const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
-/// Bound on the names remembered for that (about 100 B each).
+/// Bound on the names whose last change of ours is remembered (see `Fs::apply_event`);
+/// records the subscription has passed are dropped first.
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
 impl Fs {
@@ -479,14 +477,14 @@ impl Fs {
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
-        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
             entry: Some(e.clone()),
             ..Default::default()
         };
-        self.filer.update_entry(req).await?;
+        let ev = self.filer.update_entry(req).await?;
+        self.note_local(ev.as_ref());
         self.meta.upsert(dir, Arc::new(e));
         Ok(())
     }
@@ -585,7 +583,6 @@ impl Fs {
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
-        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),
@@ -594,13 +591,15 @@ impl Fs {
             skip_check_parent_directory: true,
             ..Default::default()
         };
-        self.filer
+        let ev = self
+            .filer
             .create_entry(req)
             .await
             .map_err(|err| match err {
                 FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
                 other => other.into(),
             })?;
+        self.note_local(ev.as_ref());
         Ok(())
     }
 
@@ -920,8 +919,6 @@ impl Fs {
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
         ));
-        // the name exists here from now on, before the filer has it
-        self.note_local(&dir, name);
         {
             let mut s = of.state.lock();
             s.pending_create = true;
@@ -966,7 +963,6 @@ impl Fs {
             None => (false, false),
         };
         if !pending {
-            self.note_local(&dir, name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let r = self
                 .filer
@@ -977,11 +973,14 @@ impl Fs {
                     ..Default::default()
                 })
                 .await;
-            if let Err(err) = r {
-                if let (Some(of), true) = (&of, marked) {
-                    of.state.lock().unlinked = false;
+            match r {
+                Ok(ev) => self.note_local(ev.as_ref()),
+                Err(err) => {
+                    if let (Some(of), true) = (&of, marked) {
+                        of.state.lock().unlinked = false;
+                    }
+                    return Err(err.into());
                 }
-                return Err(err.into());
             }
         }
         self.meta.remove(&dir, name);
@@ -1013,9 +1012,9 @@ impl Fs {
                 }
             }
         }
-        self.note_local(&dir, name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        self.filer
+        let ev = self
+            .filer
             .delete_entry(pb::DeleteEntryRequest {
                 directory: dir.clone(),
                 name: name.to_string(),
@@ -1027,6 +1026,7 @@ impl Fs {
                 FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
                 other => other.into(),
             })?;
+        self.note_local(ev.as_ref());
         self.meta.remove(&dir, name);
         self.meta.invalidate_dir(&path, true);
         self.inodes.unlink_path(&path);
@@ -1147,8 +1147,6 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
-        self.note_local(odir, name);
-        self.note_local(ndir, newname);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let events = self
             .filer
@@ -1160,6 +1158,14 @@ impl Fs {
                 ..Default::default()
             })
             .await?;
+        for r in &events {
+            self.note_local(Some(&pb::SubscribeMetadataResponse {
+                directory: r.directory.clone(),
+                event_notification: r.event_notification.clone(),
+                ts_ns: r.ts_ns,
+                ..Default::default()
+            }));
+        }
         let moved = events
             .iter()
             .filter_map(|r| r.event_notification.as_ref())
@@ -1171,7 +1177,7 @@ impl Fs {
             self.meta.invalidate_dir(&opath, true);
             self.meta.invalidate_dir(&npath, true);
         }
-        self.moved(&opath, &npath);
+        self.moved(&opath, &npath, ino);
         // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
         // now: `src` may be older than another node's last write to it.
         let moved = match self
@@ -1202,14 +1208,18 @@ impl Fs {
     }
 
     /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
-    fn moved(&self, opath: &str, npath: &str) {
-        self.inodes.rename(opath, npath);
+    /// `moving` is the inode the rename moved: an open file now at `opath` that is another
+    /// (created here after that rename) stays where it is.
+    fn moved(&self, opath: &str, npath: &str, moving: u64) {
+        if self.inodes.ino_of(opath).is_none_or(|i| i == moving) {
+            self.inodes.rename(opath, npath);
+        }
         let files = self.files.lock();
         let prefix = format!("{opath}/");
         for o in files.values() {
             let mut s = o.file.state.lock();
             let p = join(&s.dir, &s.entry.name);
-            if p == opath {
+            if p == opath && o.file.ino == moving {
                 (s.dir, s.entry.name) = split(npath);
             } else if p.starts_with(&prefix) {
                 let np = format!("{npath}{}", &p[opath.len()..]);
@@ -2194,13 +2204,13 @@ impl Fs {
     // ---------- coherence ----------
 
     /// Applies one metadata event from the filer (another client's change).
-    /// Applies another client's change. An event about a name this node changed lately may
-    /// be older than our change (the filer sends us only others' events, in its order, so it
-    /// can arrive after ours took effect here): the cached listing would then bring back a
-    /// name we removed or an entry we replaced. So after such an event the directory's
-    /// listing is dropped and read from the filer again on the next lookup.
+    /// Applies another client's change. The filer sends us only others' events, in its
+    /// order, so one can arrive after a change of ours to the same name took effect here:
+    /// applied as it stands, it would bring back a name we removed, put an older entry over
+    /// the one we committed, or unlink the file we just created. Each of our changes records
+    /// its filer timestamp per name (from the event the filer returns for it); an event no
+    /// newer than that is dropped for that name, and applied for its other name (a rename).
     pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
-        self.apply_event_now(ev);
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2210,41 +2220,93 @@ impl Fs {
         } else {
             n.new_parent_path.as_str()
         };
-        let touched = n
-            .old_entry
-            .iter()
-            .map(|o| (dir, o.name.as_str()))
-            .chain(n.new_entry.iter().map(|e| (ndir, e.name.as_str())));
-        for (d, name) in touched {
-            if self.changed_here_lately(d, name) {
-                self.meta.invalidate_dir(d, false);
-                if let (Some(nt), Some(pino)) =
-                    (self.notifier.read().clone(), self.inodes.ino_of(d))
-                {
-                    nt.inval_entry(pino, name);
-                }
-            }
+        self.events_seen.fetch_max(ev.ts_ns, Ordering::Relaxed);
+        let stale = |d: &str, e: &Option<pb::Entry>| {
+            e.as_ref()
+                .is_some_and(|e| self.superseded_here(d, &e.name, ev.ts_ns))
+        };
+        let (old_stale, new_stale) = (stale(dir, &n.old_entry), stale(ndir, &n.new_entry));
+        if !old_stale && !new_stale {
+            return self.apply_event_now(ev);
+        }
+        tracing::debug!(
+            dir,
+            ts_ns = ev.ts_ns,
+            old_stale,
+            new_stale,
+            "event older than our own change of the name"
+        );
+        let same_name = matches!((&n.old_entry, &n.new_entry),
+            (Some(o), Some(e)) if o.name == e.name && ndir == dir);
+        if same_name {
+            return;
+        }
+        let one_side = |directory: &str, old_entry, new_entry| pb::SubscribeMetadataResponse {
+            directory: directory.to_string(),
+            ts_ns: ev.ts_ns,
+            event_notification: Some(pb::EventNotification {
+                old_entry,
+                new_entry,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        if !old_stale && n.old_entry.is_some() {
+            // the old name went away then, and nothing of ours replaced it since
+            self.apply_event_now(&one_side(dir, n.old_entry.clone(), None));
+        }
+        if !new_stale && n.new_entry.is_some() {
+            self.apply_event_now(&one_side(ndir, None, n.new_entry.clone()));
         }
     }
 
-    /// Notes a change of `dir/name` made by this node (see [`Self::apply_event`]).
-    fn note_local(&self, dir: &str, name: &str) {
+    /// Records the filer time of a change of ours for each name it touched (see
+    /// [`Self::apply_event`]). The filer returns no event for an update that changed nothing.
+    fn note_local(&self, ev: Option<&pb::SubscribeMetadataResponse>) {
+        let Some(ev) = ev else { return };
+        let Some(n) = ev.event_notification.as_ref() else {
+            return;
+        };
+        let ndir = if n.new_parent_path.is_empty() {
+            ev.directory.as_str()
+        } else {
+            n.new_parent_path.as_str()
+        };
         let mut m = self.local_changes.lock();
         if m.len() >= LOCAL_CHANGES_MAX {
-            m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);
+            // the subscription delivered everything up to `seen`: older records are moot
+            let seen = self.events_seen.load(Ordering::Relaxed);
+            m.retain(|_, ts| *ts > seen);
             if m.len() >= LOCAL_CHANGES_MAX {
-                // a burst beyond the bound: listings are trusted as events come again
+                tracing::warn!(
+                    "too many changes of ours not yet passed by the subscription; forgetting them"
+                );
                 m.clear();
             }
         }
-        m.insert(join(dir, name), Instant::now());
+        let names = n
+            .old_entry
+            .iter()
+            .map(|o| join(&ev.directory, &o.name))
+            .chain(n.new_entry.iter().map(|e| join(ndir, &e.name)));
+        for p in names {
+            let t = m.entry(p).or_default();
+            *t = (*t).max(ev.ts_ns);
+        }
     }
 
-    fn changed_here_lately(&self, dir: &str, name: &str) -> bool {
-        self.local_changes
-            .lock()
-            .get(&join(dir, name))
-            .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
+    /// Whether this node changed `dir/name` at or after filer time `ts`. A file created here
+    /// and not committed yet is newer than anything the filer has under its name (its
+    /// commit replaces that).
+    fn superseded_here(&self, dir: &str, name: &str, ts: i64) -> bool {
+        let ours = self.local_changes.lock().get(&join(dir, name)).copied();
+        if ours.is_some_and(|ours| ts <= ours) {
+            return true;
+        }
+        self.files.lock().values().any(|o| {
+            let s = o.file.state.lock();
+            s.pending_create && !s.unlinked && s.dir == dir && s.entry.name == name
+        })
     }
 
     fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
@@ -2290,20 +2352,12 @@ impl Fs {
                         if let Some(replaced) = self.inodes.ino_of(&npath) {
                             if replaced != moving {
                                 if let Some(of) = self.open_file(replaced) {
-                                    // The event may predate our own change of that name: an
-                                    // open file of ours with data to commit is then kept (its
-                                    // commit wins, as the last writer does), never dropped.
-                                    let mut s = of.state.lock();
-                                    if s.is_clean() || !self.changed_here_lately(ndir, &new.name) {
-                                        s.unlinked = true;
-                                    } else {
-                                        tracing::warn!(path = npath, "another client renamed a file onto a name changed here lately; keeping our open file's data");
-                                    }
+                                    of.state.lock().unlinked = true;
                                 }
                                 self.inodes.unlink_path(&npath);
                             }
                         }
-                        self.moved(&opath, &npath);
+                        self.moved(&opath, &npath, moving);
                     }
                 }
             }
@@ -2323,8 +2377,7 @@ impl Fs {
                 // (its needles stay readable with readDeleted) until the next open. An event
                 // about another name than the file has here (not a hard link) is older than
                 // our rename of it: its entry is not this file's any more.
-                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
-                    || !new.hard_link_id.is_empty();
+                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str());
                 if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
                     s.replace_entry(new.clone(), new.chunks.clone());
                 }
@@ -2828,6 +2881,62 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").expect("our file must be committed");
         assert_eq!(crate::chunks::file_size(&e), 4);
+    }
+
+    /// Another client's event on "/f", stamped before anything of ours.
+    fn older_event(
+        old: Option<pb::Entry>,
+        new: Option<pb::Entry>,
+    ) -> pb::SubscribeMetadataResponse {
+        pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            ts_ns: 1,
+            event_notification: Some(pb::EventNotification {
+                old_entry: old,
+                new_entry: new,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn an_older_update_does_not_replace_what_we_committed() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // their earlier version of f (no chunks) arrives after our commit
+        let mut theirs = filer.get("/f").unwrap();
+        theirs.chunks.clear();
+        theirs.content = b"theirs".to_vec();
+        fs.apply_event(&older_event(Some(theirs.clone()), Some(theirs)));
+        assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours");
+        fs.write(fh, a.ino, 4, b"+more").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let of = fs.open_inode(a.ino).await.unwrap();
+        assert_eq!(&fs.read_range(&of, 0, 16).await.unwrap()[..], b"ours+more");
+    }
+
+    #[tokio::test]
+    async fn an_older_delete_does_not_unlink_our_open_file() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").unwrap();
+        fs.apply_event(&older_event(Some(e), None));
+        fs.write(fh, a.ino, 4, b"+more").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").expect("f must still be on the filer");
+        assert_eq!(crate::chunks::file_size(&e), 9);
+        assert!(fs.lookup(ROOT_INO, "f").await.is_ok());
     }
 
     #[tokio::test]
