@@ -167,14 +167,15 @@ fn bind_with(source: &Path, target: &Path, extra: MsFlags) -> Result<()> {
         None::<&str>,
     )
     .map_err(|e| MountError::sys("bind mount", target, e))?;
-    let flags = MsFlags::MS_BIND
-        | MsFlags::MS_REMOUNT
-        | MsFlags::MS_NOSUID
-        | MsFlags::MS_NODEV
-        | extra;
+    let flags =
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | extra;
     if let Err(e) = mount(None::<&str>, target, None::<&str>, flags, None::<&str>) {
         let _ = umount2(target, MntFlags::empty());
-        return Err(MountError::sys("nosuid,nodev remount of the bind", target, e));
+        return Err(MountError::sys(
+            "nosuid,nodev remount of the bind",
+            target,
+            e,
+        ));
     }
     Ok(())
 }
@@ -513,7 +514,11 @@ garbage line
     fn assert_per_mount_flags(info: &MountInfo) {
         let opts: Vec<&str> = info.mount_options.split(',').collect();
         for want in ["nosuid", "nodev"] {
-            assert!(opts.contains(&want), "{want} missing: {}", info.mount_options);
+            assert!(
+                opts.contains(&want),
+                "{want} missing: {}",
+                info.mount_options
+            );
         }
     }
 
