@@ -131,12 +131,19 @@ async fn full_lifecycle_like_kubelet() {
                 .await
                 .unwrap();
         }
-        assert_eq!(
-            mounts::mounts_under(t).unwrap().len(),
-            1,
-            "{} mounted once",
-            t.display()
-        );
+        let ms = mounts::mounts_under(t).unwrap();
+        assert_eq!(ms.len(), 1, "{} mounted once", t.display());
+        // every target, read-only or not, is nosuid,nodev (per /proc/self/mountinfo)
+        let opts: Vec<&str> = ms[0].mount_options.split(',').collect();
+        assert_eq!(opts.contains(&"ro"), i == 2, "{}", ms[0].mount_options);
+        for want in ["nosuid", "nodev"] {
+            assert!(
+                opts.contains(&want),
+                "{}: {want} missing in {}",
+                t.display(),
+                ms[0].mount_options
+            );
+        }
     }
     std::fs::write(targets[0].join("hello.txt"), b"written by pod-0").unwrap();
     assert_eq!(

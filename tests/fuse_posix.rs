@@ -1090,3 +1090,42 @@ fn shared_mmap_and_direct_io() {
     unsafe { std::alloc::dealloc(buf, layout) };
     assert!(w.filer_get(&format!("{root}/direct")).unwrap() == data);
 }
+
+#[test]
+fn terminal_ioctls_and_copy_file_range_answer_quietly() {
+    let w = shared_server();
+    let m = mount_ours(&w, &unique_path("ioctl"), &[]);
+    let p = m.join("f");
+    std::fs::write(&p, b"0123456789").unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    // isatty(), as Python's open() does: not a terminal
+    let mut t: libc::termios = unsafe { std::mem::zeroed() };
+    let r = check(unsafe { libc::ioctl(f.as_raw_fd(), libc::TCGETS, &mut t) });
+    assert_eq!(r, Err(libc::ENOTTY));
+    // copy_file_range falls back to a plain copy in the kernel
+    let out = std::fs::File::create(m.join("g")).unwrap();
+    let (mut off_in, mut off_out) = (0i64, 0i64);
+    let n = check(unsafe {
+        libc::copy_file_range(
+            f.as_raw_fd(),
+            &mut off_in,
+            out.as_raw_fd(),
+            &mut off_out,
+            10,
+            0,
+        ) as libc::c_int
+    });
+    // EXDEV/ENOSYS-style refusals are fine for a caller (cp falls back); a copy must be exact
+    if let Ok(n) = n {
+        assert_eq!(n, 10);
+        drop(out);
+        assert_eq!(std::fs::read(m.join("g")).unwrap(), b"0123456789");
+    }
+    let log = m.log_text();
+    assert!(!log.contains("Not Implemented"), "{log}");
+    assert!(!log.contains("WARN"), "no WARN in normal use: {log}");
+}

@@ -144,8 +144,21 @@ pub fn mount_state(path: &Path) -> Result<MountState> {
     }
 }
 
-/// Bind-mounts `source` onto `target` (both must exist).
+/// Bind-mounts `source` onto `target` (both must exist), `nosuid,nodev`: a volume shared
+/// between tenants must never carry a setuid binary or a device node into a pod.
 pub fn bind_mount(source: &Path, target: &Path) -> Result<()> {
+    bind_with(source, target, MsFlags::empty())
+}
+
+/// Read-only bind mount, `nosuid,nodev` as well.
+pub fn bind_mount_readonly(source: &Path, target: &Path) -> Result<()> {
+    bind_with(source, target, MsFlags::MS_RDONLY)
+}
+
+/// Per-mount flags are ignored on the initial bind, and a bind remount replaces all of them
+/// (a read-only remount alone drops `nosuid`/`nodev`), so it is a bind followed by one remount
+/// with every flag; if the remount fails the bind is undone so no weaker mount is left.
+fn bind_with(source: &Path, target: &Path, extra: MsFlags) -> Result<()> {
     mount(
         Some(source),
         target,
@@ -153,17 +166,16 @@ pub fn bind_mount(source: &Path, target: &Path) -> Result<()> {
         MsFlags::MS_BIND,
         None::<&str>,
     )
-    .map_err(|e| MountError::sys("bind mount", target, e))
-}
-
-/// Read-only bind mount. `MS_RDONLY` is ignored on the initial bind, so it is a bind followed by
-/// a remount of the bind; if the remount fails the bind is undone so no writable mount is left.
-pub fn bind_mount_readonly(source: &Path, target: &Path) -> Result<()> {
-    bind_mount(source, target)?;
-    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
+    .map_err(|e| MountError::sys("bind mount", target, e))?;
+    let flags =
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | extra;
     if let Err(e) = mount(None::<&str>, target, None::<&str>, flags, None::<&str>) {
         let _ = umount2(target, MntFlags::empty());
-        return Err(MountError::sys("read-only remount", target, e));
+        return Err(MountError::sys(
+            "nosuid,nodev remount of the bind",
+            target,
+            e,
+        ));
     }
     Ok(())
 }
@@ -480,6 +492,13 @@ garbage line
             "the statx answer agrees with the table"
         );
         assert_eq!(mount_state(&dst).unwrap(), MountState::Healthy);
+        let info = read_mountinfo()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_point == dst)
+            .unwrap();
+        assert!(!info.is_read_only());
+        assert_per_mount_flags(&info);
         std::fs::write(dst.join("f"), b"x").unwrap();
         assert_eq!(std::fs::read(src.join("f")).unwrap(), b"x");
         assert_eq!(unmount(&dst).unwrap(), Unmounted::Unmounted);
@@ -489,6 +508,18 @@ garbage line
             mount_state(&dst.join("missing")).unwrap(),
             MountState::NotMounted
         );
+    }
+
+    /// A pod's volume never runs setuid binaries or opens device nodes.
+    fn assert_per_mount_flags(info: &MountInfo) {
+        let opts: Vec<&str> = info.mount_options.split(',').collect();
+        for want in ["nosuid", "nodev"] {
+            assert!(
+                opts.contains(&want),
+                "{want} missing: {}",
+                info.mount_options
+            );
+        }
     }
 
     #[test]
@@ -503,6 +534,7 @@ garbage line
             .find(|m| m.mount_point == dst)
             .unwrap();
         assert!(info.is_read_only());
+        assert_per_mount_flags(&info);
         // The source stays writable.
         std::fs::write(src.join("g"), b"y").unwrap();
         assert_eq!(std::fs::read(dst.join("g")).unwrap(), b"y");

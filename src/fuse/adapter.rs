@@ -834,6 +834,58 @@ impl Filesystem for FuseAdapter {
             |o| reply.offset(o)
         );
     }
+
+    // The three below answer at once and quietly (fuser's defaults log a WARN per request):
+    // programs send them in normal use.
+
+    /// Every `isatty()` on an open file (Python's `open()`, shells) asks TCGETS: a file on
+    /// this filesystem is no terminal and has no other controls.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        tracing::trace!(cmd, "ioctl: ENOTTY");
+        reply.error(Errno::ENOTTY);
+    }
+
+    /// `cp` tries it first; ENOSYS makes the kernel copy through read and write (and stop
+    /// asking this connection).
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        _ino_in: INodeNo,
+        _fh_in: FileHandle,
+        _offset_in: u64,
+        _ino_out: INodeNo,
+        _fh_out: FileHandle,
+        _offset_out: u64,
+        _len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    /// ENOSYS: the kernel then treats files here as always ready, as for regular files.
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: fuser::PollNotifier,
+        _events: fuser::PollEvents,
+        _flags: fuser::PollFlags,
+        reply: fuser::ReplyPoll,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
 }
 
 fn dir_attr(fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
