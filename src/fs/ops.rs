@@ -483,8 +483,11 @@ impl Fs {
             entry: Some(e.clone()),
             ..Default::default()
         };
-        let ev = self.filer.update_entry(req).await?;
-        self.note_local(ev.as_ref());
+        let paths = [join(dir, &e.name)];
+        self.note_start(&paths);
+        let r = self.filer.update_entry(req).await;
+        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
+        r?;
         self.meta.upsert(dir, Arc::new(e));
         Ok(())
     }
@@ -591,15 +594,14 @@ impl Fs {
             skip_check_parent_directory: true,
             ..Default::default()
         };
-        let ev = self
-            .filer
-            .create_entry(req)
-            .await
-            .map_err(|err| match err {
-                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
-                other => other.into(),
-            })?;
-        self.note_local(ev.as_ref());
+        let paths = [join(dir, &e.name)];
+        self.note_start(&paths);
+        let r = self.filer.create_entry(req).await;
+        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
+        r.map_err(|err| match err {
+            FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
+            other => other.into(),
+        })?;
         Ok(())
     }
 
@@ -931,6 +933,8 @@ impl Fs {
                 handles: 0,
             },
         );
+        // not on the filer until its first flush, and newer than anything there by its name
+        self.note_start(&[join(&dir, name)]);
         self.meta.upsert(&dir, Arc::new(e.clone()));
         self.touch_dir(&dir);
         let a = self.remember(&path, &e, true);
@@ -962,8 +966,15 @@ impl Fs {
             }
             None => (false, false),
         };
-        if !pending {
+        let paths = [join(&dir, name)];
+        if pending {
+            // events about the name were dropped while our create was pending: the filer's
+            // state of it is unknown here now
+            self.note_end(&paths, None);
+            self.meta.invalidate_dir(&dir, false);
+        } else {
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            self.note_start(&paths);
             let r = self
                 .filer
                 .delete_entry(pb::DeleteEntryRequest {
@@ -973,8 +984,9 @@ impl Fs {
                     ..Default::default()
                 })
                 .await;
+            self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
             match r {
-                Ok(ev) => self.note_local(ev.as_ref()),
+                Ok(_) => {}
                 Err(err) => {
                     if let (Some(of), true) = (&of, marked) {
                         of.state.lock().unlinked = false;
@@ -1013,7 +1025,9 @@ impl Fs {
             }
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let ev = self
+        let paths = [join(&dir, name)];
+        self.note_start(&paths);
+        let r = self
             .filer
             .delete_entry(pb::DeleteEntryRequest {
                 directory: dir.clone(),
@@ -1021,12 +1035,12 @@ impl Fs {
                 is_delete_data: true,
                 ..Default::default()
             })
-            .await
-            .map_err(|e| match e {
-                FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
-                other => other.into(),
-            })?;
-        self.note_local(ev.as_ref());
+            .await;
+        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
+        r.map_err(|e| match e {
+            FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
+            other => other.into(),
+        })?;
         self.meta.remove(&dir, name);
         self.meta.invalidate_dir(&path, true);
         self.inodes.unlink_path(&path);
@@ -1148,7 +1162,9 @@ impl Fs {
             self.flush_file(&of).await?;
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let events = self
+        let paths = [opath.clone(), npath.clone()];
+        self.note_start(&paths);
+        let r = self
             .filer
             .rename_entry(pb::StreamRenameEntryRequest {
                 old_directory: odir.to_string(),
@@ -1157,7 +1173,9 @@ impl Fs {
                 new_name: newname.to_string(),
                 ..Default::default()
             })
-            .await?;
+            .await;
+        self.note_end(&paths, None);
+        let events = r?;
         for r in &events {
             self.note_local(Some(&pb::SubscribeMetadataResponse {
                 directory: r.directory.clone(),
@@ -1211,7 +1229,9 @@ impl Fs {
     /// `moving` is the inode the rename moved: an open file now at `opath` that is another
     /// (created here after that rename) stays where it is.
     fn moved(&self, opath: &str, npath: &str, moving: u64) {
-        if self.inodes.ino_of(opath).is_none_or(|i| i == moving) {
+        // the path may be another inode's by now (created here after that rename)
+        let ours = self.inodes.ino_of(opath).is_none_or(|i| i == moving);
+        if ours {
             self.inodes.rename(opath, npath);
         }
         let files = self.files.lock();
@@ -1221,7 +1241,7 @@ impl Fs {
             let p = join(&s.dir, &s.entry.name);
             if p == opath && o.file.ino == moving {
                 (s.dir, s.entry.name) = split(npath);
-            } else if p.starts_with(&prefix) {
+            } else if ours && p.starts_with(&prefix) {
                 let np = format!("{npath}{}", &p[opath.len()..]);
                 s.dir = split(&np).0;
             }
@@ -2226,37 +2246,25 @@ impl Fs {
                 .is_some_and(|e| self.superseded_here(d, &e.name, ev.ts_ns))
         };
         let (old_stale, new_stale) = (stale(dir, &n.old_entry), stale(ndir, &n.new_entry));
-        if !old_stale && !new_stale {
-            return self.apply_event_now(ev);
+        if old_stale || new_stale {
+            tracing::debug!(
+                dir,
+                ts_ns = ev.ts_ns,
+                old_stale,
+                new_stale,
+                "event older than our own change of the name"
+            );
         }
-        tracing::debug!(
-            dir,
-            ts_ns = ev.ts_ns,
-            old_stale,
-            new_stale,
-            "event older than our own change of the name"
-        );
         let same_name = matches!((&n.old_entry, &n.new_entry),
             (Some(o), Some(e)) if o.name == e.name && ndir == dir);
-        if same_name {
-            return;
-        }
-        let one_side = |directory: &str, old_entry, new_entry| pb::SubscribeMetadataResponse {
-            directory: directory.to_string(),
-            ts_ns: ev.ts_ns,
-            event_notification: Some(pb::EventNotification {
-                old_entry,
-                new_entry,
-                ..Default::default()
-            }),
-            ..Default::default()
+        let all_stale = match (&n.old_entry, &n.new_entry) {
+            (Some(_), Some(_)) if !same_name => old_stale && new_stale,
+            (Some(_), _) => old_stale,
+            (None, Some(_)) => new_stale,
+            (None, None) => true,
         };
-        if !old_stale && n.old_entry.is_some() {
-            // the old name went away then, and nothing of ours replaced it since
-            self.apply_event_now(&one_side(dir, n.old_entry.clone(), None));
-        }
-        if !new_stale && n.new_entry.is_some() {
-            self.apply_event_now(&one_side(ndir, None, n.new_entry.clone()));
+        if !all_stale {
+            self.apply_event_now(ev, old_stale, new_stale);
         }
     }
 
@@ -2295,21 +2303,47 @@ impl Fs {
         }
     }
 
-    /// Whether this node changed `dir/name` at or after filer time `ts`. A file created here
-    /// and not committed yet is newer than anything the filer has under its name (its
-    /// commit replaces that).
+    /// Whether this node changed `dir/name` at or after filer time `ts`, or is changing it
+    /// now (see [`Self::note_start`]).
     fn superseded_here(&self, dir: &str, name: &str, ts: i64) -> bool {
-        let ours = self.local_changes.lock().get(&join(dir, name)).copied();
-        if ours.is_some_and(|ours| ts <= ours) {
-            return true;
-        }
-        self.files.lock().values().any(|o| {
-            let s = o.file.state.lock();
-            s.pending_create && !s.unlinked && s.dir == dir && s.entry.name == name
-        })
+        self.local_changes
+            .lock()
+            .get(&join(dir, name))
+            .is_some_and(|ours| ts <= *ours)
     }
 
-    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
+    /// A change of ours to `paths` is under way (its filer time is not known yet), or a file
+    /// created here is not on the filer yet: every other client's event about them is older.
+    fn note_start(&self, paths: &[String]) {
+        let mut m = self.local_changes.lock();
+        for p in paths {
+            m.insert(p.clone(), i64::MAX);
+        }
+    }
+
+    /// The change of [`Self::note_start`] ended: its filer time (from `ev`) replaces the mark;
+    /// without one (failed, or nothing changed) the mark goes.
+    fn note_end(&self, paths: &[String], ev: Option<&pb::SubscribeMetadataResponse>) {
+        {
+            let mut m = self.local_changes.lock();
+            for p in paths {
+                if m.get(p) == Some(&i64::MAX) {
+                    m.remove(p);
+                }
+            }
+        }
+        self.note_local(ev);
+    }
+
+    /// Applies `ev`; a side (`old_stale`, `new_stale`) older than our own change of that name
+    /// leaves the name's cached entry and our open file there alone, while the renamed inode's
+    /// own state still follows the rename.
+    fn apply_event_now(
+        &self,
+        ev: &pb::SubscribeMetadataResponse,
+        old_stale: bool,
+        new_stale: bool,
+    ) {
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2323,13 +2357,15 @@ impl Fs {
                 .unwrap_or(true)
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
-                self.meta.remove(dir, &old.name);
                 let opath = join(dir, &old.name);
-                if old.is_directory {
-                    self.meta.invalidate_dir(&opath, true);
-                }
-                if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
-                    nt.inval_entry(pino, &old.name);
+                if !old_stale {
+                    self.meta.remove(dir, &old.name);
+                    if old.is_directory {
+                        self.meta.invalidate_dir(&opath, true);
+                    }
+                    if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
+                        nt.inval_entry(pino, &old.name);
+                    }
                 }
                 match &n.new_entry {
                     None => {
@@ -2349,7 +2385,10 @@ impl Fs {
                         };
                         let npath = join(ndir, &new.name);
                         let moving = entry_inode(&opath, old);
-                        if let Some(replaced) = self.inodes.ino_of(&npath) {
+                        if old.is_directory {
+                            self.meta.invalidate_dir(&npath, true);
+                        }
+                        if let (false, Some(replaced)) = (new_stale, self.inodes.ino_of(&npath)) {
                             if replaced != moving {
                                 if let Some(of) = self.open_file(replaced) {
                                     of.state.lock().unlinked = true;
@@ -2362,7 +2401,7 @@ impl Fs {
                 }
             }
         }
-        if let Some(new) = &n.new_entry {
+        if let (false, Some(new)) = (new_stale, &n.new_entry) {
             let ndir = if n.new_parent_path.is_empty() {
                 dir
             } else {
@@ -2378,8 +2417,14 @@ impl Fs {
                 // about another name than the file has here (not a hard link) is older than
                 // our rename of it: its entry is not this file's any more.
                 let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str());
-                if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
+                let link = !new.hard_link_id.is_empty();
+                if (here || link) && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
+                    // another name of a hard link: the content is shared, the name is ours
+                    let name = std::mem::take(&mut s.entry.name);
                     s.replace_entry(new.clone(), new.chunks.clone());
+                    if !here {
+                        s.entry.name = name;
+                    }
                 }
             }
             self.bump_content_gen(ino);
