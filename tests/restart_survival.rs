@@ -1246,12 +1246,18 @@ async fn crash_is_adopted_and_synced_data_survives() {
                                 .any(|(i, end)| *i == b as u64 && *end < t_gone)
                     })
             } else {
-                op.errno == Some(libc::ENOENT)
-                    && op.file.map(|i| &r.files[i]).is_some_and(|f| {
-                        f.created_at < t_event
-                            && f.fsynced_at.is_none_or(|t| t > t_event)
-                            && f.closed_at.is_none_or(|t| t > t_event)
-                    })
+                // a file opened before the crash and not synced or closed by then: it no
+                // longer exists (its create was deferred), or its descriptor lost bytes and
+                // the write verifier fails its writes, syncs and close
+                let unsynced_at_crash = op.file.map(|i| &r.files[i]).is_some_and(|f| {
+                    f.created_at < t_event
+                        && f.fsynced_at.is_none_or(|t| t > t_event)
+                        && f.closed_at.is_none_or(|t| t > t_event)
+                });
+                let verifier = op.errno == Some(libc::EIO)
+                    && op.end > t_event
+                    && ["write", "fsync", "close"].contains(&op.op.as_str());
+                unsynced_at_crash && (op.errno == Some(libc::ENOENT) || verifier)
             };
             assert!(expected, "pod {pod}: operation failed: {op:#?}");
             lost.push(format!(
