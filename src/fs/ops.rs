@@ -2255,17 +2255,7 @@ impl Fs {
                 "event older than our own change of the name"
             );
         }
-        let same_name = matches!((&n.old_entry, &n.new_entry),
-            (Some(o), Some(e)) if o.name == e.name && ndir == dir);
-        let all_stale = match (&n.old_entry, &n.new_entry) {
-            (Some(_), Some(_)) if !same_name => old_stale && new_stale,
-            (Some(_), _) => old_stale,
-            (None, Some(_)) => new_stale,
-            (None, None) => true,
-        };
-        if !all_stale {
-            self.apply_event_now(ev, old_stale, new_stale);
-        }
+        self.apply_event_now(ev, old_stale, new_stale);
     }
 
     /// Records the filer time of a change of ours for each name it touched (see
@@ -2368,6 +2358,7 @@ impl Fs {
                     }
                 }
                 match &n.new_entry {
+                    None if old_stale => {}
                     None => {
                         self.name_removed(dir, &old.name, old);
                         // other names of a hard-linked file now have one link less
@@ -2401,16 +2392,20 @@ impl Fs {
                 }
             }
         }
-        if let (false, Some(new)) = (new_stale, &n.new_entry) {
+        if let Some(new) = &n.new_entry {
             let ndir = if n.new_parent_path.is_empty() {
                 dir
             } else {
                 n.new_parent_path.as_str()
             };
-            self.meta.upsert(ndir, Arc::new(new.clone()));
+            if !new_stale {
+                self.meta.upsert(ndir, Arc::new(new.clone()));
+            }
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);
-            if let Some(of) = self.open_file(ino) {
+            // the inode's content did change then: cached pages go even when the name's
+            // entry is ours by now (a rename keeps the inode)
+            if let (false, Some(of)) = (new_stale, self.open_file(ino)) {
                 let mut s = of.state.lock();
                 // A manifest entry needs its manifests fetched first: keep the old list
                 // (its needles stay readable with readDeleted) until the next open. An event
