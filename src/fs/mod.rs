@@ -26,7 +26,7 @@ use inode::InodeTable;
 use meta::MetaCache;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Semaphore;
@@ -220,11 +220,9 @@ pub struct Fs {
     root_attr: Mutex<Attr>,
     /// Which handles lost data in a crash of a previous process.
     pub verifier: verifier::Verifier,
-    /// Per path, the filer time (ts_ns) of this node's latest change of it. Another
-    /// client's event about it that is not newer predates our change.
-    local_changes: Mutex<HashMap<String, i64>>,
-    /// The newest event time the subscription has delivered.
-    events_seen: AtomicI64,
+    /// Paths this node changed on the filer lately, and when. Another client's event about
+    /// one of them may predate our change (the filer does not send us our own events).
+    local_changes: Mutex<HashMap<String, Instant>>,
 }
 
 impl Fs {
@@ -279,7 +277,6 @@ impl Fs {
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
             local_changes: Mutex::new(HashMap::new()),
-            events_seen: AtomicI64::new(0),
             verifier: verifier::Verifier::new(start_fh),
         })
     }

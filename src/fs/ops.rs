@@ -52,8 +52,10 @@ const SELINUX_XATTR: &str = "security.selinux";
 const RENAME_NOREPLACE: u32 = 1;
 const RENAME_EXCHANGE: u32 = 2;
 const RENAME_WHITEOUT: u32 = 4;
-/// Bound on the names whose last change of ours is remembered (see `Fs::apply_event`);
-/// records the subscription has passed are dropped first.
+/// How long another client's event about a name we changed makes us re-read its directory
+/// (far beyond the subscription's delivery delay; a longer window costs only listings).
+const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
+/// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
 impl Fs {
@@ -477,17 +479,14 @@ impl Fs {
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
+        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
             entry: Some(e.clone()),
             ..Default::default()
         };
-        let paths = [join(dir, &e.name)];
-        self.note_start(&paths);
-        let r = self.filer.update_entry(req).await;
-        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
-        r?;
+        self.filer.update_entry(req).await?;
         self.meta.upsert(dir, Arc::new(e));
         Ok(())
     }
@@ -586,6 +585,7 @@ impl Fs {
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
+        self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),
@@ -594,14 +594,13 @@ impl Fs {
             skip_check_parent_directory: true,
             ..Default::default()
         };
-        let paths = [join(dir, &e.name)];
-        self.note_start(&paths);
-        let r = self.filer.create_entry(req).await;
-        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
-        r.map_err(|err| match err {
-            FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
-            other => other.into(),
-        })?;
+        self.filer
+            .create_entry(req)
+            .await
+            .map_err(|err| match err {
+                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
+                other => other.into(),
+            })?;
         Ok(())
     }
 
@@ -921,6 +920,8 @@ impl Fs {
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
         ));
+        // the name exists here from now on, before the filer has it
+        self.note_local(&dir, name);
         {
             let mut s = of.state.lock();
             s.pending_create = true;
@@ -933,8 +934,6 @@ impl Fs {
                 handles: 0,
             },
         );
-        // not on the filer until its first flush, and newer than anything there by its name
-        self.note_start(&[join(&dir, name)]);
         self.meta.upsert(&dir, Arc::new(e.clone()));
         self.touch_dir(&dir);
         let a = self.remember(&path, &e, true);
@@ -966,15 +965,9 @@ impl Fs {
             }
             None => (false, false),
         };
-        let paths = [join(&dir, name)];
-        if pending {
-            // events about the name were dropped while our create was pending: the filer's
-            // state of it is unknown here now
-            self.note_end(&paths, None);
-            self.meta.invalidate_dir(&dir, false);
-        } else {
+        if !pending {
+            self.note_local(&dir, name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-            self.note_start(&paths);
             let r = self
                 .filer
                 .delete_entry(pb::DeleteEntryRequest {
@@ -984,15 +977,11 @@ impl Fs {
                     ..Default::default()
                 })
                 .await;
-            self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
-            match r {
-                Ok(_) => {}
-                Err(err) => {
-                    if let (Some(of), true) = (&of, marked) {
-                        of.state.lock().unlinked = false;
-                    }
-                    return Err(err.into());
+            if let Err(err) = r {
+                if let (Some(of), true) = (&of, marked) {
+                    of.state.lock().unlinked = false;
                 }
+                return Err(err.into());
             }
         }
         self.meta.remove(&dir, name);
@@ -1024,23 +1013,20 @@ impl Fs {
                 }
             }
         }
+        self.note_local(&dir, name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let paths = [join(&dir, name)];
-        self.note_start(&paths);
-        let r = self
-            .filer
+        self.filer
             .delete_entry(pb::DeleteEntryRequest {
                 directory: dir.clone(),
                 name: name.to_string(),
                 is_delete_data: true,
                 ..Default::default()
             })
-            .await;
-        self.note_end(&paths, r.as_ref().ok().and_then(|ev| ev.as_ref()));
-        r.map_err(|e| match e {
-            FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
-            other => other.into(),
-        })?;
+            .await
+            .map_err(|e| match e {
+                FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
+                other => other.into(),
+            })?;
         self.meta.remove(&dir, name);
         self.meta.invalidate_dir(&path, true);
         self.inodes.unlink_path(&path);
@@ -1161,10 +1147,10 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
+        self.note_local(odir, name);
+        self.note_local(ndir, newname);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let paths = [opath.clone(), npath.clone()];
-        self.note_start(&paths);
-        let r = self
+        let events = self
             .filer
             .rename_entry(pb::StreamRenameEntryRequest {
                 old_directory: odir.to_string(),
@@ -1173,17 +1159,7 @@ impl Fs {
                 new_name: newname.to_string(),
                 ..Default::default()
             })
-            .await;
-        self.note_end(&paths, None);
-        let events = r?;
-        for r in &events {
-            self.note_local(Some(&pb::SubscribeMetadataResponse {
-                directory: r.directory.clone(),
-                event_notification: r.event_notification.clone(),
-                ts_ns: r.ts_ns,
-                ..Default::default()
-            }));
-        }
+            .await?;
         let moved = events
             .iter()
             .filter_map(|r| r.event_notification.as_ref())
@@ -1195,7 +1171,7 @@ impl Fs {
             self.meta.invalidate_dir(&opath, true);
             self.meta.invalidate_dir(&npath, true);
         }
-        self.moved(&opath, &npath, ino);
+        self.moved(&opath, &npath);
         // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
         // now: `src` may be older than another node's last write to it.
         let moved = match self
@@ -1226,22 +1202,16 @@ impl Fs {
     }
 
     /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
-    /// `moving` is the inode the rename moved: an open file now at `opath` that is another
-    /// (created here after that rename) stays where it is.
-    fn moved(&self, opath: &str, npath: &str, moving: u64) {
-        // the path may be another inode's by now (created here after that rename)
-        let ours = self.inodes.ino_of(opath).is_none_or(|i| i == moving);
-        if ours {
-            self.inodes.rename(opath, npath);
-        }
+    fn moved(&self, opath: &str, npath: &str) {
+        self.inodes.rename(opath, npath);
         let files = self.files.lock();
         let prefix = format!("{opath}/");
         for o in files.values() {
             let mut s = o.file.state.lock();
             let p = join(&s.dir, &s.entry.name);
-            if p == opath && o.file.ino == moving {
+            if p == opath {
                 (s.dir, s.entry.name) = split(npath);
-            } else if ours && p.starts_with(&prefix) {
+            } else if p.starts_with(&prefix) {
                 let np = format!("{npath}{}", &p[opath.len()..]);
                 s.dir = split(&np).0;
             }
@@ -2224,13 +2194,13 @@ impl Fs {
     // ---------- coherence ----------
 
     /// Applies one metadata event from the filer (another client's change).
-    /// Applies another client's change. The filer sends us only others' events, in its
-    /// order, so one can arrive after a change of ours to the same name took effect here:
-    /// applied as it stands, it would bring back a name we removed, put an older entry over
-    /// the one we committed, or unlink the file we just created. Each of our changes records
-    /// its filer timestamp per name (from the event the filer returns for it); an event no
-    /// newer than that is dropped for that name, and applied for its other name (a rename).
+    /// Applies another client's change. An event about a name this node changed lately may
+    /// be older than our change (the filer sends us only others' events, in its order, so it
+    /// can arrive after ours took effect here): the cached listing would then bring back a
+    /// name we removed or an entry we replaced. So after such an event the directory's
+    /// listing is dropped and read from the filer again on the next lookup.
     pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
+        self.apply_event_now(ev);
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2240,100 +2210,44 @@ impl Fs {
         } else {
             n.new_parent_path.as_str()
         };
-        self.events_seen.fetch_max(ev.ts_ns, Ordering::Relaxed);
-        let stale = |d: &str, e: &Option<pb::Entry>| {
-            e.as_ref()
-                .is_some_and(|e| self.superseded_here(d, &e.name, ev.ts_ns))
-        };
-        let (old_stale, new_stale) = (stale(dir, &n.old_entry), stale(ndir, &n.new_entry));
-        if old_stale || new_stale {
-            tracing::debug!(
-                dir,
-                ts_ns = ev.ts_ns,
-                old_stale,
-                new_stale,
-                "event older than our own change of the name"
-            );
-        }
-        self.apply_event_now(ev, old_stale, new_stale);
-    }
-
-    /// Records the filer time of a change of ours for each name it touched (see
-    /// [`Self::apply_event`]). The filer returns no event for an update that changed nothing.
-    fn note_local(&self, ev: Option<&pb::SubscribeMetadataResponse>) {
-        let Some(ev) = ev else { return };
-        let Some(n) = ev.event_notification.as_ref() else {
-            return;
-        };
-        let ndir = if n.new_parent_path.is_empty() {
-            ev.directory.as_str()
-        } else {
-            n.new_parent_path.as_str()
-        };
-        let mut m = self.local_changes.lock();
-        if m.len() >= LOCAL_CHANGES_MAX {
-            // the subscription delivered everything up to `seen`: older records are moot
-            let seen = self.events_seen.load(Ordering::Relaxed);
-            m.retain(|_, ts| *ts > seen);
-            if m.len() >= LOCAL_CHANGES_MAX {
-                tracing::warn!(
-                    "too many changes of ours not yet passed by the subscription; forgetting them"
-                );
-                m.clear();
-            }
-        }
-        let names = n
+        let touched = n
             .old_entry
             .iter()
-            .map(|o| join(&ev.directory, &o.name))
-            .chain(n.new_entry.iter().map(|e| join(ndir, &e.name)));
-        for p in names {
-            let t = m.entry(p).or_default();
-            *t = (*t).max(ev.ts_ns);
-        }
-    }
-
-    /// Whether this node changed `dir/name` at or after filer time `ts`, or is changing it
-    /// now (see [`Self::note_start`]).
-    fn superseded_here(&self, dir: &str, name: &str, ts: i64) -> bool {
-        self.local_changes
-            .lock()
-            .get(&join(dir, name))
-            .is_some_and(|ours| ts <= *ours)
-    }
-
-    /// A change of ours to `paths` is under way (its filer time is not known yet), or a file
-    /// created here is not on the filer yet: every other client's event about them is older.
-    fn note_start(&self, paths: &[String]) {
-        let mut m = self.local_changes.lock();
-        for p in paths {
-            m.insert(p.clone(), i64::MAX);
-        }
-    }
-
-    /// The change of [`Self::note_start`] ended: its filer time (from `ev`) replaces the mark;
-    /// without one (failed, or nothing changed) the mark goes.
-    fn note_end(&self, paths: &[String], ev: Option<&pb::SubscribeMetadataResponse>) {
-        {
-            let mut m = self.local_changes.lock();
-            for p in paths {
-                if m.get(p) == Some(&i64::MAX) {
-                    m.remove(p);
+            .map(|o| (dir, o.name.as_str()))
+            .chain(n.new_entry.iter().map(|e| (ndir, e.name.as_str())));
+        for (d, name) in touched {
+            if self.changed_here_lately(d, name) {
+                self.meta.invalidate_dir(d, false);
+                if let (Some(nt), Some(pino)) =
+                    (self.notifier.read().clone(), self.inodes.ino_of(d))
+                {
+                    nt.inval_entry(pino, name);
                 }
             }
         }
-        self.note_local(ev);
     }
 
-    /// Applies `ev`; a side (`old_stale`, `new_stale`) older than our own change of that name
-    /// leaves the name's cached entry and our open file there alone, while the renamed inode's
-    /// own state still follows the rename.
-    fn apply_event_now(
-        &self,
-        ev: &pb::SubscribeMetadataResponse,
-        old_stale: bool,
-        new_stale: bool,
-    ) {
+    /// Notes a change of `dir/name` made by this node (see [`Self::apply_event`]).
+    fn note_local(&self, dir: &str, name: &str) {
+        let mut m = self.local_changes.lock();
+        if m.len() >= LOCAL_CHANGES_MAX {
+            m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);
+            if m.len() >= LOCAL_CHANGES_MAX {
+                // a burst beyond the bound: listings are trusted as events come again
+                m.clear();
+            }
+        }
+        m.insert(join(dir, name), Instant::now());
+    }
+
+    fn changed_here_lately(&self, dir: &str, name: &str) -> bool {
+        self.local_changes
+            .lock()
+            .get(&join(dir, name))
+            .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
+    }
+
+    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2347,18 +2261,15 @@ impl Fs {
                 .unwrap_or(true)
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
+                self.meta.remove(dir, &old.name);
                 let opath = join(dir, &old.name);
-                if !old_stale {
-                    self.meta.remove(dir, &old.name);
-                    if old.is_directory {
-                        self.meta.invalidate_dir(&opath, true);
-                    }
-                    if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
-                        nt.inval_entry(pino, &old.name);
-                    }
+                if old.is_directory {
+                    self.meta.invalidate_dir(&opath, true);
+                }
+                if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
+                    nt.inval_entry(pino, &old.name);
                 }
                 match &n.new_entry {
-                    None if old_stale => {}
                     None => {
                         self.name_removed(dir, &old.name, old);
                         // other names of a hard-linked file now have one link less
@@ -2376,18 +2287,23 @@ impl Fs {
                         };
                         let npath = join(ndir, &new.name);
                         let moving = entry_inode(&opath, old);
-                        if old.is_directory {
-                            self.meta.invalidate_dir(&npath, true);
-                        }
-                        if let (false, Some(replaced)) = (new_stale, self.inodes.ino_of(&npath)) {
+                        if let Some(replaced) = self.inodes.ino_of(&npath) {
                             if replaced != moving {
                                 if let Some(of) = self.open_file(replaced) {
-                                    of.state.lock().unlinked = true;
+                                    // The event may predate our own change of that name: an
+                                    // open file of ours with data to commit is then kept (its
+                                    // commit wins, as the last writer does), never dropped.
+                                    let mut s = of.state.lock();
+                                    if s.is_clean() || !self.changed_here_lately(ndir, &new.name) {
+                                        s.unlinked = true;
+                                    } else {
+                                        tracing::warn!(path = npath, "another client renamed a file onto a name changed here lately; keeping our open file's data");
+                                    }
                                 }
                                 self.inodes.unlink_path(&npath);
                             }
                         }
-                        self.moved(&opath, &npath, moving);
+                        self.moved(&opath, &npath);
                     }
                 }
             }
@@ -2398,28 +2314,19 @@ impl Fs {
             } else {
                 n.new_parent_path.as_str()
             };
-            if !new_stale {
-                self.meta.upsert(ndir, Arc::new(new.clone()));
-            }
+            self.meta.upsert(ndir, Arc::new(new.clone()));
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);
-            // the inode's content did change then: cached pages go even when the name's
-            // entry is ours by now (a rename keeps the inode)
-            if let (false, Some(of)) = (new_stale, self.open_file(ino)) {
+            if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();
                 // A manifest entry needs its manifests fetched first: keep the old list
                 // (its needles stay readable with readDeleted) until the next open. An event
                 // about another name than the file has here (not a hard link) is older than
                 // our rename of it: its entry is not this file's any more.
-                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str());
-                let link = !new.hard_link_id.is_empty();
-                if (here || link) && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
-                    // another name of a hard link: the content is shared, the name is ours
-                    let name = std::mem::take(&mut s.entry.name);
+                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
+                    || !new.hard_link_id.is_empty();
+                if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
                     s.replace_entry(new.clone(), new.chunks.clone());
-                    if !here {
-                        s.entry.name = name;
-                    }
                 }
             }
             self.bump_content_gen(ino);
@@ -2921,62 +2828,6 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").expect("our file must be committed");
         assert_eq!(crate::chunks::file_size(&e), 4);
-    }
-
-    /// Another client's event on "/f", stamped before anything of ours.
-    fn older_event(
-        old: Option<pb::Entry>,
-        new: Option<pb::Entry>,
-    ) -> pb::SubscribeMetadataResponse {
-        pb::SubscribeMetadataResponse {
-            directory: "/".into(),
-            ts_ns: 1,
-            event_notification: Some(pb::EventNotification {
-                old_entry: old,
-                new_entry: new,
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[tokio::test]
-    async fn an_older_update_does_not_replace_what_we_committed() {
-        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
-        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
-        fs.flush(fh, a.ino).await.unwrap();
-        // their earlier version of f (no chunks) arrives after our commit
-        let mut theirs = filer.get("/f").unwrap();
-        theirs.chunks.clear();
-        theirs.content = b"theirs".to_vec();
-        fs.apply_event(&older_event(Some(theirs.clone()), Some(theirs)));
-        assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours");
-        fs.write(fh, a.ino, 4, b"+more").await.unwrap();
-        fs.release(fh, a.ino).await.unwrap();
-        let of = fs.open_inode(a.ino).await.unwrap();
-        assert_eq!(&fs.read_range(&of, 0, 16).await.unwrap()[..], b"ours+more");
-    }
-
-    #[tokio::test]
-    async fn an_older_delete_does_not_unlink_our_open_file() {
-        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
-        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
-        fs.flush(fh, a.ino).await.unwrap();
-        let e = filer.get("/f").unwrap();
-        fs.apply_event(&older_event(Some(e), None));
-        fs.write(fh, a.ino, 4, b"+more").await.unwrap();
-        fs.release(fh, a.ino).await.unwrap();
-        let e = filer.get("/f").expect("f must still be on the filer");
-        assert_eq!(crate::chunks::file_size(&e), 9);
-        assert!(fs.lookup(ROOT_INO, "f").await.is_ok());
     }
 
     #[tokio::test]
