@@ -11,10 +11,13 @@
 # CHUNK_MB (default 1, the smallest chunk: most chunks per GiB) is passed as
 # --chunkSizeLimitMB. MANIFEST_BATCH, if set, is passed as the hidden --manifestBatch (8 GiB
 # at 1 MiB is 8192 chunks, below the production 10000, so set it to see manifests folded).
-# Needs about SIZE_GIB + 2 GiB free under TMPDIR (default /tmp).
+# WRITER=weed writes the file through `weed mount` instead (same chunk size, its -chunkSizeLimitMB),
+# the reference for how much of a falling rate is the cluster's (volume server, disk) and not
+# the client's. Needs about SIZE_GIB + 2 GiB free under TMPDIR (default /tmp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_GIB=${SIZE_GIB:-8}
+WRITER=${WRITER:-ours}
 CHUNK_MB=${CHUNK_MB:-1}
 TMPBASE=${TMPDIR:-/tmp}
 if [ "$(id -u)" != 0 ]; then
@@ -91,8 +94,14 @@ PIDS+=($!)
 for _ in $(seq 1 60); do mountpoint -q "$WORK/ours" && break; sleep 0.5; done
 mountpoint -q "$WORK/ours" || { cat "$WORK/ours.log"; exit 1; }
 
-echo "writing $SIZE_GIB GiB through our mount (${CHUNK_MB} MiB chunks) ..."
-WANT=$(python3 - "$WORK/ours/big.bin" "$SIZE_GIB" <<'PY'
+weed mount -filer="127.0.0.1:$FPORT" -filer.path=/bench -dir="$WORK/weed" \
+  -cacheDir="$WORK/weedcache" -cacheCapacityMB=0 -chunkSizeLimitMB="$CHUNK_MB" >"$WORK/weed.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
+mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
+
+echo "writing $SIZE_GIB GiB through $WRITER mount (${CHUNK_MB} MiB chunks) ..."
+WANT=$(python3 - "$WORK/$WRITER/big.bin" "$SIZE_GIB" <<'PY'
 import hashlib, os, sys, time
 path, gib = sys.argv[1], int(sys.argv[2])
 block = 1 << 20
@@ -123,12 +132,8 @@ print(h.hexdigest())
 PY
 )
 echo "written sha256 $WANT"
-
-weed mount -filer="127.0.0.1:$FPORT" -filer.path=/bench -dir="$WORK/weed" \
-  -cacheDir="$WORK/weedcache" -cacheCapacityMB=0 >"$WORK/weed.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
-mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
+# a fresh look at the file for the reader that did not write it
+sleep 2
 t0=$(date +%s.%N)
 WEED=$(sha256sum "$WORK/weed/big.bin" | cut -d' ' -f1)
 t1=$(date +%s.%N)
