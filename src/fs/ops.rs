@@ -2712,6 +2712,13 @@ mod integrity_tests {
         (fs, store, filer)
     }
 
+    /// Creates "/f" in the root, open with `flags`.
+    async fn create_f(fs: &Fs, flags: i32) -> (Attr, u64) {
+        fs.create(ROOT_INO, "f", 0o644, 0, flags, 0, 0)
+            .await
+            .unwrap()
+    }
+
     /// Background deletes have run (they are spawned after the commit).
     async fn settle() {
         for _ in 0..20 {
@@ -2727,10 +2734,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn an_older_event_does_not_bring_back_a_name_we_renamed() {
         let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
         fs.write(fh, a.ino, 0, b"old").await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
         fs.readdir(ROOT_INO, 0, 0).await.ok();
@@ -2771,10 +2775,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn an_older_event_about_the_old_name_leaves_a_renamed_open_file_alone() {
         let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
         fs.write(fh, a.ino, 0, b"ours").await.unwrap();
         fs.flush(fh, a.ino).await.unwrap();
         let before = filer.get("/f").unwrap();
@@ -2802,10 +2803,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn an_older_rename_onto_our_new_file_keeps_its_data() {
         let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
         fs.write(fh, a.ino, 0, b"ours").await.unwrap();
         // another client's rename t -> f, done at the filer before our create
         let t = pb::Entry {
@@ -2833,10 +2831,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn runs_overwritten_before_the_commit_are_deleted() {
         let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
         // each full chunk is uploaded at once; the second hides the first
         fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
         fs.write(fh, a.ino, 0, &vec![2u8; MIB]).await.unwrap();
@@ -2852,10 +2847,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn runs_truncated_away_before_the_commit_are_deleted() {
         let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
         fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
         fs.setattr(
             a.ino,
@@ -2875,10 +2867,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn a_file_unlinked_before_its_commit_leaves_no_chunks() {
         let (fs, store, _filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
         fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
         fs.unlink(ROOT_INO, "f").await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
@@ -2893,10 +2882,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn a_failed_upload_keeps_the_bytes_and_a_later_fsync_places_them() {
         let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
         store.fail_next_uploads(100);
         let data = vec![7u8; MIB + 10];
         fs.write(fh, a.ino, 0, &data).await.unwrap();
@@ -2927,10 +2913,7 @@ mod integrity_tests {
     #[tokio::test]
     async fn uploads_retry_through_a_short_outage() {
         let (fs, store, filer) = fs_and_store(Duration::from_secs(30));
-        let (a, fh) = fs
-            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
-            .await
-            .unwrap();
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
         store.fail_next_uploads(2);
         fs.write(fh, a.ino, 0, &vec![5u8; MIB]).await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
