@@ -418,32 +418,34 @@ impl OpenFile {
 
     /// Waits until no upload of this file is running (failed runs wait for a retry).
     pub async fn wait_uploads(&self) {
-        loop {
-            let notified = self.uploads_done.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.state.lock().inflight.iter().all(|i| i.failed) {
-                return;
-            }
-            notified.await;
-        }
+        self.when_uploads(|s| s.inflight.iter().all(|i| i.failed))
+            .await
     }
 
     /// Truncates (or extends) to `size`, once no upload in flight reaches past it: such a
     /// run's chunk would land in the list after the cut and bring its bytes back (a write
     /// racing the truncate, or an fsync retrying a failed run).
     pub async fn truncate(&self, size: u64) {
+        self.when_uploads(|s| {
+            let past = |i: &Inflight| !i.failed && i.offset + i.data.len() as u64 > size;
+            let ready = !s.inflight.iter().any(past);
+            if ready {
+                self.truncate_locked(s, size);
+            }
+            ready
+        })
+        .await
+    }
+
+    /// Runs `step` under the state lock after each finished upload until it says done (the
+    /// wake-up is armed before the check, so none is missed).
+    async fn when_uploads(&self, mut step: impl FnMut(&mut FileState) -> bool) {
         loop {
             let notified = self.uploads_done.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
-                let mut s = self.state.lock();
-                let past = |i: &Inflight| !i.failed && i.offset + i.data.len() as u64 > size;
-                if !s.inflight.iter().any(past) {
-                    self.truncate_locked(&mut s, size);
-                    return;
-                }
+            if step(&mut self.state.lock()) {
+                return;
             }
             notified.await;
         }
