@@ -58,6 +58,18 @@ const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
+/// An open file an event of doubtful order was about (see [`Fs::apply_event`]).
+struct Refresh {
+    of: Arc<OpenFile>,
+    ino: u64,
+    dir: String,
+    name: String,
+    /// The file's `seq` when the event came: a change here since then decides instead.
+    seq: u64,
+    /// The event deleted the name.
+    deleted: bool,
+}
+
 impl Fs {
     // ---------- path and entry resolution ----------
 
@@ -985,7 +997,7 @@ impl Fs {
             }
         }
         self.meta.remove(&dir, name);
-        self.name_removed(&dir, name, &e);
+        self.name_removed(&dir, name, &e, false);
         self.touch_dir(&dir);
         if !e.hard_link_id.is_empty() {
             if let Some(n) = self.notifier.read().clone() {
@@ -1220,7 +1232,9 @@ impl Fs {
 
     /// The name `dir/name` of `e` is gone: open handles of a hard-linked file follow one of
     /// its other names; otherwise they become unlinked (their data is no longer committed).
-    fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry) {
+    /// `doubt`: the removal may be older than our own change of the name; an open file
+    /// is then left linked (the caller re-reads the entry to decide).
+    fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry, doubt: bool) {
         let path = join(dir, name);
         let ino = entry_inode(&path, e);
         self.meta.link_removed(e);
@@ -1232,7 +1246,7 @@ impl Fs {
         let other = self.inodes.aliases(ino).into_iter().next();
         let mut s = of.state.lock();
         if !linked {
-            s.unlinked = true;
+            s.unlinked |= !doubt;
             return;
         }
         s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
@@ -2199,8 +2213,22 @@ impl Fs {
     /// can arrive after ours took effect here): the cached listing would then bring back a
     /// name we removed or an entry we replaced. So after such an event the directory's
     /// listing is dropped and read from the filer again on the next lookup.
-    pub fn apply_event(&self, ev: &pb::SubscribeMetadataResponse) {
-        self.apply_event_now(ev);
+    ///
+    /// An open file is the exception: its entry is not dropped and read again on the next
+    /// lookup, so for a name changed here lately the event's entry is not taken; the entry is
+    /// read from the filer instead (in the background), which is never older than our change.
+    pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
+        let doubtful = self.apply_event_now(ev);
+        if !doubtful.is_empty() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let fs = self.clone();
+                rt.spawn(async move {
+                    for r in doubtful {
+                        fs.refresh_open_file(r).await;
+                    }
+                });
+            }
+        }
         let Some(n) = ev.event_notification.as_ref() else {
             return;
         };
@@ -2247,9 +2275,51 @@ impl Fs {
             .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
     }
 
-    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) {
+    /// Re-reads the entry of an open file that an event of doubtful order was about, and
+    /// takes the filer's answer unless this node changed the file after the re-read began.
+    async fn refresh_open_file(&self, r: Refresh) {
+        let _one = self.refresh_lock.lock().await;
+        let path = join(&r.dir, &r.name);
+        let started = Instant::now();
+        let fresh = self.filer.lookup_entry(&r.dir, &r.name).await;
+        if self
+            .local_changes
+            .lock()
+            .get(&path)
+            .is_some_and(|t| *t >= started)
+        {
+            return; // our own later change is what this node shows
+        }
+        let mut s = r.of.state.lock();
+        if s.seq != r.seq || (s.dir.as_str(), s.entry.name.as_str()) != (&r.dir, &r.name) {
+            return; // written or renamed here since: the event is not about that state
+        }
+        match fresh {
+            Ok(e) if entry_inode(&path, &e) == r.ino => {
+                if s.is_clean() && !crate::chunks::has_manifest(&e.chunks) {
+                    let chunks = e.chunks.clone();
+                    s.replace_entry(e, chunks);
+                    drop(s);
+                    self.bump_content_gen(r.ino);
+                    if let Some(nt) = self.notifier.read().clone() {
+                        nt.inval_inode(r.ino);
+                    }
+                }
+            }
+            // the name is gone, or is another file now: a delete event was right
+            Ok(_) | Err(FilerError::NotFound(_)) if r.deleted => s.unlinked = true,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(path, error = %e, "re-reading an open file's entry after an event failed; keeping ours");
+            }
+        }
+    }
+
+    /// Applies `ev`; returns the open files whose entry must be read again from the filer.
+    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) -> Vec<Refresh> {
+        let mut doubtful = Vec::new();
         let Some(n) = ev.event_notification.as_ref() else {
-            return;
+            return doubtful;
         };
         let dir = ev.directory.as_str();
         let notifier = self.notifier.read().clone();
@@ -2271,7 +2341,20 @@ impl Fs {
                 }
                 match &n.new_entry {
                     None => {
-                        self.name_removed(dir, &old.name, old);
+                        let ino = entry_inode(&opath, old);
+                        let doubt = self.changed_here_lately(dir, &old.name);
+                        if let Some(of) = self.open_file(ino).filter(|_| doubt) {
+                            let seq = of.state.lock().seq;
+                            doubtful.push(Refresh {
+                                of,
+                                ino,
+                                dir: dir.to_string(),
+                                name: old.name.clone(),
+                                seq,
+                                deleted: true,
+                            });
+                        }
+                        self.name_removed(dir, &old.name, old, doubt);
                         // other names of a hard-linked file now have one link less
                         if let Some(nt) = &notifier {
                             nt.inval_inode(entry_inode(&opath, old));
@@ -2326,7 +2409,18 @@ impl Fs {
                 let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
                     || !new.hard_link_id.is_empty();
                 if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
-                    s.replace_entry(new.clone(), new.chunks.clone());
+                    if self.changed_here_lately(ndir, &new.name) {
+                        doubtful.push(Refresh {
+                            of: of.clone(),
+                            ino,
+                            dir: ndir.to_string(),
+                            name: new.name.clone(),
+                            seq: s.seq,
+                            deleted: false,
+                        });
+                    } else {
+                        s.replace_entry(new.clone(), new.chunks.clone());
+                    }
                 }
             }
             self.bump_content_gen(ino);
@@ -2353,6 +2447,7 @@ impl Fs {
                 nt.inval_inode(d);
             }
         }
+        doubtful
     }
 
     /// After a subscription gap: drop every cached listing and kernel attribute.
@@ -2695,6 +2790,7 @@ mod integrity_tests {
     use crate::cache::ChunkCache;
     use crate::config::MountOptions;
     use crate::filer::mock::MockFiler;
+    use crate::filer::FilerApi;
     use crate::fs::FsConfig;
     use crate::volume::mock::MockChunkStore;
 
@@ -2826,6 +2922,112 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").expect("our file must be committed");
         assert_eq!(crate::chunks::file_size(&e), 4);
+    }
+
+    fn event(old: Option<pb::Entry>, new: Option<pb::Entry>) -> pb::SubscribeMetadataResponse {
+        pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: old,
+                new_entry: new,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn an_older_update_does_not_roll_back_an_open_file_we_committed() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours!").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // another client's write, done at the filer before our commit; its event comes after
+        let before = filer.get("/f").unwrap();
+        let mut theirs = before.clone();
+        theirs.chunks.clear();
+        theirs.content = b"old".to_vec();
+        theirs.attributes.as_mut().unwrap().file_size = 3;
+        fs.apply_event(&event(Some(before), Some(theirs)));
+        settle().await;
+        assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours!");
+        assert_eq!(fs.getattr(a.ino).await.unwrap().size, 5);
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_newer_update_reaches_an_open_file_we_committed_lately() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours!").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // another client writes after our commit: the re-read finds its entry
+        let ours = filer.get("/f").unwrap();
+        let mut theirs = ours.clone();
+        theirs.chunks.clear();
+        theirs.content = b"theirs!".to_vec();
+        theirs.attributes.as_mut().unwrap().file_size = 7;
+        filer
+            .other_client()
+            .update_entry(pb::UpdateEntryRequest {
+                directory: "/".into(),
+                entry: Some(theirs.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.apply_event(&event(Some(ours), Some(theirs)));
+        settle().await;
+        assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"theirs!");
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_older_delete_does_not_unlink_an_open_file_we_committed() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // a delete of f at the filer before our commit (which recreated it)
+        let gone = filer.get("/f").unwrap();
+        fs.apply_event(&event(Some(gone), None));
+        settle().await;
+        fs.write(fh, a.ino, 4, b" and more").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").expect("f is still on the filer");
+        assert_eq!(
+            crate::chunks::file_size(&e),
+            13,
+            "our later write is committed"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_real_delete_of_a_name_changed_lately_unlinks_the_open_file() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let gone = filer.get("/f").unwrap();
+        filer
+            .other_client()
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                is_delete_data: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.apply_event(&event(Some(gone), None));
+        settle().await;
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        assert!(of.state.lock().unlinked, "the filer says f is gone");
+        fs.release(fh, a.ino).await.unwrap();
+        assert!(
+            filer.get("/f").is_none(),
+            "an unlinked file is not committed again"
+        );
     }
 
     #[tokio::test]
