@@ -113,20 +113,49 @@ impl Fs {
             self.meta.mark_too_large(dir);
             return Ok(false);
         }
-        let pinned = self.pending_in_dir(dir);
+        let pinned = self.pending_in_dir(dir, None);
         Ok(self.meta.install(dir, entries, gen, &pinned))
     }
 
-    /// Files created here whose creation is still deferred (not yet on the filer).
-    fn pending_in_dir(&self, dir: &str) -> Vec<Arc<pb::Entry>> {
+    /// Files created here in `dir` (only `name`, if given) whose creation is still deferred
+    /// (not yet on the filer).
+    fn pending_in_dir(&self, dir: &str, name: Option<&str>) -> Vec<Arc<pb::Entry>> {
         let files = self.files.lock();
         files
             .values()
             .filter_map(|o| {
                 let s = o.file.state.lock();
-                (s.pending_create && !s.unlinked && s.dir == dir).then(|| Arc::new(s.entry.clone()))
+                (s.pending_create
+                    && !s.unlinked
+                    && s.dir == dir
+                    && name.is_none_or(|n| n == s.entry.name))
+                .then(|| Arc::new(s.entry.clone()))
             })
             .collect()
+    }
+
+    /// `dir` listed from the filer, with the files created here that it does not have yet.
+    async fn list_uncached(&self, dir: &str) -> Result<Vec<Arc<pb::Entry>>> {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let mut l: Vec<Arc<pb::Entry>> = self
+            .filer
+            .list_all(dir)
+            .await?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        let pending = self.pending_in_dir(dir, None);
+        if !pending.is_empty() {
+            let names: std::collections::HashSet<&str> =
+                l.iter().map(|e| e.name.as_str()).collect();
+            let missing: Vec<_> = pending
+                .into_iter()
+                .filter(|p| !names.contains(p.name.as_str()))
+                .collect();
+            l.extend(missing);
+            l.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        Ok(l)
     }
 
     /// The entry `name` in `dir`, from the metadata cache or the filer.
@@ -147,6 +176,10 @@ impl Fs {
                 },
                 Cached::Unknown => break,
             }
+        }
+        // an uncached (or too large) directory: a file created here may not be on the filer yet
+        if let Some(e) = self.pending_in_dir(dir, Some(name)).pop() {
+            return Ok(e);
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         match self.filer.lookup_entry(dir, name).await {
@@ -1787,24 +1820,14 @@ impl Fs {
                 return Err(errno(libc::ENOTDIR, format!("{dir} is not a directory")));
             }
         }
-        let entries: Vec<Arc<pb::Entry>> = if self.load_dir(&dir).await? {
-            match self.meta.listing(&dir) {
-                Some(l) => l,
-                None => self
-                    .filer
-                    .list_all(&dir)
-                    .await?
-                    .into_iter()
-                    .map(Arc::new)
-                    .collect(),
-            }
+        let cached = if self.load_dir(&dir).await? {
+            self.meta.listing(&dir)
         } else {
-            self.filer
-                .list_all(&dir)
-                .await?
-                .into_iter()
-                .map(Arc::new)
-                .collect()
+            None
+        };
+        let entries = match cached {
+            Some(l) => l,
+            None => self.list_uncached(&dir).await?,
         };
         let parent_ino = if ino == ROOT_INO {
             ROOT_INO
@@ -3028,6 +3051,52 @@ mod integrity_tests {
             filer.get("/f").is_none(),
             "an unlinked file is not committed again"
         );
+    }
+
+    #[tokio::test]
+    async fn a_file_not_yet_on_the_filer_shows_in_a_directory_too_large_to_cache() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let mut cfg = fs.cfg.clone();
+        cfg.max_cached_dir_entries = 2;
+        let fs = Fs::new(
+            cfg,
+            filer.clone(),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        for n in ["a", "b", "c"] {
+            filer
+                .other_client()
+                .create_entry(pb::CreateEntryRequest {
+                    directory: "/".into(),
+                    entry: Some(pb::Entry {
+                        name: n.into(),
+                        attributes: Some(pb::FuseAttributes::default()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+        assert!(filer.get("/f").is_none(), "the create is still deferred");
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, a.ino);
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        let names: Vec<String> = fs
+            .readdir(ROOT_INO, dh, 0)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.name.clone())
+            .collect();
+        assert_eq!(names, [".", "..", "a", "b", "c", "f"]);
+        let again = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY | libc::O_EXCL, 0, 0)
+            .await;
+        assert_eq!(again.unwrap_err().errno, libc::EEXIST);
+        fs.release(fh, a.ino).await.unwrap();
+        assert!(filer.get("/f").is_some());
     }
 
     #[tokio::test]
