@@ -237,7 +237,11 @@ def host_path(d: Doc, mount_path: str, c: Doc) -> str | None:
     return None
 
 
-def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False) -> None:
+KUBELET_DIRS = ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods")
+
+
+def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False,
+                 kubelet_dirs: tuple[str, ...] = KUBELET_DIRS, allow_taints: bool = False) -> None:
     """The CSI-specific shape: one driver name everywhere, handover-friendly node layout."""
     drivers = by_kind(docs, "CSIDriver")
     if len(drivers) != 1:
@@ -308,9 +312,21 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
     if arg_value(plugin, "--components") != "node":
         p.add(where, "node must run --components=node")
     props = {m["mountPath"]: m.get("mountPropagation") for m in plugin.get("volumeMounts", [])}
-    for path in ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods"):
+    nvols = {v["name"]: v for v in nspec.get("volumes", [])}
+    for m in plugin.get("volumeMounts", []):
+        if m.get("mountPropagation") != "Bidirectional":
+            continue
+        hp = nvols.get(m["name"], {}).get("hostPath", {}).get("path")
+        # kubelet passes staging/target paths in host terms: the plugin must see them there.
+        if hp != m["mountPath"]:
+            p.add(where, f"node plugin mounts host {hp} at {m['mountPath']}: kubelet paths "
+                         "must be mounted at the same path inside")
+    for path in kubelet_dirs:
         if props.get(path) != "Bidirectional":
             p.add(where, f"node plugin needs {path} with Bidirectional propagation")
+    for d in (node, keeper):
+        if {"operator": "Exists"} not in (pod_spec(d).get("tolerations") or []) and not allow_taints:
+            p.add(where, f"{name_of(d)} must tolerate every taint (operator: Exists)")
     if "/dev" not in props:
         p.add(where, "node plugin needs /dev")
     for probe in ("livenessProbe", "readinessProbe"):
@@ -358,14 +374,15 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
 
 def check_set(where: str, docs: list[Doc], namespace: str, p: Problems,
               flags: dict[str, set[str]] | None, attacher: bool = False,
-              external: set[str] = frozenset()) -> None:
+              external: set[str] = frozenset(), kubelet_dirs: tuple[str, ...] = KUBELET_DIRS,
+              allow_taints: bool = False) -> None:
     if not docs:
         p.add(where, "rendered nothing")
         return
     schema_validate(where, docs, p)
     check_workloads(where, docs, p, flags, set(external))
     check_rbac(where, docs, namespace, p)
-    check_driver(where, docs, p, attacher)
+    check_driver(where, docs, p, attacher, kubelet_dirs, allow_taints)
 
 
 # Values in the style of the Go driver's chart, including keys this chart does not use
@@ -444,10 +461,24 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         ("helm existing configmap", {"security": {"enabled": True, "existingConfigMap": "sec"},
                                      "metrics": {"port": 9400}}, False, {"sec"}),
     ]
+    mk8s = "/var/snap/microk8s/common/var/lib/kubelet"
+    cases.append(("helm microk8s, no tolerations",
+                  {"node": {"tolerations": [],
+                            "volumes": {"plugins_dir": f"{mk8s}/plugins",
+                                        "pods_mount_dir": f"{mk8s}/pods",
+                                        "registration_dir": f"{mk8s}/plugins_registry"}}},
+                  False, set()))
     for where, values, attacher, external in cases:
         docs = render_helm(copy.deepcopy(values))
-        check_set(where, docs, "csi", p, flags, attacher, external)
+        vols = values.get("node", {}).get("volumes", {})
+        dirs = (vols.get("plugins_dir", KUBELET_DIRS[0]), vols.get("pods_mount_dir", KUBELET_DIRS[1]))
+        allow_taints = values.get("node", {}).get("tolerations") == []
+        check_set(where, docs, "csi", p, flags, attacher, external, dirs, allow_taints)
         print(f"{where}: {len(docs)} objects")
+        if allow_taints:
+            for d in by_kind(docs, "DaemonSet"):
+                if pod_spec(d).get("tolerations"):
+                    p.add(where, f"{name_of(d)}: node.tolerations [] must leave no tolerations")
 
     # Value-driven details that must show up in the output.
     docs = render_helm(copy.deepcopy(FULL_VALUES))
