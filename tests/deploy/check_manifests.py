@@ -241,7 +241,8 @@ KUBELET_DIRS = ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods")
 
 
 def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False,
-                 kubelet_dirs: tuple[str, ...] = KUBELET_DIRS, allow_taints: bool = False) -> None:
+                 kubelet_dirs: tuple[str, ...] = KUBELET_DIRS, allow_taints: bool = False,
+                 fs_group_policy: str = "None") -> None:
     """The CSI-specific shape: one driver name everywhere, handover-friendly node layout."""
     drivers = by_kind(docs, "CSIDriver")
     if len(drivers) != 1:
@@ -254,8 +255,8 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
         p.add(where, f"CSIDriver attachRequired should be {attacher}")
     if spec.get("podInfoOnMount") is not True:
         p.add(where, "CSIDriver podInfoOnMount should be true")
-    if spec.get("fsGroupPolicy") != "File":
-        p.add(where, "CSIDriver fsGroupPolicy should be File")
+    if spec.get("fsGroupPolicy") != fs_group_policy:
+        p.add(where, f"CSIDriver fsGroupPolicy should be {fs_group_policy}, is {spec.get('fsGroupPolicy')}")
     for sc in by_kind(docs, "StorageClass"):
         if sc["provisioner"] != name:
             p.add(where, f"StorageClass {name_of(sc)} provisioner {sc['provisioner']} != {name}")
@@ -375,14 +376,14 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
 def check_set(where: str, docs: list[Doc], namespace: str, p: Problems,
               flags: dict[str, set[str]] | None, attacher: bool = False,
               external: set[str] = frozenset(), kubelet_dirs: tuple[str, ...] = KUBELET_DIRS,
-              allow_taints: bool = False) -> None:
+              allow_taints: bool = False, fs_group_policy: str = "None") -> None:
     if not docs:
         p.add(where, "rendered nothing")
         return
     schema_validate(where, docs, p)
     check_workloads(where, docs, p, flags, set(external))
     check_rbac(where, docs, namespace, p)
-    check_driver(where, docs, p, attacher, kubelet_dirs, allow_taints)
+    check_driver(where, docs, p, attacher, kubelet_dirs, allow_taints, fs_group_policy)
 
 
 # Values in the style of the Go driver's chart, including keys this chart does not use
@@ -420,6 +421,7 @@ FULL_VALUES = {
                          "pods_mount_dir": "/var/lib/k0s/kubelet/pods",
                          "registration_dir": "/var/lib/k0s/kubelet/plugins_registry"}},
     "controller": {"replicas": 2, "tolerations": [{"operator": "Exists"}]},
+    "fsGroupPolicy": "File",
 }
 
 
@@ -473,7 +475,8 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         vols = values.get("node", {}).get("volumes", {})
         dirs = (vols.get("plugins_dir", KUBELET_DIRS[0]), vols.get("pods_mount_dir", KUBELET_DIRS[1]))
         allow_taints = values.get("node", {}).get("tolerations") == []
-        check_set(where, docs, "csi", p, flags, attacher, external, dirs, allow_taints)
+        check_set(where, docs, "csi", p, flags, attacher, external, dirs, allow_taints,
+                  values.get("fsGroupPolicy", "None"))
         print(f"{where}: {len(docs)} objects")
         if allow_taints:
             for d in by_kind(docs, "DaemonSet"):
