@@ -73,10 +73,17 @@ fn run_checker(flags_json: Option<&Path>) -> String {
     // It really rendered the chart and the base (not an empty run).
     assert!(stdout.contains("helm full values: 16 objects"), "{stdout}");
     assert!(stdout.contains("kustomize base: 15 objects"), "{stdout}");
+    // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json).
+    assert!(
+        stdout.contains("upgrade from Go chart: 2 cases"),
+        "{stdout}"
+    );
     stdout
 }
 
-/// Schemas (Kubernetes 1.26 and the newest bundled), references, handover layout, Helm values.
+/// Schemas (Kubernetes 1.26 and the newest bundled), references, handover layout, Helm values,
+/// and `helm upgrade` from a release of the Go driver's chart: immutable fields (selectors,
+/// StorageClass, roleRefs) equal to the Go chart's, and the CSIDriver check stopping early.
 #[test]
 fn manifests_render_and_validate() {
     run_checker(None);

@@ -63,11 +63,13 @@ def render_kustomize(path: str) -> list[Doc]:
     return load_docs(out.stdout)
 
 
-def render_helm(values: dict[str, Any], namespace: str = "csi") -> list[Doc]:
+def render_helm(values: dict[str, Any], namespace: str = "csi", chart_dir: str = CHART,
+                release: str = "swfs", is_upgrade: bool = False) -> list[Doc]:
     import helm_python as helm
 
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="swfs", namespace=namespace, is_install=True)
+    with helm.Chart.load(chart_dir) as chart:
+        out = chart.render(values, name=release, namespace=namespace,
+                           is_install=not is_upgrade, is_upgrade=is_upgrade)
     docs: list[Doc] = []
     for name in sorted(out):
         if name.endswith(".yaml"):
@@ -524,6 +526,163 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     return p
 
 
+# --- helm upgrade from a release installed with the Go driver's chart -------------------------
+#
+# The API server refuses to change some fields; `helm upgrade` then stops half-way. The facts
+# about the Go chart (which objects it makes and their immutable fields, for a release name and
+# values) are data in go_chart_immutable.json, so CI needs no network. To re-derive them from a
+# checkout of the Go chart: check_manifests.py --go-chart DIR --write-go-fixture.
+
+GO_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "go_chart_immutable.json")
+# API defaults of fields a chart may leave unset (what a live object has).
+CSIDRIVER_DEFAULTS = {"attachRequired": True, "podInfoOnMount": False,
+                      "fsGroupPolicy": "ReadWriteOnceWithFSType",
+                      "volumeLifecycleModes": ["Persistent"]}
+
+
+def immutable_fields(d: Doc) -> dict[str, Any] | None:
+    """The fields of an object that `kubectl apply`/`helm upgrade` cannot change in place."""
+    kind, spec = d.get("kind"), d.get("spec", {})
+    if kind in ("Deployment", "DaemonSet", "ReplicaSet"):
+        return {"spec.selector": spec.get("selector")}
+    if kind == "StatefulSet":
+        return {"spec.selector": spec.get("selector"), "spec.serviceName": spec.get("serviceName"),
+                "spec.volumeClaimTemplates": spec.get("volumeClaimTemplates", []),
+                "spec.podManagementPolicy": spec.get("podManagementPolicy", "OrderedReady")}
+    if kind == "CSIDriver":
+        # all four immutable before Kubernetes 1.29; fsGroupPolicy and podInfoOnMount since.
+        return {f"spec.{k}": spec.get(k, dflt) for k, dflt in CSIDRIVER_DEFAULTS.items()}
+    if kind == "StorageClass":
+        return {"provisioner": d.get("provisioner"), "parameters": d.get("parameters") or {},
+                "reclaimPolicy": d.get("reclaimPolicy", "Delete"),
+                "volumeBindingMode": d.get("volumeBindingMode", "Immediate")}
+    if kind in ("RoleBinding", "ClusterRoleBinding"):
+        return {"roleRef": d.get("roleRef")}
+    if kind == "Service":
+        return {"spec.type": spec.get("type", "ClusterIP"), "spec.clusterIP": spec.get("clusterIP")}
+    if kind in ("Secret", "ConfigMap") and d.get("immutable"):
+        return {"data": d.get("data"), "stringData": d.get("stringData")}
+    return None
+
+
+def immutable_facts(docs: list[Doc]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in docs:
+        f = immutable_fields(d)
+        if f is not None:
+            out[f"{d['kind']}/{name_of(d)}"] = f
+    return out
+
+
+def load_go_fixture() -> dict[str, Any]:
+    with open(GO_FIXTURE) as f:
+        return json.load(f)
+
+
+LOOKUP = 'lookup "storage.k8s.io/v1" "CSIDriver" "" .Values.driverName'
+KUBE_VERSION = ".Capabilities.KubeVersion.Version"
+
+
+def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> str | None:
+    """Render a copy of our chart in which csidriver.yaml's `lookup` of the live CSIDriver
+    returns `live` (offline rendering has no cluster, so lookup is empty) and the cluster
+    version is `kube_version`. None = rendered, else the failure message."""
+    import tempfile
+    import shutil
+    import helm_python as helm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = os.path.join(tmp, "seaweedfs-csi-driver")
+        shutil.copytree(CHART, chart)
+        path = os.path.join(chart, "templates", "csidriver.yaml")
+        text = open(path).read()
+        if LOOKUP not in text or KUBE_VERSION not in text:
+            return "csidriver.yaml does not look up the live CSIDriver and the cluster version"
+        text = text.replace(LOOKUP, "fromJson `" + json.dumps(live) + "`")
+        text = text.replace(KUBE_VERSION, f'"{kube_version}"')
+        with open(path, "w") as f:
+            f.write(text)
+        try:
+            with helm.Chart.load(chart) as c:
+                c.render(values, name="r", namespace="default", is_upgrade=True)
+        except Exception as e:  # HelmRenderError
+            return str(e)
+    return None
+
+
+def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
+    fx = load_go_fixture()
+    for case in fx["cases"]:
+        rel, values = case["release"], case["values"]
+        where = f"upgrade from Go chart (release {rel})"
+        go = case["immutable"]
+        if go_chart:
+            # The fixture must still say what the Go chart renders.
+            fresh = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
+                                                go_chart, rel))
+            if fresh != go:
+                p.add(where, f"go_chart_immutable.json is stale for {go_chart}: "
+                             f"{json.dumps(fresh, sort_keys=True)}")
+        ours = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
+                                           release=rel, is_upgrade=True))
+        for key, want in go.items():
+            if key not in ours:
+                print(f"{where}: {key} is removed by the upgrade")
+                continue
+            if key.startswith("CSIDriver/"):
+                continue  # checked below against the live object
+            if ours[key] != want:
+                p.add(where, f"{key}: immutable fields differ, the upgrade would fail: "
+                             f"Go chart {json.dumps(want, sort_keys=True)}, ours "
+                             f"{json.dumps(ours[key], sort_keys=True)}")
+        # CSIDriver: either identical where immutable, or the chart stops before changing
+        # anything, with the one command that fixes it.
+        csid = [k for k in go if k.startswith("CSIDriver/")]
+        for key in csid:
+            live_spec = {k.removeprefix("spec."): v for k, v in go[key].items()}
+            live = {"apiVersion": "storage.k8s.io/v1", "kind": "CSIDriver",
+                    "metadata": {"name": key.split("/", 1)[1]}, "spec": live_spec}
+            for kv, immutable in (("v1.28.0", ["attachRequired", "volumeLifecycleModes",
+                                               "fsGroupPolicy", "podInfoOnMount"]),
+                                  ("v1.30.0", ["attachRequired", "volumeLifecycleModes"])):
+                differs = [f for f in immutable if ours[key][f"spec.{f}"] != live_spec[f]]
+                err = live_check_render(copy.deepcopy(values), live, kv)
+                expect = case["expect_csidriver_conflict"][kv]
+                if sorted(differs) != sorted(expect):
+                    p.add(where, f"Kubernetes {kv}: CSIDriver immutable fields that differ "
+                                 f"are {differs}, fixture expects {expect}")
+                if differs and (err is None or f"`kubectl delete csidriver {live['metadata']['name']}`"
+                                not in err or not all(f in err for f in differs)):
+                    p.add(where, f"Kubernetes {kv}: CSIDriver {differs} differ but the chart "
+                                 f"did not stop with the fix: {err}")
+                if not differs and err is not None:
+                    p.add(where, f"Kubernetes {kv}: CSIDriver matches but the chart failed: {err}")
+                print(f"{where}, Kubernetes {kv}: CSIDriver "
+                      + (f"stops early on {differs}" if differs else "upgrades in place"))
+        # and with the cluster's settings kept (the message's alternative), it goes through
+        for key in csid:
+            live_spec = {k.removeprefix("spec."): v for k, v in go[key].items()}
+            keep = copy.deepcopy(values)
+            keep.setdefault("csiAttacher", {})["enabled"] = live_spec["attachRequired"]
+            keep["fsGroupPolicy"] = live_spec["fsGroupPolicy"]
+            err = live_check_render(keep, {"spec": live_spec}, "v1.28.0")
+            if err is not None:
+                p.add(where, f"keeping the cluster's CSIDriver settings still fails: {err}")
+    print(f"upgrade from Go chart: {len(fx['cases'])} cases, source {fx['source']['commit'][:7]}")
+
+
+def write_go_fixture(go_chart: str) -> None:
+    """Regenerate go_chart_immutable.json from a checkout of the Go chart."""
+    old = load_go_fixture()
+    for case in old["cases"]:
+        case["immutable"] = immutable_facts(render_helm(copy.deepcopy(case["values"]),
+                                                        case["namespace"], go_chart,
+                                                        case["release"]))
+    with open(GO_FIXTURE, "w") as f:
+        json.dump(old, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
 def self_test() -> list[str]:
     """The checker must catch what it claims to: break a good render on purpose."""
     failures = []
@@ -563,12 +722,24 @@ def self_test() -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flags-json", help='{"driver": [...], "keeper": [...]} accepted by the binary')
+    ap.add_argument("--go-chart", default=os.environ.get("GO_CSI_CHART"),
+                    help="a checkout of the Go driver's chart (deploy/helm/seaweedfs-csi-driver) "
+                         "to check go_chart_immutable.json against (env GO_CSI_CHART)")
+    ap.add_argument("--write-go-fixture", action="store_true")
     args = ap.parse_args()
+    if args.write_go_fixture:
+        write_go_fixture(args.go_chart)
+        return 0
     flags = None
     if args.flags_json:
         raw = json.load(open(args.flags_json))
         flags = {k: set(v) for k, v in raw.items()}
-    problems = run(flags).items + self_test()
+    p = run(flags)
+    check_go_upgrade(p, args.go_chart)
+    if not args.go_chart:
+        print("SKIP Go chart cross-check: no checkout given (--go-chart DIR or GO_CSI_CHART); "
+              "go_chart_immutable.json is trusted as is")
+    problems = p.items + self_test()
     for line in problems:
         print("PROBLEM", line)
     print(f"{len(problems)} problems")
