@@ -73,6 +73,10 @@ fn run_checker(flags_json: Option<&Path>) -> String {
     // It really rendered the chart and the base (not an empty run).
     assert!(stdout.contains("helm full values: 16 objects"), "{stdout}");
     assert!(stdout.contains("kustomize base: 15 objects"), "{stdout}");
+    assert!(
+        stdout.contains("helm values schema: 10 misspelled/invalid value sets rejected"),
+        "{stdout}"
+    );
     // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json).
     assert!(
         stdout.contains("upgrade from Go chart: 2 cases"),

@@ -63,6 +63,9 @@ def render_kustomize(path: str) -> list[Doc]:
     return load_docs(out.stdout)
 
 
+LAST_NOTES = ""
+
+
 def render_helm(values: dict[str, Any], namespace: str = "csi", chart_dir: str = CHART,
                 release: str = "swfs", is_upgrade: bool = False) -> list[Doc]:
     import helm_python as helm
@@ -70,6 +73,8 @@ def render_helm(values: dict[str, Any], namespace: str = "csi", chart_dir: str =
     with helm.Chart.load(chart_dir) as chart:
         out = chart.render(values, name=release, namespace=namespace,
                            is_install=not is_upgrade, is_upgrade=is_upgrade)
+    global LAST_NOTES
+    LAST_NOTES = next((out[n] for n in out if n.endswith("NOTES.txt")), "")
     docs: list[Doc] = []
     for name in sorted(out):
         if name.endswith(".yaml"):
@@ -400,7 +405,11 @@ GO_STYLE_VALUES = {
     "imagePullSecrets": [{"name": "mycredentials"}],
     "csiSnapshotter": {"enabled": False},
     "mountService": {"enabled": True, "image": "chrislusf/seaweedfs-mount"},
-    "node": {"hostPID": True, "injectTopologyInfoFromNodeLabel": {"enabled": False}},
+    "node": {"hostPID": True, "injectTopologyInfoFromNodeLabel": {"enabled": False},
+             "mountEndpoint": "", "mountSocketDir": "", "mountHostPath": "",
+             "livenessProbe": {"failureThreshold": None, "initialDelaySeconds": 10,
+                               "timeoutSeconds": 3, "periodSeconds": 60}},
+    "controller": {"replicas": 1, "resources": {}, "affinity": {}},
     "dataLocality": "none",
 }
 
@@ -516,6 +525,33 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
 
+    # values.schema.json: the Go chart's retired values are accepted and NOTES.txt warns about
+    # each one; misspelled or unknown values are rejected before anything renders.
+    render_helm(copy.deepcopy(GO_STYLE_VALUES))
+    retired = ["mountService", "csiSnapshotter", "node.mountEndpoint", "node.mountSocketDir",
+               "node.mountHostPath", "node.injectTopologyInfoFromNodeLabel"]
+    if "WARNING" not in LAST_NOTES or not all(r in LAST_NOTES for r in retired):
+        p.add("helm go-style values", f"NOTES.txt must warn about {retired}: {LAST_NOTES}")
+    render_helm({"seaweedfsFiler": "filer:8888"})
+    if "WARNING" in LAST_NOTES:
+        p.add("helm defaults", f"NOTES.txt warns without retired values: {LAST_NOTES}")
+    if "Metrics:" not in LAST_NOTES:
+        p.add("helm defaults", "NOTES.txt did not render")
+    misspelled = [{"seaweedfsFiller": "f:8888"}, {"nodes": {}}, {"node": {"tolerationz": []}},
+                  {"node": {"volumes": {"plugin_dir": "/x"}}}, {"csiAttacher": {"enable": True}},
+                  {"controller": {"replica": 2}}, {"metrics": {"prot": 1}},
+                  {"fsGroupPolicy": "file"}, {"concurrentWriters": 0},
+                  {"node": {"volumes": {"plugins_dir": "relative/path"}}}]
+    for bad in misspelled:
+        try:
+            render_helm(copy.deepcopy(bad))
+            p.add("helm values schema", f"{bad} was accepted")
+        except Exception as e:
+            if "values don't meet the specifications of the schema" not in str(e):
+                p.add("helm values schema", f"{bad} failed for another reason: {e}")
+    print(f"helm values schema: {len(misspelled)} misspelled/invalid value sets rejected, "
+          f"{len(retired)} retired Go values warned about")
+
     # Misconfiguration must fail loudly, not render something half-right.
     try:
         render_helm({"security": {"enabled": True}})
@@ -612,6 +648,15 @@ def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> s
 
 def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
     fx = load_go_fixture()
+    if go_chart:
+        # A values file copied from the Go chart passes our schema and renders.
+        with open(os.path.join(go_chart, "values.yaml")) as f:
+            go_values = yaml.safe_load(f)
+        try:
+            render_helm(go_values)
+            print("Go chart's values.yaml: accepted")
+        except Exception as e:
+            p.add("Go chart's values.yaml", f"rejected by our chart: {e}")
     for case in fx["cases"]:
         rel, values = case["release"], case["values"]
         where = f"upgrade from Go chart (release {rel})"
