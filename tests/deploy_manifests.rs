@@ -77,6 +77,13 @@ fn run_checker(flags_json: Option<&Path>) -> String {
         stdout.contains("helm values schema: 10 misspelled/invalid value sets rejected"),
         "{stdout}"
     );
+    assert!(
+        stdout.contains(
+            "helm monitoring: PodMonitor/swfs, Service/swfs-controller-metrics, \
+             Service/swfs-node-metrics, ServiceMonitor/swfs"
+        ),
+        "{stdout}"
+    );
     // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json).
     assert!(
         stdout.contains("upgrade from Go chart: 2 cases"),

@@ -97,6 +97,8 @@ def schema_validate(where: str, docs: list[Doc], p: Problems) -> None:
         v = kubernetes_validate.latest_version() if version == "latest" else version
         for d in docs:
             ident = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+            if d.get("apiVersion", "").startswith("monitoring.coreos.com/"):
+                continue  # a CRD's kind: no bundled schema; check_monitoring checks it
             try:
                 kubernetes_validate.validate(d, v, strict=True)
             except kubernetes_validate.ValidationError as e:
@@ -525,6 +527,32 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
 
+    # Monitoring: off by default; on, the objects find the pods and their metrics port.
+    kinds = {d["kind"] for d in render_helm({"seaweedfsFiler": "filer:8888"})}
+    if kinds & {"Service", "ServiceMonitor", "PodMonitor"}:
+        p.add("helm defaults", f"monitoring objects rendered while off: {sorted(kinds)}")
+    mon = render_helm({"metrics": {"serviceMonitor": {"enabled": True,
+                                                      "labels": {"release": "kps"}},
+                                   "podMonitor": {"enabled": True}}})
+    check_set("helm monitoring", mon, "csi", p, flags)
+    check_monitoring("helm monitoring", mon, p)
+    got = sorted(f"{d['kind']}/{name_of(d)}" for d in mon
+                 if d["kind"] in ("Service", "ServiceMonitor", "PodMonitor"))
+    want = ["PodMonitor/swfs", "Service/swfs-controller-metrics", "Service/swfs-node-metrics",
+            "ServiceMonitor/swfs"]
+    if got != want:
+        p.add("helm monitoring", f"monitoring objects {got}, want {want}")
+    elif next(d for d in mon if d["kind"] == "ServiceMonitor")["metadata"]["labels"].get(
+            "release") != "kps":
+        p.add("helm monitoring", "serviceMonitor.labels not applied")
+    print(f"helm monitoring: {', '.join(got)}")
+    try:
+        render_helm({"metrics": {"port": 0, "podMonitor": {"enabled": True}}})
+        p.add("helm monitoring", "podMonitor with metrics.port 0 rendered")
+    except Exception as e:
+        if "need metrics.port" not in str(e):
+            p.add("helm monitoring", f"failed for another reason: {e}")
+
     # values.schema.json: the Go chart's retired values are accepted and NOTES.txt warns about
     # each one; misspelled or unknown values are rejected before anything renders.
     render_helm(copy.deepcopy(GO_STYLE_VALUES))
@@ -560,6 +588,55 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         if "security.enabled needs" not in str(e):
             p.add("helm", f"security.enabled without a source failed for the wrong reason: {e}")
     return p
+
+
+def labels_match(sel: Doc, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def check_monitoring(where: str, docs: list[Doc], p: Problems) -> None:
+    """Service -> pods (named port), ServiceMonitor -> Services, PodMonitor -> pods."""
+    pods = {name_of(d): d for d in by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")}
+    metric_pods = [d for n, d in pods.items() if n.endswith(("-node", "-controller"))]
+
+    def ports(d: Doc) -> set[str]:
+        return {q.get("name") for c in pod_spec(d)["containers"] for q in c.get("ports", [])}
+
+    def tlabels(d: Doc) -> dict[str, str]:
+        return d["spec"]["template"]["metadata"]["labels"]
+
+    services = by_kind(docs, "Service")
+    for s in services:
+        hit = [d for d in pods.values() if labels_match({"matchLabels": s["spec"]["selector"]},
+                                                         tlabels(d))]
+        if len(hit) != 1:
+            p.add(where, f"Service {name_of(s)} selects {len(hit)} workloads, want 1")
+        for port in s["spec"]["ports"]:
+            if hit and port.get("targetPort") not in ports(hit[0]):
+                p.add(where, f"Service {name_of(s)} targetPort {port.get('targetPort')} "
+                             f"is not a named port of {name_of(hit[0])}")
+    for sm in by_kind(docs, "ServiceMonitor"):
+        got = [s for s in services if labels_match(sm["spec"]["selector"],
+                                                   s["metadata"].get("labels", {}))]
+        if len(got) != len(metric_pods) or not got:
+            p.add(where, f"ServiceMonitor selects {len(got)} Services, want {len(metric_pods)}")
+        names = {q["name"] for s in got for q in s["spec"]["ports"]}
+        for e in sm["spec"]["endpoints"]:
+            if e["port"] not in names:
+                p.add(where, f"ServiceMonitor endpoint port {e['port']} is on no Service")
+    for pm in by_kind(docs, "PodMonitor"):
+        got = [d for d in pods.values() if labels_match(pm["spec"]["selector"], tlabels(d))]
+        if sorted(map(name_of, got)) != sorted(map(name_of, metric_pods)):
+            p.add(where, f"PodMonitor selects {sorted(map(name_of, got))}")
+        for e in pm["spec"]["podMetricsEndpoints"]:
+            for d in got:
+                if e["port"] not in ports(d):
+                    p.add(where, f"PodMonitor port {e['port']} is not a named port of {name_of(d)}")
 
 
 # --- helm upgrade from a release installed with the Go driver's chart -------------------------
