@@ -37,6 +37,9 @@ impl Hist {
     }
 }
 
+/// (family, label value, volume) of one histogram series.
+type SeriesKey = (&'static str, &'static str, Option<Arc<str>>);
+
 /// Appends metric lines at scrape time.
 pub type Collector = Box<dyn Fn(&mut String) + Send + Sync>;
 
@@ -49,7 +52,7 @@ pub struct Metrics {
     /// (family, label value, volume) -> histogram (FUSE ops per volume, filer RPCs,
     /// volume-server requests). Keys borrow static strings and share the session's volume
     /// name, so recording allocates nothing after a series' first observation.
-    hists: Mutex<BTreeMap<(&'static str, &'static str, Option<Arc<str>>), Hist>>,
+    hists: Mutex<BTreeMap<SeriesKey, Hist>>,
     /// Gauges/counters supplied by sessions at render time.
     collectors: Mutex<Vec<Collector>>,
 }
