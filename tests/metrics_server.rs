@@ -50,6 +50,67 @@ fn sample(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Every metric the Grafana dashboard (deploy/grafana) queries is a series of this scrape (a
+/// real driver with a staged, used volume), and every label it groups or filters by (other
+/// than `pod` and `le`, which Prometheus and histograms add) is a label of those series.
+fn assert_dashboard_queries_exist(scrape: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/grafana/seaweedfs-csi-driver.json");
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().expect("panels") {
+        for t in p["targets"].as_array().expect("targets") {
+            exprs.push(t["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = v["definition"].as_str() {
+            exprs.push(q.to_string());
+        }
+    }
+    assert!(exprs.len() >= 15, "{exprs:?}");
+    let series: std::collections::BTreeSet<&str> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap())
+        .collect();
+    let mut names = std::collections::BTreeSet::new();
+    for e in &exprs {
+        let mut rest = e.as_str();
+        while let Some(i) = rest.find("seaweedfs_csi_") {
+            let n: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[i + n.len()..];
+            names.insert(n);
+        }
+        // labels in `by (...)` and `{label=~...}`
+        for part in e.split("by (").skip(1) {
+            for l in part.split(')').next().unwrap().split(',') {
+                let l = l.trim();
+                if l != "pod" && l != "le" {
+                    assert!(
+                        scrape.contains(&format!("{{{l}=\""))
+                            || scrape.contains(&format!(",{l}=\"")),
+                        "dashboard groups by {l}, which no series has: {e}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 15, "{names:?}");
+    for n in &names {
+        assert!(
+            series.contains(n.as_str()),
+            "the dashboard queries {n}, which the driver does not serve:\n{scrape}"
+        );
+    }
+    // the per-volume panels really have a volume to show
+    assert!(scrape.contains(r#"seaweedfs_csi_fuse_op_seconds_count{op="write",volume=""#));
+}
+
 /// Every non-comment line is `name{...} number`, and every family has HELP and TYPE.
 fn assert_exposition_format(text: &str) {
     for l in text.lines().filter(|l| !l.is_empty()) {
@@ -103,22 +164,22 @@ async fn scrape_sees_ops_and_health() {
         .await
         .unwrap();
     assert_eq!(before_status, 200);
-    let count = r#"seaweedfs_csi_fuse_op_seconds_count{op="mknod"}"#;
-    let errors = r#"seaweedfs_csi_fuse_op_errors_total{op="mknod"}"#;
-    let fast = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",le="0.5"}"#;
+    let count = r#"seaweedfs_csi_fuse_op_seconds_count{op="mknod",volume="/t/\"q\""}"#;
+    let errors = r#"seaweedfs_csi_fuse_op_errors_total{op="mknod",volume="/t/\"q\""}"#;
+    let fast = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",volume="/t/\"q\"",le="0.5"}"#;
     let c0 = sample(&before, count);
     let e0 = sample(&before, errors);
     let f0 = sample(&before, fast);
 
     for i in 0..3 {
-        let t = metrics::fuse_op("mknod");
+        let t = metrics::fuse_op("mknod", r#"/t/"q""#.into());
         if i == 0 {
             t.failed();
         }
     }
     {
         // one slow op lands above the 0.5 s bucket but inside +Inf
-        let _t = metrics::fuse_op("mknod");
+        let _t = metrics::fuse_op("mknod", r#"/t/"q""#.into());
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
     metrics::global().upload_done(true);
@@ -135,9 +196,14 @@ async fn scrape_sees_ops_and_health() {
         3.0,
         "the slow op must not be in le=0.5"
     );
-    let inf = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",le="+Inf"}"#;
+    let inf = r#"seaweedfs_csi_fuse_op_seconds_bucket{op="mknod",volume="/t/\"q\"",le="+Inf"}"#;
     assert_eq!(sample(&after, inf), sample(&after, count));
-    assert!(sample(&after, r#"seaweedfs_csi_fuse_op_seconds_sum{op="mknod"}"#) >= 0.6);
+    assert!(
+        sample(
+            &after,
+            r#"seaweedfs_csi_fuse_op_seconds_sum{op="mknod",volume="/t/\"q\""}"#
+        ) >= 0.6
+    );
     assert!(sample(&after, "seaweedfs_csi_uploads_total") >= 1.0);
     assert!(sample(&after, "seaweedfs_csi_upload_errors_total") >= 1.0);
     assert_exposition_format(&after);
@@ -288,7 +354,8 @@ async fn real_mount_moves_the_numbers() {
         .await
         .unwrap();
     for op in ["create", "write", "flush", "release"] {
-        let series = format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\"}}");
+        let series =
+            format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\",volume=\"/metricstest\"}}");
         assert!(
             sample(&after, &series) > sample(&before, &series),
             "{series} did not move"
@@ -363,7 +430,10 @@ async fn driver_serves_metrics_on_its_port() {
         "{during}"
     );
     for op in ["create", "write", "read"] {
-        let series = format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\"}}");
+        // labelled by the volume: its filer path
+        let series = format!(
+            "seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\",volume=\"/buckets/pvc-metrics\"}}"
+        );
         assert!(
             sample(&during, &series) >= 1.0,
             "{series} not counted:\n{during}"
@@ -371,6 +441,7 @@ async fn driver_serves_metrics_on_its_port() {
     }
     assert!(sample(&during, "seaweedfs_csi_uploads_total") >= 1.0);
     assert_exposition_format(&during);
+    assert_dashboard_queries_exist(&during);
 
     pod.unpublish_and_unstage(&c).await;
     let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)

@@ -24,6 +24,8 @@ pub struct FuseAdapter {
     rt: tokio::runtime::Handle,
     init_hook: Option<InitHook>,
     gate: Arc<Gate>,
+    /// The volume label of this session's FUSE op metrics (the filer path).
+    volume: Arc<str>,
 }
 
 /// Lets a handover stop answering new requests: once closed, requests are left unanswered
@@ -66,6 +68,7 @@ impl Gate {
 impl FuseAdapter {
     pub fn new(fs: Arc<Fs>, rt: tokio::runtime::Handle, init_hook: Option<InitHook>) -> Self {
         FuseAdapter {
+            volume: fs.cfg.root.as_str().into(),
             fs,
             rt,
             init_hook,
@@ -176,8 +179,9 @@ macro_rules! run {
         }
         let $fs = $self.fs.clone();
         let gate = $self.gate.clone();
+        let volume = $self.volume.clone();
         $self.dispatch(async move {
-            let _timer = crate::metrics::fuse_op($op);
+            let _timer = crate::metrics::fuse_op($op, volume);
             match $body {
                 Ok($v) => $ok,
                 Err(e) => {

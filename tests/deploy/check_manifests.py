@@ -63,11 +63,18 @@ def render_kustomize(path: str) -> list[Doc]:
     return load_docs(out.stdout)
 
 
-def render_helm(values: dict[str, Any], namespace: str = "csi") -> list[Doc]:
+LAST_NOTES = ""
+
+
+def render_helm(values: dict[str, Any], namespace: str = "csi", chart_dir: str = CHART,
+                release: str = "swfs", is_upgrade: bool = False) -> list[Doc]:
     import helm_python as helm
 
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="swfs", namespace=namespace, is_install=True)
+    with helm.Chart.load(chart_dir) as chart:
+        out = chart.render(values, name=release, namespace=namespace,
+                           is_install=not is_upgrade, is_upgrade=is_upgrade)
+    global LAST_NOTES
+    LAST_NOTES = next((out[n] for n in out if n.endswith("NOTES.txt")), "")
     docs: list[Doc] = []
     for name in sorted(out):
         if name.endswith(".yaml"):
@@ -90,6 +97,8 @@ def schema_validate(where: str, docs: list[Doc], p: Problems) -> None:
         v = kubernetes_validate.latest_version() if version == "latest" else version
         for d in docs:
             ident = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+            if d.get("apiVersion", "").startswith("monitoring.coreos.com/"):
+                continue  # a CRD's kind: no bundled schema; check_monitoring checks it
             try:
                 kubernetes_validate.validate(d, v, strict=True)
             except kubernetes_validate.ValidationError as e:
@@ -237,7 +246,12 @@ def host_path(d: Doc, mount_path: str, c: Doc) -> str | None:
     return None
 
 
-def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False) -> None:
+KUBELET_DIRS = ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods")
+
+
+def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = False,
+                 kubelet_dirs: tuple[str, ...] = KUBELET_DIRS, allow_taints: bool = False,
+                 fs_group_policy: str = "None") -> None:
     """The CSI-specific shape: one driver name everywhere, handover-friendly node layout."""
     drivers = by_kind(docs, "CSIDriver")
     if len(drivers) != 1:
@@ -250,8 +264,8 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
         p.add(where, f"CSIDriver attachRequired should be {attacher}")
     if spec.get("podInfoOnMount") is not True:
         p.add(where, "CSIDriver podInfoOnMount should be true")
-    if spec.get("fsGroupPolicy") != "File":
-        p.add(where, "CSIDriver fsGroupPolicy should be File")
+    if spec.get("fsGroupPolicy") != fs_group_policy:
+        p.add(where, f"CSIDriver fsGroupPolicy should be {fs_group_policy}, is {spec.get('fsGroupPolicy')}")
     for sc in by_kind(docs, "StorageClass"):
         if sc["provisioner"] != name:
             p.add(where, f"StorageClass {name_of(sc)} provisioner {sc['provisioner']} != {name}")
@@ -308,9 +322,21 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
     if arg_value(plugin, "--components") != "node":
         p.add(where, "node must run --components=node")
     props = {m["mountPath"]: m.get("mountPropagation") for m in plugin.get("volumeMounts", [])}
-    for path in ("/var/lib/kubelet/plugins", "/var/lib/kubelet/pods"):
+    nvols = {v["name"]: v for v in nspec.get("volumes", [])}
+    for m in plugin.get("volumeMounts", []):
+        if m.get("mountPropagation") != "Bidirectional":
+            continue
+        hp = nvols.get(m["name"], {}).get("hostPath", {}).get("path")
+        # kubelet passes staging/target paths in host terms: the plugin must see them there.
+        if hp != m["mountPath"]:
+            p.add(where, f"node plugin mounts host {hp} at {m['mountPath']}: kubelet paths "
+                         "must be mounted at the same path inside")
+    for path in kubelet_dirs:
         if props.get(path) != "Bidirectional":
             p.add(where, f"node plugin needs {path} with Bidirectional propagation")
+    for d in (node, keeper):
+        if {"operator": "Exists"} not in (pod_spec(d).get("tolerations") or []) and not allow_taints:
+            p.add(where, f"{name_of(d)} must tolerate every taint (operator: Exists)")
     if "/dev" not in props:
         p.add(where, "node plugin needs /dev")
     for probe in ("livenessProbe", "readinessProbe"):
@@ -358,14 +384,15 @@ def check_driver(where: str, docs: list[Doc], p: Problems, attacher: bool = Fals
 
 def check_set(where: str, docs: list[Doc], namespace: str, p: Problems,
               flags: dict[str, set[str]] | None, attacher: bool = False,
-              external: set[str] = frozenset()) -> None:
+              external: set[str] = frozenset(), kubelet_dirs: tuple[str, ...] = KUBELET_DIRS,
+              allow_taints: bool = False, fs_group_policy: str = "None") -> None:
     if not docs:
         p.add(where, "rendered nothing")
         return
     schema_validate(where, docs, p)
     check_workloads(where, docs, p, flags, set(external))
     check_rbac(where, docs, namespace, p)
-    check_driver(where, docs, p, attacher)
+    check_driver(where, docs, p, attacher, kubelet_dirs, allow_taints, fs_group_policy)
 
 
 # Values in the style of the Go driver's chart, including keys this chart does not use
@@ -380,7 +407,11 @@ GO_STYLE_VALUES = {
     "imagePullSecrets": [{"name": "mycredentials"}],
     "csiSnapshotter": {"enabled": False},
     "mountService": {"enabled": True, "image": "chrislusf/seaweedfs-mount"},
-    "node": {"hostPID": True, "injectTopologyInfoFromNodeLabel": {"enabled": False}},
+    "node": {"hostPID": True, "injectTopologyInfoFromNodeLabel": {"enabled": False},
+             "mountEndpoint": "", "mountSocketDir": "", "mountHostPath": "",
+             "livenessProbe": {"failureThreshold": None, "initialDelaySeconds": 10,
+                               "timeoutSeconds": 3, "periodSeconds": 60}},
+    "controller": {"replicas": 1, "resources": {}, "affinity": {}},
     "dataLocality": "none",
 }
 
@@ -403,6 +434,7 @@ FULL_VALUES = {
                          "pods_mount_dir": "/var/lib/k0s/kubelet/pods",
                          "registration_dir": "/var/lib/k0s/kubelet/plugins_registry"}},
     "controller": {"replicas": 2, "tolerations": [{"operator": "Exists"}]},
+    "fsGroupPolicy": "File",
 }
 
 
@@ -444,10 +476,25 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         ("helm existing configmap", {"security": {"enabled": True, "existingConfigMap": "sec"},
                                      "metrics": {"port": 9400}}, False, {"sec"}),
     ]
+    mk8s = "/var/snap/microk8s/common/var/lib/kubelet"
+    cases.append(("helm microk8s, no tolerations",
+                  {"node": {"tolerations": [],
+                            "volumes": {"plugins_dir": f"{mk8s}/plugins",
+                                        "pods_mount_dir": f"{mk8s}/pods",
+                                        "registration_dir": f"{mk8s}/plugins_registry"}}},
+                  False, set()))
     for where, values, attacher, external in cases:
         docs = render_helm(copy.deepcopy(values))
-        check_set(where, docs, "csi", p, flags, attacher, external)
+        vols = values.get("node", {}).get("volumes", {})
+        dirs = (vols.get("plugins_dir", KUBELET_DIRS[0]), vols.get("pods_mount_dir", KUBELET_DIRS[1]))
+        allow_taints = values.get("node", {}).get("tolerations") == []
+        check_set(where, docs, "csi", p, flags, attacher, external, dirs, allow_taints,
+                  values.get("fsGroupPolicy", "None"))
         print(f"{where}: {len(docs)} objects")
+        if allow_taints:
+            for d in by_kind(docs, "DaemonSet"):
+                if pod_spec(d).get("tolerations"):
+                    p.add(where, f"{name_of(d)}: node.tolerations [] must leave no tolerations")
 
     # Value-driven details that must show up in the output.
     docs = render_helm(copy.deepcopy(FULL_VALUES))
@@ -480,6 +527,59 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
 
+    # Monitoring: off by default; on, the objects find the pods and their metrics port.
+    kinds = {d["kind"] for d in render_helm({"seaweedfsFiler": "filer:8888"})}
+    if kinds & {"Service", "ServiceMonitor", "PodMonitor"}:
+        p.add("helm defaults", f"monitoring objects rendered while off: {sorted(kinds)}")
+    mon = render_helm({"metrics": {"serviceMonitor": {"enabled": True,
+                                                      "labels": {"release": "kps"}},
+                                   "podMonitor": {"enabled": True}}})
+    check_set("helm monitoring", mon, "csi", p, flags)
+    check_monitoring("helm monitoring", mon, p)
+    got = sorted(f"{d['kind']}/{name_of(d)}" for d in mon
+                 if d["kind"] in ("Service", "ServiceMonitor", "PodMonitor"))
+    want = ["PodMonitor/swfs", "Service/swfs-controller-metrics", "Service/swfs-node-metrics",
+            "ServiceMonitor/swfs"]
+    if got != want:
+        p.add("helm monitoring", f"monitoring objects {got}, want {want}")
+    elif next(d for d in mon if d["kind"] == "ServiceMonitor")["metadata"]["labels"].get(
+            "release") != "kps":
+        p.add("helm monitoring", "serviceMonitor.labels not applied")
+    print(f"helm monitoring: {', '.join(got)}")
+    try:
+        render_helm({"metrics": {"port": 0, "podMonitor": {"enabled": True}}})
+        p.add("helm monitoring", "podMonitor with metrics.port 0 rendered")
+    except Exception as e:
+        if "need metrics.port" not in str(e):
+            p.add("helm monitoring", f"failed for another reason: {e}")
+
+    # values.schema.json: the Go chart's retired values are accepted and NOTES.txt warns about
+    # each one; misspelled or unknown values are rejected before anything renders.
+    render_helm(copy.deepcopy(GO_STYLE_VALUES))
+    retired = ["mountService", "csiSnapshotter", "node.mountEndpoint", "node.mountSocketDir",
+               "node.mountHostPath", "node.injectTopologyInfoFromNodeLabel"]
+    if "WARNING" not in LAST_NOTES or not all(r in LAST_NOTES for r in retired):
+        p.add("helm go-style values", f"NOTES.txt must warn about {retired}: {LAST_NOTES}")
+    render_helm({"seaweedfsFiler": "filer:8888"})
+    if "WARNING" in LAST_NOTES:
+        p.add("helm defaults", f"NOTES.txt warns without retired values: {LAST_NOTES}")
+    if "Metrics:" not in LAST_NOTES:
+        p.add("helm defaults", "NOTES.txt did not render")
+    misspelled = [{"seaweedfsFiller": "f:8888"}, {"nodes": {}}, {"node": {"tolerationz": []}},
+                  {"node": {"volumes": {"plugin_dir": "/x"}}}, {"csiAttacher": {"enable": True}},
+                  {"controller": {"replica": 2}}, {"metrics": {"prot": 1}},
+                  {"fsGroupPolicy": "file"}, {"concurrentWriters": 0},
+                  {"node": {"volumes": {"plugins_dir": "relative/path"}}}]
+    for bad in misspelled:
+        try:
+            render_helm(copy.deepcopy(bad))
+            p.add("helm values schema", f"{bad} was accepted")
+        except Exception as e:
+            if "values don't meet the specifications of the schema" not in str(e):
+                p.add("helm values schema", f"{bad} failed for another reason: {e}")
+    print(f"helm values schema: {len(misspelled)} misspelled/invalid value sets rejected, "
+          f"{len(retired)} retired Go values warned about")
+
     # Misconfiguration must fail loudly, not render something half-right.
     try:
         render_helm({"security": {"enabled": True}})
@@ -488,6 +588,221 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         if "security.enabled needs" not in str(e):
             p.add("helm", f"security.enabled without a source failed for the wrong reason: {e}")
     return p
+
+
+def labels_match(sel: Doc, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def check_monitoring(where: str, docs: list[Doc], p: Problems) -> None:
+    """Service -> pods (named port), ServiceMonitor -> Services, PodMonitor -> pods."""
+    pods = {name_of(d): d for d in by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")}
+    metric_pods = [d for n, d in pods.items() if n.endswith(("-node", "-controller"))]
+
+    def ports(d: Doc) -> set[str]:
+        return {q.get("name") for c in pod_spec(d)["containers"] for q in c.get("ports", [])}
+
+    def tlabels(d: Doc) -> dict[str, str]:
+        return d["spec"]["template"]["metadata"]["labels"]
+
+    services = by_kind(docs, "Service")
+    for s in services:
+        hit = [d for d in pods.values() if labels_match({"matchLabels": s["spec"]["selector"]},
+                                                         tlabels(d))]
+        if len(hit) != 1:
+            p.add(where, f"Service {name_of(s)} selects {len(hit)} workloads, want 1")
+        for port in s["spec"]["ports"]:
+            if hit and port.get("targetPort") not in ports(hit[0]):
+                p.add(where, f"Service {name_of(s)} targetPort {port.get('targetPort')} "
+                             f"is not a named port of {name_of(hit[0])}")
+    for sm in by_kind(docs, "ServiceMonitor"):
+        got = [s for s in services if labels_match(sm["spec"]["selector"],
+                                                   s["metadata"].get("labels", {}))]
+        if len(got) != len(metric_pods) or not got:
+            p.add(where, f"ServiceMonitor selects {len(got)} Services, want {len(metric_pods)}")
+        names = {q["name"] for s in got for q in s["spec"]["ports"]}
+        for e in sm["spec"]["endpoints"]:
+            if e["port"] not in names:
+                p.add(where, f"ServiceMonitor endpoint port {e['port']} is on no Service")
+    for pm in by_kind(docs, "PodMonitor"):
+        got = [d for d in pods.values() if labels_match(pm["spec"]["selector"], tlabels(d))]
+        if sorted(map(name_of, got)) != sorted(map(name_of, metric_pods)):
+            p.add(where, f"PodMonitor selects {sorted(map(name_of, got))}")
+        for e in pm["spec"]["podMetricsEndpoints"]:
+            for d in got:
+                if e["port"] not in ports(d):
+                    p.add(where, f"PodMonitor port {e['port']} is not a named port of {name_of(d)}")
+
+
+# --- helm upgrade from a release installed with the Go driver's chart -------------------------
+#
+# The API server refuses to change some fields; `helm upgrade` then stops half-way. The facts
+# about the Go chart (which objects it makes and their immutable fields, for a release name and
+# values) are data in go_chart_immutable.json, so CI needs no network. To re-derive them from a
+# checkout of the Go chart: check_manifests.py --go-chart DIR --write-go-fixture.
+
+GO_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "go_chart_immutable.json")
+# API defaults of fields a chart may leave unset (what a live object has).
+CSIDRIVER_DEFAULTS = {"attachRequired": True, "podInfoOnMount": False,
+                      "fsGroupPolicy": "ReadWriteOnceWithFSType",
+                      "volumeLifecycleModes": ["Persistent"]}
+
+
+def immutable_fields(d: Doc) -> dict[str, Any] | None:
+    """The fields of an object that `kubectl apply`/`helm upgrade` cannot change in place."""
+    kind, spec = d.get("kind"), d.get("spec", {})
+    if kind in ("Deployment", "DaemonSet", "ReplicaSet"):
+        return {"spec.selector": spec.get("selector")}
+    if kind == "StatefulSet":
+        return {"spec.selector": spec.get("selector"), "spec.serviceName": spec.get("serviceName"),
+                "spec.volumeClaimTemplates": spec.get("volumeClaimTemplates", []),
+                "spec.podManagementPolicy": spec.get("podManagementPolicy", "OrderedReady")}
+    if kind == "CSIDriver":
+        # all four immutable before Kubernetes 1.29; fsGroupPolicy and podInfoOnMount since.
+        return {f"spec.{k}": spec.get(k, dflt) for k, dflt in CSIDRIVER_DEFAULTS.items()}
+    if kind == "StorageClass":
+        return {"provisioner": d.get("provisioner"), "parameters": d.get("parameters") or {},
+                "reclaimPolicy": d.get("reclaimPolicy", "Delete"),
+                "volumeBindingMode": d.get("volumeBindingMode", "Immediate")}
+    if kind in ("RoleBinding", "ClusterRoleBinding"):
+        return {"roleRef": d.get("roleRef")}
+    if kind == "Service":
+        return {"spec.type": spec.get("type", "ClusterIP"), "spec.clusterIP": spec.get("clusterIP")}
+    if kind in ("Secret", "ConfigMap") and d.get("immutable"):
+        return {"data": d.get("data"), "stringData": d.get("stringData")}
+    return None
+
+
+def immutable_facts(docs: list[Doc]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in docs:
+        f = immutable_fields(d)
+        if f is not None:
+            out[f"{d['kind']}/{name_of(d)}"] = f
+    return out
+
+
+def load_go_fixture() -> dict[str, Any]:
+    with open(GO_FIXTURE) as f:
+        return json.load(f)
+
+
+LOOKUP = 'lookup "storage.k8s.io/v1" "CSIDriver" "" .Values.driverName'
+KUBE_VERSION = ".Capabilities.KubeVersion.Version"
+
+
+def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> str | None:
+    """Render a copy of our chart in which csidriver.yaml's `lookup` of the live CSIDriver
+    returns `live` (offline rendering has no cluster, so lookup is empty) and the cluster
+    version is `kube_version`. None = rendered, else the failure message."""
+    import tempfile
+    import shutil
+    import helm_python as helm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = os.path.join(tmp, "seaweedfs-csi-driver")
+        shutil.copytree(CHART, chart)
+        path = os.path.join(chart, "templates", "csidriver.yaml")
+        text = open(path).read()
+        if LOOKUP not in text or KUBE_VERSION not in text:
+            return "csidriver.yaml does not look up the live CSIDriver and the cluster version"
+        text = text.replace(LOOKUP, "fromJson `" + json.dumps(live) + "`")
+        text = text.replace(KUBE_VERSION, f'"{kube_version}"')
+        with open(path, "w") as f:
+            f.write(text)
+        try:
+            with helm.Chart.load(chart) as c:
+                c.render(values, name="r", namespace="default", is_upgrade=True)
+        except Exception as e:  # HelmRenderError
+            return str(e)
+    return None
+
+
+def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
+    fx = load_go_fixture()
+    if go_chart:
+        # A values file copied from the Go chart passes our schema and renders.
+        with open(os.path.join(go_chart, "values.yaml")) as f:
+            go_values = yaml.safe_load(f)
+        try:
+            render_helm(go_values)
+            print("Go chart's values.yaml: accepted")
+        except Exception as e:
+            p.add("Go chart's values.yaml", f"rejected by our chart: {e}")
+    for case in fx["cases"]:
+        rel, values = case["release"], case["values"]
+        where = f"upgrade from Go chart (release {rel})"
+        go = case["immutable"]
+        if go_chart:
+            # The fixture must still say what the Go chart renders.
+            fresh = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
+                                                go_chart, rel))
+            if fresh != go:
+                p.add(where, f"go_chart_immutable.json is stale for {go_chart}: "
+                             f"{json.dumps(fresh, sort_keys=True)}")
+        ours = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
+                                           release=rel, is_upgrade=True))
+        for key, want in go.items():
+            if key not in ours:
+                print(f"{where}: {key} is removed by the upgrade")
+                continue
+            if key.startswith("CSIDriver/"):
+                continue  # checked below against the live object
+            if ours[key] != want:
+                p.add(where, f"{key}: immutable fields differ, the upgrade would fail: "
+                             f"Go chart {json.dumps(want, sort_keys=True)}, ours "
+                             f"{json.dumps(ours[key], sort_keys=True)}")
+        # CSIDriver: either identical where immutable, or the chart stops before changing
+        # anything, with the one command that fixes it.
+        csid = [k for k in go if k.startswith("CSIDriver/")]
+        for key in csid:
+            live_spec = {k.removeprefix("spec."): v for k, v in go[key].items()}
+            live = {"apiVersion": "storage.k8s.io/v1", "kind": "CSIDriver",
+                    "metadata": {"name": key.split("/", 1)[1]}, "spec": live_spec}
+            for kv, immutable in (("v1.28.0", ["attachRequired", "volumeLifecycleModes",
+                                               "fsGroupPolicy", "podInfoOnMount"]),
+                                  ("v1.30.0", ["attachRequired", "volumeLifecycleModes"])):
+                differs = [f for f in immutable if ours[key][f"spec.{f}"] != live_spec[f]]
+                err = live_check_render(copy.deepcopy(values), live, kv)
+                expect = case["expect_csidriver_conflict"][kv]
+                if sorted(differs) != sorted(expect):
+                    p.add(where, f"Kubernetes {kv}: CSIDriver immutable fields that differ "
+                                 f"are {differs}, fixture expects {expect}")
+                if differs and (err is None or f"`kubectl delete csidriver {live['metadata']['name']}`"
+                                not in err or not all(f in err for f in differs)):
+                    p.add(where, f"Kubernetes {kv}: CSIDriver {differs} differ but the chart "
+                                 f"did not stop with the fix: {err}")
+                if not differs and err is not None:
+                    p.add(where, f"Kubernetes {kv}: CSIDriver matches but the chart failed: {err}")
+                print(f"{where}, Kubernetes {kv}: CSIDriver "
+                      + (f"stops early on {differs}" if differs else "upgrades in place"))
+        # and with the cluster's settings kept (the message's alternative), it goes through
+        for key in csid:
+            live_spec = {k.removeprefix("spec."): v for k, v in go[key].items()}
+            keep = copy.deepcopy(values)
+            keep.setdefault("csiAttacher", {})["enabled"] = live_spec["attachRequired"]
+            keep["fsGroupPolicy"] = live_spec["fsGroupPolicy"]
+            err = live_check_render(keep, {"spec": live_spec}, "v1.28.0")
+            if err is not None:
+                p.add(where, f"keeping the cluster's CSIDriver settings still fails: {err}")
+    print(f"upgrade from Go chart: {len(fx['cases'])} cases, source {fx['source']['commit'][:7]}")
+
+
+def write_go_fixture(go_chart: str) -> None:
+    """Regenerate go_chart_immutable.json from a checkout of the Go chart."""
+    old = load_go_fixture()
+    for case in old["cases"]:
+        case["immutable"] = immutable_facts(render_helm(copy.deepcopy(case["values"]),
+                                                        case["namespace"], go_chart,
+                                                        case["release"]))
+    with open(GO_FIXTURE, "w") as f:
+        json.dump(old, f, indent=2, sort_keys=False)
+        f.write("\n")
 
 
 def self_test() -> list[str]:
@@ -529,12 +844,24 @@ def self_test() -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flags-json", help='{"driver": [...], "keeper": [...]} accepted by the binary')
+    ap.add_argument("--go-chart", default=os.environ.get("GO_CSI_CHART"),
+                    help="a checkout of the Go driver's chart (deploy/helm/seaweedfs-csi-driver) "
+                         "to check go_chart_immutable.json against (env GO_CSI_CHART)")
+    ap.add_argument("--write-go-fixture", action="store_true")
     args = ap.parse_args()
+    if args.write_go_fixture:
+        write_go_fixture(args.go_chart)
+        return 0
     flags = None
     if args.flags_json:
         raw = json.load(open(args.flags_json))
         flags = {k: set(v) for k, v in raw.items()}
-    problems = run(flags).items + self_test()
+    p = run(flags)
+    check_go_upgrade(p, args.go_chart)
+    if not args.go_chart:
+        print("SKIP Go chart cross-check: no checkout given (--go-chart DIR or GO_CSI_CHART); "
+              "go_chart_immutable.json is trusted as is")
+    problems = p.items + self_test()
     for line in problems:
         print("PROBLEM", line)
     print(f"{len(problems)} problems")

@@ -2,12 +2,10 @@
 {{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Object name prefix: the release name, as in the Go driver's chart, so that a release
+installed from that chart upgrades in place (same object names, same selectors). */}}
 {{- define "seaweedfs-csi-driver.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
-{{- end -}}
 {{- end -}}
 
 {{- define "seaweedfs-csi-driver.labels" -}}
@@ -18,11 +16,72 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* selector labels; call with (dict "ctx" . "component" "node") */}}
+{{/* Selector labels; call with (dict "ctx" . "component" "node"). spec.selector is immutable:
+this is the Go chart's `app: <release>-<component>`, so `helm upgrade` of a release installed
+from it does not fail (tests/deploy/go_chart_immutable.json). Do not change it. */}}
 {{- define "seaweedfs-csi-driver.selector" -}}
+app: {{ include "seaweedfs-csi-driver.fullname" .ctx }}-{{ .component }}
+{{- end -}}
+
+{{/* Pod template labels: the selector plus the recommended labels. */}}
+{{- define "seaweedfs-csi-driver.podLabels" -}}
+{{ include "seaweedfs-csi-driver.selector" . }}
 app.kubernetes.io/name: {{ include "seaweedfs-csi-driver.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/*
+The CSIDriver spec fields the API server refuses to change. `helm upgrade` would apply the
+other objects and then fail on this one, half-way; so compare with the live object first
+(lookup; empty without a cluster, e.g. helm template) and fail before anything changes.
+Call with (dict "ctx" . "live" $liveObject "kubeVersion" .Capabilities.KubeVersion.Version).
+fsGroupPolicy and podInfoOnMount became mutable in Kubernetes 1.29.
+*/}}
+{{- define "seaweedfs-csi-driver.csidriverImmutableCheck" -}}
+{{- $v := .ctx.Values -}}
+{{- $spec := dig "spec" dict (.live | default dict) -}}
+{{- if .live -}}
+{{- $fields := list -}}
+{{- $have := list -}}
+{{- $want := list -}}
+{{- $keep := list -}}
+{{- $live := hasKey $spec "attachRequired" | ternary $spec.attachRequired true -}}
+{{- if ne (toString $live) (toString $v.csiAttacher.enabled) -}}
+{{- $fields = append $fields "attachRequired" -}}
+{{- $have = append $have (printf "attachRequired=%v" $live) -}}
+{{- $want = append $want (printf "attachRequired=%v" $v.csiAttacher.enabled) -}}
+{{- $keep = append $keep (printf "--set csiAttacher.enabled=%v" $live) -}}
+{{- end -}}
+{{- $live = join "," (hasKey $spec "volumeLifecycleModes" | ternary $spec.volumeLifecycleModes (list "Persistent")) -}}
+{{- if ne $live "Persistent" -}}
+{{- $fields = append $fields "volumeLifecycleModes" -}}
+{{- $have = append $have (printf "volumeLifecycleModes=%s" $live) -}}
+{{- $want = append $want "volumeLifecycleModes=Persistent" -}}
+{{- end -}}
+{{- if semverCompare "<1.29-0" .kubeVersion -}}
+{{- $live = hasKey $spec "fsGroupPolicy" | ternary $spec.fsGroupPolicy "ReadWriteOnceWithFSType" -}}
+{{- if ne $live $v.fsGroupPolicy -}}
+{{- $fields = append $fields "fsGroupPolicy" -}}
+{{- $have = append $have (printf "fsGroupPolicy=%s" $live) -}}
+{{- $want = append $want (printf "fsGroupPolicy=%s" $v.fsGroupPolicy) -}}
+{{- $keep = append $keep (printf "--set fsGroupPolicy=%s" $live) -}}
+{{- end -}}
+{{- $live = hasKey $spec "podInfoOnMount" | ternary $spec.podInfoOnMount false -}}
+{{- if not $live -}}
+{{- $fields = append $fields "podInfoOnMount" -}}
+{{- $have = append $have "podInfoOnMount=false" -}}
+{{- $want = append $want "podInfoOnMount=true" -}}
+{{- end -}}
+{{- end -}}
+{{- if $fields -}}
+{{- $alt := "" -}}
+{{- if eq (len $keep) (len $fields) -}}
+{{- $alt = printf " Or keep the cluster's settings: helm upgrade ... %s." (join " " $keep) -}}
+{{- end -}}
+{{- fail (printf "CSIDriver %s exists with %s; this release wants %s. These fields are immutable, so the upgrade would stop half-way; nothing was changed. Delete the object, then run the same helm upgrade again (mounted volumes keep working; helm creates it anew): `kubectl delete csidriver %s`.%s See the README section Migration from the Go driver." $v.driverName (join ", " $have) (join ", " $want) $v.driverName $alt) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "seaweedfs-csi-driver.image" -}}
