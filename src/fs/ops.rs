@@ -1591,6 +1591,7 @@ impl Fs {
             let cache = self.cache.clone();
             let retry_for = self.cfg.upload_retry;
             tokio::spawn(async move {
+                let done = UploadDone(Some((of, run.id)));
                 let data = run.data.clone();
                 let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
                 if let Ok(c) = &r {
@@ -1600,7 +1601,7 @@ impl Fs {
                     }
                 }
                 fs_stats.upload_done(r.is_ok());
-                of.upload_done(run.id, r.map_err(|e| e.to_string()));
+                done.finish(r.map_err(|e| e.to_string()));
                 drop(permit);
             });
         }
@@ -2488,6 +2489,27 @@ impl Fs {
     }
 }
 
+/// Reports an upload's result to its file exactly once; a task that ends without one (a
+/// panic) reports a failure, so fsync, close and truncate do not wait for it forever.
+struct UploadDone(Option<(Arc<OpenFile>, u64)>);
+
+impl UploadDone {
+    fn finish(mut self, r: std::result::Result<pb::FileChunk, String>) {
+        if let Some((of, id)) = self.0.take() {
+            of.upload_done(id, r);
+        }
+    }
+}
+
+impl Drop for UploadDone {
+    fn drop(&mut self) {
+        if let Some((of, id)) = self.0.take() {
+            tracing::error!(ino = of.ino, "chunk upload task ended without a result");
+            of.upload_done(id, Err("upload task ended without a result".into()));
+        }
+    }
+}
+
 /// Uploads one run, retrying with backoff while the cluster cannot take it (volume servers
 /// restarting, no writable volume, filer unreachable for assigns) for up to `retry_for`.
 /// Errors a retry cannot fix (authorization, configuration) return at once.
@@ -3097,6 +3119,17 @@ mod integrity_tests {
         assert_eq!(again.unwrap_err().errno, libc::EEXIST);
         fs.release(fh, a.ino).await.unwrap();
         assert!(filer.get("/f").is_some());
+    }
+
+    #[tokio::test]
+    async fn a_panicking_upload_fails_fsync_instead_of_hanging_it() {
+        let (fs, store, _filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        store.panic_uploads(1);
+        fs.write(fh, a.ino, 0, &vec![7u8; MIB]).await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(20), fs.flush(fh, a.ino)).await;
+        let r = r.expect("fsync must not wait forever for a task that is gone");
+        assert_eq!(r.unwrap_err().errno, libc::EIO);
     }
 
     #[tokio::test]

@@ -23,6 +23,7 @@ pub struct MockChunkStore {
     range_fetches: AtomicU64,
     fail_uploads: AtomicU32,
     fail_reads: AtomicU32,
+    panic_uploads: AtomicU32,
 }
 
 /// Decrements `n` if positive; true if this call should fail.
@@ -68,6 +69,12 @@ impl MockChunkStore {
     /// Deletes a needle; later reads of it are `NotFound`.
     pub fn remove(&self, fid: &str) -> bool {
         self.needles.lock().remove(fid).is_some()
+    }
+
+    /// The next `n` uploads panic (a bug in the upload path, for the tests that nothing
+    /// then waits forever).
+    pub fn panic_uploads(&self, n: u32) {
+        self.panic_uploads.store(n, Ordering::SeqCst);
     }
 
     pub fn contains(&self, fid: &str) -> bool {
@@ -129,6 +136,9 @@ impl MockChunkStore {
 impl ChunkStore for MockChunkStore {
     async fn upload(&self, data: Bytes, _opts: &UploadOptions) -> Result<pb::FileChunk> {
         self.uploads.fetch_add(1, Ordering::Relaxed);
+        if take_fault(&self.panic_uploads) {
+            panic!("injected upload panic");
+        }
         if take_fault(&self.fail_uploads) {
             return Err(VolumeError::Upload {
                 fid: String::new(),
