@@ -142,9 +142,46 @@ pub struct FileState {
     /// truncated away): no entry will ever reference them, so they are deleted after the next
     /// successful commit (the filer only deletes chunks it once had).
     pub garbage: Vec<String>,
+    /// Bumped when this node changes the file's filer entry or name (before and after the
+    /// filer call) and when another client's event is applied to it: a re-read of the entry
+    /// that saw it move on is stale.
+    pub epoch: u64,
+    /// When this node last changed the file's filer entry or name.
+    pub local_at: Option<std::time::Instant>,
+    /// Changes of the file's filer entry or name by this node in flight.
+    pub local_inflight: u32,
+    /// Re-reads of the entry asked for by events of doubtful order (one runs per file).
+    pub resync: Resync,
+}
+
+/// See [`FileState::resync`].
+#[derive(Debug, Default)]
+pub struct Resync {
+    pub wanted: bool,
+    pub running: bool,
+    /// One of the events behind it removed the file's name.
+    pub deleted: bool,
 }
 
 impl FileState {
+    /// This node is about to change, or has changed, the file's filer entry or name.
+    pub fn changed_here(&mut self) {
+        self.epoch += 1;
+        self.local_at = Some(std::time::Instant::now());
+    }
+
+    /// This node changed the file's entry or name within `window`.
+    pub fn changed_here_within(&self, window: std::time::Duration) -> bool {
+        self.local_at.is_some_and(|t| t.elapsed() < window)
+    }
+
+    /// Asks for a re-read of the entry; true if the caller must start it (none running).
+    pub fn want_resync(&mut self, deleted: bool) -> bool {
+        self.resync.wanted = true;
+        self.resync.deleted |= deleted;
+        !std::mem::replace(&mut self.resync.running, true)
+    }
+
     /// Notes dropped chunks that only we know about, for deletion after the next commit.
     fn drop_ours(&mut self, dropped: &[pb::FileChunk]) {
         for c in dropped {
@@ -280,6 +317,10 @@ impl OpenFile {
                 max_ts,
                 ours: HashSet::new(),
                 garbage: Vec::new(),
+                epoch: 0,
+                local_at: None,
+                local_inflight: 0,
+                resync: Resync::default(),
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),

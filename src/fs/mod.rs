@@ -223,9 +223,6 @@ pub struct Fs {
     /// Paths this node changed on the filer lately, and when. Another client's event about
     /// one of them may predate our change (the filer does not send us our own events).
     local_changes: Mutex<HashMap<String, Instant>>,
-    /// One re-read of an open file's entry at a time (see `Fs::refresh_open_file`), so two
-    /// re-reads cannot apply their answers out of order.
-    refresh_lock: tokio::sync::Mutex<()>,
 }
 
 impl Fs {
@@ -280,7 +277,6 @@ impl Fs {
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
             local_changes: Mutex::new(HashMap::new()),
-            refresh_lock: tokio::sync::Mutex::new(()),
             verifier: verifier::Verifier::new(start_fh),
         })
     }

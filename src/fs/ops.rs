@@ -2,7 +2,7 @@
 
 use super::acl::{self, Acl};
 use super::attr::{self, entry_attr, entry_inode, to_go_mode, Attr, Kind};
-use super::file::{cut_start, CommitSnapshot, OpenFile, SealedRun};
+use super::file::{cut_start, CommitSnapshot, FileState, OpenFile, SealedRun};
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
 use super::{entry_with_name, errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -58,16 +58,17 @@ const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
-/// An open file an event of doubtful order was about (see [`Fs::apply_event`]).
-struct Refresh {
-    of: Arc<OpenFile>,
-    ino: u64,
-    dir: String,
-    name: String,
-    /// The file's `seq` when the event came: a change here since then decides instead.
-    seq: u64,
-    /// The event deleted the name.
-    deleted: bool,
+/// A change of an open file's filer entry or name in flight (see [`Fs::note_local`]).
+struct LocalChange(Option<Arc<OpenFile>>);
+
+impl Drop for LocalChange {
+    fn drop(&mut self) {
+        if let Some(of) = &self.0 {
+            let mut s = of.state.lock();
+            s.local_inflight -= 1;
+            s.changed_here();
+        }
+    }
 }
 
 impl Fs {
@@ -136,6 +137,8 @@ impl Fs {
 
     /// `dir` listed from the filer, with the files created here that it does not have yet.
     async fn list_uncached(&self, dir: &str) -> Result<Vec<Arc<pb::Entry>>> {
+        // taken first: a file whose commit lands during the listing is in one or the other
+        let pending = self.pending_in_dir(dir, None);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let mut l: Vec<Arc<pb::Entry>> = self
             .filer
@@ -144,7 +147,6 @@ impl Fs {
             .into_iter()
             .map(Arc::new)
             .collect();
-        let pending = self.pending_in_dir(dir, None);
         if !pending.is_empty() {
             let names: std::collections::HashSet<&str> =
                 l.iter().map(|e| e.name.as_str()).collect();
@@ -524,7 +526,7 @@ impl Fs {
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
-        self.note_local(dir, &e.name);
+        let _local = self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
@@ -630,7 +632,7 @@ impl Fs {
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
-        self.note_local(dir, &e.name);
+        let _local = self.note_local(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),
@@ -966,10 +968,11 @@ impl Fs {
             self.cfg.max_dirty_slots,
         ));
         // the name exists here from now on, before the filer has it
-        self.note_local(&dir, name);
+        self.remember_local(&dir, name);
         {
             let mut s = of.state.lock();
             s.pending_create = true;
+            s.changed_here();
             s.touch();
         }
         self.files.lock().insert(
@@ -1011,7 +1014,7 @@ impl Fs {
             None => (false, false),
         };
         if !pending {
-            self.note_local(&dir, name);
+            let _local = self.note_local(&dir, name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let r = self
                 .filer
@@ -1058,7 +1061,7 @@ impl Fs {
                 }
             }
         }
-        self.note_local(&dir, name);
+        self.remember_local(&dir, name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         self.filer
             .delete_entry(pb::DeleteEntryRequest {
@@ -1192,8 +1195,8 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
-        self.note_local(odir, name);
-        self.note_local(ndir, newname);
+        let _old = self.note_local(odir, name);
+        let _new = self.note_local(ndir, newname);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let events = self
             .filer
@@ -1279,7 +1282,10 @@ impl Fs {
         let other = self.inodes.aliases(ino).into_iter().next();
         let mut s = of.state.lock();
         if !linked {
-            s.unlinked |= !doubt;
+            if !doubt {
+                s.unlinked = true;
+                s.epoch += 1;
+            }
             return;
         }
         s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
@@ -1594,14 +1600,13 @@ impl Fs {
                 let done = UploadDone(Some((of, run.id)));
                 let data = run.data.clone();
                 let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
-                if let Ok(c) = &r {
-                    // keep what we just wrote: reading it back is common
-                    if run.offset == 0 || data.len() <= 1 << 20 {
-                        cache.insert(super::read::chunk_key(c), data).await;
-                    }
-                }
+                let key = r.as_ref().ok().map(super::read::chunk_key);
                 fs_stats.upload_done(r.is_ok());
                 done.finish(r.map_err(|e| e.to_string()));
+                // keep what we just wrote: reading it back is common
+                if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
+                    cache.insert(key, data).await;
+                }
                 drop(permit);
             });
         }
@@ -2242,15 +2247,12 @@ impl Fs {
     /// lookup, so for a name changed here lately the event's entry is not taken; the entry is
     /// read from the filer instead (in the background), which is never older than our change.
     pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
-        let doubtful = self.apply_event_now(ev);
-        if !doubtful.is_empty() {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let fs = self.clone();
-                rt.spawn(async move {
-                    for r in doubtful {
-                        fs.refresh_open_file(r).await;
-                    }
-                });
+        for of in self.apply_event_now(ev) {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(self.clone().resync_open_file(of));
+                }
+                Err(_) => of.state.lock().resync = Default::default(),
             }
         }
         let Some(n) = ev.event_notification.as_ref() else {
@@ -2280,7 +2282,24 @@ impl Fs {
     }
 
     /// Notes a change of `dir/name` made by this node (see [`Self::apply_event`]).
-    fn note_local(&self, dir: &str, name: &str) {
+    /// The returned guard marks an open file at that name as changing here until it drops
+    /// (hold it across the filer call; see [`Self::resync_open_file`]).
+    #[must_use]
+    fn note_local(&self, dir: &str, name: &str) -> LocalChange {
+        let of = self
+            .inodes
+            .ino_of(&join(dir, name))
+            .and_then(|ino| self.open_file(ino));
+        if let Some(of) = &of {
+            let mut s = of.state.lock();
+            s.local_inflight += 1;
+            s.changed_here();
+        }
+        self.remember_local(dir, name);
+        LocalChange(of)
+    }
+
+    fn remember_local(&self, dir: &str, name: &str) {
         let mut m = self.local_changes.lock();
         if m.len() >= LOCAL_CHANGES_MAX {
             m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);
@@ -2299,48 +2318,122 @@ impl Fs {
             .is_some_and(|t| t.elapsed() < LOCAL_CHANGE_WINDOW)
     }
 
-    /// Re-reads the entry of an open file that an event of doubtful order was about, and
-    /// takes the filer's answer unless this node changed the file after the re-read began.
-    async fn refresh_open_file(&self, r: Refresh) {
-        let _one = self.refresh_lock.lock().await;
-        let path = join(&r.dir, &r.name);
-        let started = Instant::now();
-        let fresh = self.filer.lookup_entry(&r.dir, &r.name).await;
-        if self
-            .local_changes
-            .lock()
-            .get(&path)
-            .is_some_and(|t| *t >= started)
-        {
-            return; // our own later change is what this node shows
-        }
-        let mut s = r.of.state.lock();
-        if s.seq != r.seq || (s.dir.as_str(), s.entry.name.as_str()) != (&r.dir, &r.name) {
-            return; // written or renamed here since: the event is not about that state
-        }
-        match fresh {
-            Ok(e) if entry_inode(&path, &e) == r.ino => {
-                if s.is_clean() && !crate::chunks::has_manifest(&e.chunks) {
-                    let chunks = e.chunks.clone();
-                    s.replace_entry(e, chunks);
-                    drop(s);
-                    self.bump_content_gen(r.ino);
-                    if let Some(nt) = self.notifier.read().clone() {
-                        nt.inval_inode(r.ino);
+    /// An event about this open file may be older than this node's own change of it.
+    fn doubtful(&self, s: &FileState, dir: &str, name: &str) -> bool {
+        s.changed_here_within(LOCAL_CHANGE_WINDOW) || self.changed_here_lately(dir, name)
+    }
+
+    /// Re-reads the entry of an open file that events of doubtful order were about, until no
+    /// such event is waiting or the file is closed. The answer is taken only if the file
+    /// did not move on while it was asked for (a change of ours in flight or done, a newer
+    /// event applied); otherwise it is asked again, since either may be the newer. A removal
+    /// is believed only if the filer no longer has the file under its name.
+    async fn resync_open_file(self: Arc<Self>, of: Arc<OpenFile>) {
+        let mut attempt = 0;
+        loop {
+            let (dir, name, epoch, deleted) = {
+                let mut s = of.state.lock();
+                let open = self.open_file(of.ino).is_some_and(|o| Arc::ptr_eq(&o, &of));
+                if !s.resync.wanted || !open {
+                    s.resync = Default::default();
+                    return;
+                }
+                if s.local_inflight > 0 {
+                    (String::new(), String::new(), 0, false) // wait below
+                } else {
+                    s.resync.wanted = false;
+                    let deleted = std::mem::take(&mut s.resync.deleted);
+                    (s.dir.clone(), s.entry.name.clone(), s.epoch, deleted)
+                }
+            };
+            if name.is_empty() {
+                tokio::time::sleep(super::backoff(0)).await;
+                continue;
+            }
+            let path = join(&dir, &name);
+            let answer = self.look_again(&path, &dir, &name, of.ino).await;
+            // Ok(true): the entry was replaced; Err: ask again
+            let outcome: std::result::Result<bool, Option<super::FsError>> = {
+                let mut s = of.state.lock();
+                let moved_on = s.epoch != epoch
+                    || s.local_inflight > 0
+                    || (s.dir.as_str(), s.entry.name.as_str()) != (&dir, &name);
+                match answer {
+                    Ok(_) | Err(_) if moved_on => Err(None),
+                    Err(e) => Err(Some(e)),
+                    Ok(Some((e, resolved))) => {
+                        let same = s.entry == e && *s.resolved == resolved;
+                        if s.is_clean() && !same {
+                            s.replace_entry(e, resolved);
+                            s.epoch += 1;
+                            Ok(true)
+                        } else {
+                            Ok(false)
+                        }
+                    }
+                    Ok(None) => {
+                        // a file whose create is still deferred was never the filer's to remove
+                        if deleted && !s.pending_create {
+                            s.unlinked = true;
+                            s.epoch += 1;
+                        }
+                        Ok(false)
                     }
                 }
-            }
-            // the name is gone, or is another file now: a delete event was right
-            Ok(_) | Err(FilerError::NotFound(_)) if r.deleted => s.unlinked = true,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(path, error = %e, "re-reading an open file's entry after an event failed; keeping ours");
+            };
+            match outcome {
+                Ok(replaced) => {
+                    attempt = 0;
+                    if replaced {
+                        self.bump_content_gen(of.ino);
+                        if let Some(nt) = self.notifier.read().clone() {
+                            nt.inval_inode(of.ino);
+                        }
+                    }
+                }
+                Err(failed) => {
+                    {
+                        let mut s = of.state.lock();
+                        s.resync.wanted = true;
+                        s.resync.deleted |= deleted;
+                    }
+                    if let Some(e) = failed {
+                        tracing::warn!(path, error = %e, attempt, "re-reading an open file's entry after an event failed; retrying");
+                        tokio::time::sleep(super::backoff(attempt)).await;
+                        attempt += 1;
+                    }
+                }
             }
         }
     }
 
+    /// The filer's entry of file `ino` at `dir/name` with its chunks resolved, or None if the
+    /// name is gone or is another file now.
+    async fn look_again(
+        &self,
+        path: &str,
+        dir: &str,
+        name: &str,
+        ino: u64,
+    ) -> Result<Option<(pb::Entry, Vec<pb::FileChunk>)>> {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let e = match self.filer.lookup_entry(dir, name).await {
+            Ok(e) if entry_inode(path, &e) == ino => e,
+            Ok(_) | Err(FilerError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let resolved = if crate::chunks::has_manifest(&e.chunks) {
+            crate::chunks::expand_manifests(&e.chunks, self.store.as_ref())
+                .await
+                .map_err(|err| errno(libc::EIO, format!("{path}: manifests: {err}")))?
+        } else {
+            e.chunks.clone()
+        };
+        Ok(Some((e, resolved)))
+    }
+
     /// Applies `ev`; returns the open files whose entry must be read again from the filer.
-    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) -> Vec<Refresh> {
+    fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) -> Vec<Arc<OpenFile>> {
         let mut doubtful = Vec::new();
         let Some(n) = ev.event_notification.as_ref() else {
             return doubtful;
@@ -2366,17 +2459,14 @@ impl Fs {
                 match &n.new_entry {
                     None => {
                         let ino = entry_inode(&opath, old);
-                        let doubt = self.changed_here_lately(dir, &old.name);
-                        if let Some(of) = self.open_file(ino).filter(|_| doubt) {
-                            let seq = of.state.lock().seq;
-                            doubtful.push(Refresh {
-                                of,
-                                ino,
-                                dir: dir.to_string(),
-                                name: old.name.clone(),
-                                seq,
-                                deleted: true,
-                            });
+                        let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
+                        let mut doubt = false;
+                        if let Some(of) = self.open_file(ino).filter(|_| !linked) {
+                            let mut s = of.state.lock();
+                            doubt = self.doubtful(&s, dir, &old.name);
+                            if doubt && s.want_resync(true) {
+                                doubtful.push(of.clone());
+                            }
                         }
                         self.name_removed(dir, &old.name, old, doubt);
                         // other names of a hard-linked file now have one link less
@@ -2401,10 +2491,11 @@ impl Fs {
                                     // open file of ours with data to commit is then kept (its
                                     // commit wins, as the last writer does), never dropped.
                                     let mut s = of.state.lock();
-                                    if s.is_clean() || !self.changed_here_lately(ndir, &new.name) {
+                                    if !self.doubtful(&s, ndir, &new.name) {
                                         s.unlinked = true;
-                                    } else {
-                                        tracing::warn!(path = npath, "another client renamed a file onto a name changed here lately; keeping our open file's data");
+                                        s.epoch += 1;
+                                    } else if s.want_resync(true) {
+                                        doubtful.push(of.clone());
                                     }
                                 }
                                 self.inodes.unlink_path(&npath);
@@ -2432,18 +2523,14 @@ impl Fs {
                 // our rename of it: its entry is not this file's any more.
                 let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
                     || !new.hard_link_id.is_empty();
-                if here && s.is_clean() && !crate::chunks::has_manifest(&new.chunks) {
-                    if self.changed_here_lately(ndir, &new.name) {
-                        doubtful.push(Refresh {
-                            of: of.clone(),
-                            ino,
-                            dir: ndir.to_string(),
-                            name: new.name.clone(),
-                            seq: s.seq,
-                            deleted: false,
-                        });
-                    } else {
+                if here && s.is_clean() {
+                    if self.doubtful(&s, ndir, &new.name) {
+                        if s.want_resync(false) {
+                            doubtful.push(of.clone());
+                        }
+                    } else if !crate::chunks::has_manifest(&new.chunks) {
                         s.replace_entry(new.clone(), new.chunks.clone());
+                        s.epoch += 1;
                     }
                 }
             }
@@ -3130,6 +3217,95 @@ mod integrity_tests {
         let r = tokio::time::timeout(Duration::from_secs(20), fs.flush(fh, a.ino)).await;
         let r = r.expect("fsync must not wait forever for a task that is gone");
         assert_eq!(r.unwrap_err().errno, libc::EIO);
+    }
+
+    /// Waits (up to 10 s) until `cond` holds.
+    async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+        for _ in 0..200 {
+            if cond() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cond()
+    }
+
+    #[tokio::test]
+    async fn a_real_delete_is_believed_once_the_filer_answers_again() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let gone = filer.get("/f").unwrap();
+        filer
+            .other_client()
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                is_delete_data: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        // the filer blinks while the delete's event is checked
+        filer.fail_next(2);
+        fs.apply_event(&event(Some(gone), None));
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        assert!(
+            eventually(|| of.state.lock().unlinked).await,
+            "the re-read is retried until the filer answers"
+        );
+        fs.release(fh, a.ino).await.unwrap();
+        assert!(
+            filer.get("/f").is_none(),
+            "a deleted file is not brought back"
+        );
+    }
+
+    #[tokio::test]
+    async fn many_doubtful_events_on_one_file_share_one_re_read_at_a_time() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let ours = filer.get("/f").unwrap();
+        let before = filer.calls("lookup_entry");
+        for _ in 0..500 {
+            fs.apply_event(&event(Some(ours.clone()), Some(ours.clone())));
+        }
+        settle().await;
+        let lookups = filer.calls("lookup_entry") - before;
+        assert!(lookups <= 3, "{lookups} lookups for 500 events");
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        assert!(!of.state.lock().resync.running, "the re-read ends");
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_older_rename_onto_our_committed_file_keeps_it() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // another client's rename t -> f, before our commit at the filer
+        let t = pb::Entry {
+            name: "t".into(),
+            attributes: Some(pb::FuseAttributes {
+                inode: 777,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        fs.apply_event(&event(Some(t.clone()), Some(entry_with_name(&t, "f"))));
+        settle().await;
+        fs.write(fh, a.ino, 4, b" and more").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let e = filer.get("/f").expect("our file must stay");
+        assert_eq!(
+            crate::chunks::file_size(&e),
+            13,
+            "our later write is committed"
+        );
     }
 
     #[tokio::test]
