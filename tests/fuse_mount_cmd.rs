@@ -173,6 +173,32 @@ fn signals_unmount_cleanly_and_flush() {
 }
 
 #[test]
+fn an_unmount_from_outside_ends_the_mount_command() {
+    let w = shared_server();
+    let root = unique_path("umount");
+    let (_tmp, dir) = mount_dir("umount");
+    let mut m = spawn_ours(&w.filer_addr(), &root, &dir, &[]);
+    fs::write(m.join("f"), b"data").unwrap();
+    let mut child = m.take_child().unwrap();
+    let st = Command::new("umount").arg(&dir).status().unwrap();
+    assert!(st.success(), "umount {}", dir.display());
+    let done = wait_until(Duration::from_secs(20), || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    });
+    if !done {
+        stop_child(&mut child, libc::SIGKILL, Duration::from_secs(1));
+    }
+    assert!(
+        done,
+        "the mount command must exit after its mount went away"
+    );
+    let st = child.wait().unwrap();
+    assert!(st.success(), "{st}: {}", m.log_text());
+    assert_eq!(w.filer_get(&format!("{root}/f")).unwrap(), b"data");
+    drop(m);
+}
+
+#[test]
 fn sigkill_leaves_a_dead_mount_that_the_guard_removes() {
     let w = shared_server();
     let root = unique_path("kill");

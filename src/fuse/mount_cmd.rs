@@ -121,7 +121,8 @@ impl MountArgs {
     }
 }
 
-/// Runs in the foreground until SIGINT/SIGTERM, then unmounts cleanly.
+/// Runs in the foreground until SIGINT/SIGTERM (then unmounts cleanly) or until the mount is
+/// unmounted from outside.
 pub fn run(args: MountArgs) -> anyhow::Result<()> {
     let opts = args.to_options()?;
     check_mount_point(&args.dir, args.dir_auto_create, args.nonempty)?;
@@ -132,11 +133,21 @@ pub fn run(args: MountArgs) -> anyhow::Result<()> {
         let security = SecurityConfig::load()?;
         let mounted = MountedVolume::mount(&opts, &security, &args.dir).await?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = tick.tick() => {
+                    // `umount` from outside: nothing is left to serve, exit as weed mount does
+                    if !mounted.is_mounted() {
+                        tracing::info!(dir = %args.dir.display(), "unmounted from outside; exiting");
+                        break;
+                    }
+                }
+            }
         }
-        tracing::info!("signal received, unmounting");
+        tracing::info!("stopping: flushing and unmounting");
         mounted.unmount().await?;
         Ok(())
     })

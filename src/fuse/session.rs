@@ -553,6 +553,16 @@ impl MountedVolume {
         flushed.map_err(MountError::Fs)
     }
 
+    /// The mount is still there (false once someone unmounted it from outside). Reads
+    /// /proc/self/mountinfo, never the mount itself.
+    pub fn is_mounted(&self) -> bool {
+        match (self.conn, mount_device(&self.mountpoint)) {
+            (Some(conn), Some(dev)) => dev == (0, conn),
+            (Some(_), None) => false,
+            (None, _) => true, // cannot tell
+        }
+    }
+
     /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
     pub async fn unmount(mut self) -> Result<(), MountError> {
         let flushed = self.fs.flush_all().await;
