@@ -872,3 +872,111 @@ async fn go_style_flags_and_env_vars() {
         "json log line: {first}"
     );
 }
+
+/// Waits up to `secs` for `df` at `path` to show `want` bytes; returns what it showed last.
+async fn wait_df(path: &std::path::Path, want: u64, secs: u64) -> u64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let p = path.to_path_buf();
+        let got = tokio::task::spawn_blocking(move || df_total(&p))
+            .await
+            .unwrap();
+        if got == want || std::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// Issue 13 (1): an expansion is the size every node enforces, at every stage. Node A gets
+/// NodeExpandVolume; node B, staged before the expansion, never does and must pick the new
+/// size up by itself; A staged again with the PV's (creation-time) volume context must keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expansion_survives_restage_and_reaches_other_nodes() {
+    const GIB: u64 = 1 << 30;
+    let weed = common::WeedServer::start();
+    let a = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let b = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let (mut ca, mut cb) = (a.clients().await, b.clients().await);
+    let vol = ca
+        .controller
+        .create_volume(create_req("pvc-expand-13", GIB as i64, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let mode = Mode::MultiNodeMultiWriter;
+    let (sa, sb) = (a.staging_path("pv-exp"), b.staging_path("pv-exp"));
+    ca.node
+        .node_stage_volume(stage_req(&vol, &sa, mode))
+        .await
+        .unwrap();
+    cb.node
+        .node_stage_volume(stage_req(&vol, &sb, mode))
+        .await
+        .unwrap();
+    assert_eq!(wait_df(&sa, GIB, 0).await, GIB, "A before the expansion");
+    assert_eq!(wait_df(&sb, GIB, 0).await, GIB, "B before the expansion");
+
+    // csi-resizer: ControllerExpandVolume, then kubelet on node A only: NodeExpandVolume.
+    ca.controller
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 3 * GIB as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    ca.node
+        .node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: sa.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 3 * GIB as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        wait_df(&sa, 3 * GIB, 0).await,
+        3 * GIB,
+        "A after NodeExpandVolume"
+    );
+    assert_eq!(
+        wait_df(&sb, 3 * GIB, 20).await,
+        3 * GIB,
+        "B, staged before the expansion, never got NodeExpandVolume"
+    );
+
+    // The pod moves: kubelet unstages and stages again with the context stored in the PV.
+    ca.node
+        .node_unstage_volume(unstage_req(&vol, &sa))
+        .await
+        .unwrap();
+    let sa = a.staging_path("pv-exp");
+    ca.node
+        .node_stage_volume(stage_req(&vol, &sa, mode))
+        .await
+        .unwrap();
+    assert_eq!(
+        vol.volume_context.get("volumeCapacity").map(String::as_str),
+        Some("1073741824"),
+        "the PV keeps the size at creation"
+    );
+    assert_eq!(wait_df(&sa, 3 * GIB, 0).await, 3 * GIB, "A staged again");
+
+    for (c, s) in [(&mut ca, &sa), (&mut cb, &sb)] {
+        c.node
+            .node_unstage_volume(unstage_req(&vol, s))
+            .await
+            .unwrap();
+    }
+    assert_no_mounts_below(&a, "A after unstage");
+    assert_no_mounts_below(&b, "B after unstage");
+}

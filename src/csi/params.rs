@@ -415,6 +415,9 @@ pub fn resolve_mount_options(
     o.filer_path = filer_path;
     o.read_only = read_only;
     o.quota_bytes = capacity_from_context(ctx)?;
+    // The capacity recorded on the volume's directory (CreateVolume, every expansion) wins
+    // over the context, which keeps the size at creation for the PV's whole life.
+    o.quota_from_filer = true;
     o.cache_dir = defaults
         .cache_root
         .as_deref()
