@@ -82,8 +82,6 @@ pub enum KeeperError {
     Protocol(String),
     #[error("timed out waiting for the keeper")]
     Timeout,
-    #[error("keeper connection is unusable after an earlier timeout or error; reconnect")]
-    Poisoned,
 }
 
 impl From<Errno> for KeeperError {
@@ -688,33 +686,51 @@ struct ClientSock {
 /// code). Calls are serialized internally, so it can be shared across threads.
 ///
 /// Ownership of entries (see the module comment) belongs to this connection: keep the client
-/// alive for as long as the process serves the sessions it put or claimed. After a timeout
-/// the connection is poisoned (an answer may still arrive, possibly a granted claim); drop it
-/// and reconnect, which also releases anything it was granted.
+/// alive for as long as the process serves the sessions it put or claimed. After a timeout or
+/// an I/O error the connection is poisoned (an answer may still arrive, possibly a granted
+/// claim), and the next call opens a new one, which also releases anything the old one was
+/// granted. An I/O error (the keeper restarted, the connection was reset) is retried on a new
+/// connection a few times within [`RECONNECT_BUDGET`]; a timeout is not, since the keeper may
+/// still act on the request.
 pub struct KeeperClient {
     sock: Mutex<ClientSock>,
+    path: PathBuf,
     timeout: Duration,
+}
+
+/// Reconnect attempts after an I/O error, and the pause before each one.
+const RECONNECT_DELAYS: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(200),
+    Duration::from_millis(500),
+];
+/// Longest a call spends reconnecting (the sum of [`RECONNECT_DELAYS`], rounded up).
+pub const RECONNECT_BUDGET: Duration = Duration::from_secs(1);
+
+fn open_conn(path: &Path) -> Result<OwnedFd, KeeperError> {
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    nix::sys::socket::setsockopt(
+        &fd,
+        sockopt::SendTimeout,
+        &nix::sys::time::TimeVal::new(DEFAULT_TIMEOUT.as_secs() as _, 0),
+    )?;
+    Ok(fd)
 }
 
 impl KeeperClient {
     pub fn connect(path: &Path) -> Result<Self, KeeperError> {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )?;
-        connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
-        nix::sys::socket::setsockopt(
-            &fd,
-            sockopt::SendTimeout,
-            &nix::sys::time::TimeVal::new(DEFAULT_TIMEOUT.as_secs() as _, 0),
-        )?;
         Ok(Self {
             sock: Mutex::new(ClientSock {
-                fd,
+                fd: open_conn(path)?,
                 poisoned: false,
             }),
+            path: path.to_path_buf(),
             timeout: DEFAULT_TIMEOUT,
         })
     }
@@ -732,18 +748,50 @@ impl KeeperClient {
         timeout: Duration,
     ) -> Result<(Response, Vec<OwnedFd>), KeeperError> {
         let mut s = self.sock.lock();
-        if s.poisoned {
-            return Err(KeeperError::Poisoned);
-        }
         let payload = serde_json::to_vec(req).expect("requests always serialize");
-        let res = Self::round_trip(&s.fd, &payload, fds, timeout);
-        if matches!(
-            res,
-            Err(KeeperError::Timeout | KeeperError::Io(_) | KeeperError::Protocol(_))
-        ) {
-            s.poisoned = true;
+        let mut delays = RECONNECT_DELAYS.iter();
+        loop {
+            if s.poisoned {
+                match open_conn(&self.path) {
+                    Ok(fd) => {
+                        s.fd = fd;
+                        s.poisoned = false;
+                        tracing::info!(socket = %self.path.display(), "reconnected to the fd-keeper");
+                    }
+                    Err(e) => match delays.next() {
+                        Some(d) => {
+                            std::thread::sleep(*d);
+                            continue;
+                        }
+                        None => return Err(e),
+                    },
+                }
+            }
+            let res = Self::round_trip(&s.fd, &payload, fds, timeout);
+            match res {
+                Err(KeeperError::Io(_)) => {
+                    s.poisoned = true;
+                    match delays.next() {
+                        Some(d) => {
+                            tracing::warn!(socket = %self.path.display(), error = %res.as_ref().err().map(|e| e.to_string()).unwrap_or_default(),
+                                "fd-keeper connection failed; reconnecting");
+                            std::thread::sleep(*d)
+                        }
+                        None => return res,
+                    }
+                }
+                Err(KeeperError::Timeout | KeeperError::Protocol(_)) => {
+                    s.poisoned = true;
+                    return res;
+                }
+                other => return other,
+            }
         }
-        res
+    }
+
+    /// One cheap round trip (`list`): whether the keeper answers now, for readiness checks.
+    pub fn ping(&self) -> Result<(), KeeperError> {
+        self.list().map(|_| ())
     }
 
     fn round_trip(
@@ -935,6 +983,37 @@ mod tests {
     }
 
     #[test]
+    fn client_reconnects_after_a_keeper_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let serve = |path: &Path| {
+            let server = KeeperServer::bind(path).unwrap();
+            let (stop_r, stop_w) = nix::unistd::pipe().unwrap();
+            (
+                stop_w,
+                std::thread::spawn(move || server.serve(stop_r.as_fd())),
+            )
+        };
+        let (stop, t) = serve(&path);
+        let c = KeeperClient::connect(&path).unwrap();
+        assert!(c.list().unwrap().is_empty());
+        drop(stop);
+        t.join().unwrap().unwrap();
+        // Nobody listens: bounded retries, then an I/O error (not a hang).
+        let t0 = Instant::now();
+        assert!(matches!(c.list(), Err(KeeperError::Io(_))));
+        assert!(t0.elapsed() < RECONNECT_BUDGET + Duration::from_millis(500));
+        // A new keeper on the same path: the same client works again.
+        let (stop, t) = serve(&path);
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        c.put("v", b"x", &[w.as_fd()]).unwrap();
+        assert_eq!(c.list().unwrap(), vec!["v".to_string()]);
+        c.drop_entry("v").unwrap();
+        drop(stop);
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
     fn put_get_passes_the_same_open_file() {
         let k = Running::start();
         let c = k.client();
@@ -1009,8 +1088,9 @@ mod tests {
             short.claim("v", Duration::from_millis(200)),
             Err(KeeperError::Timeout)
         ));
-        assert!(matches!(short.list(), Err(KeeperError::Poisoned)));
-        // Closing the timed-out connection withdraws its pending claim.
+        // The next call reconnects; closing the timed-out connection withdraws its pending
+        // claim.
+        assert_eq!(short.list().unwrap(), vec!["v".to_string()]);
         drop(short);
 
         let path = k.path();

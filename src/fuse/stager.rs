@@ -171,6 +171,17 @@ impl FuseStager {
         }
     }
 
+    /// Whether the fd-keeper answers (reconnecting if the connection broke); `Ok` without
+    /// one. Blocking: one bounded round trip.
+    pub fn keeper_ready(&self) -> Result<(), String> {
+        match &self.keeper {
+            None => Ok(()),
+            Some((socket, k)) => k
+                .ping()
+                .map_err(|e| format!("fd-keeper at {}: {e}", socket.display())),
+        }
+    }
+
     /// Volume ids served by this process.
     pub fn volumes(&self) -> Vec<String> {
         self.sessions.lock().keys().cloned().collect()
