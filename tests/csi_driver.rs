@@ -980,3 +980,77 @@ async fn expansion_survives_restage_and_reaches_other_nodes() {
     assert_no_mounts_below(&a, "A after unstage");
     assert_no_mounts_below(&b, "B after unstage");
 }
+
+fn with_flags(mut cap: VolumeCapability, flags: &[&str]) -> VolumeCapability {
+    if let Some(volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut() {
+        m.mount_flags = flags.iter().map(|s| s.to_string()).collect();
+    }
+    cap
+}
+
+/// Issue 13 (8): PV `mountOptions` (CSI mount_flags) that map to a setting of this driver are
+/// honoured; unknown ones are refused with INVALID_ARGUMENT naming them, leaving nothing
+/// mounted, at NodeStageVolume and NodePublishVolume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pv_mount_options_are_honoured_or_refused() {
+    let weed = common::WeedServer::start();
+    let driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+    let vol = c
+        .controller
+        .create_volume(create_req("pvc-mount-flags", 1 << 30, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = driver.staging_path("pv-flags");
+
+    // Unknown options: refused, named, nothing mounted.
+    let mut req = stage_req(&vol, &staging, mode);
+    req.volume_capability = Some(with_flags(
+        mount_cap(mode),
+        &["ro", "noatime", "bogusOption=1"],
+    ));
+    let err = c.node.node_stage_volume(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains(": noatime, bogusOption=1;"),
+        "names exactly the unknown ones: {}",
+        err.message()
+    );
+    assert_no_mounts_below(&driver, "after a refused stage");
+
+    // Known options: applied to the session (recorded with its options) and read-only.
+    let mut req = stage_req(&vol, &staging, mode);
+    req.volume_capability = Some(with_flags(
+        mount_cap(mode),
+        &["readOnly", "cacheCapacityMB=64", "concurrentReaders=3"],
+    ));
+    c.node.node_stage_volume(req).await.unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(driver.path("plugin/state/volumes.json")).unwrap())
+            .unwrap();
+    let opts = &state["volumes"][&vol.volume_id]["opts"];
+    assert_eq!(opts["cache_capacity_mb"], 64, "{state}");
+    assert_eq!(opts["concurrent_readers"], 3, "{state}");
+    assert_eq!(opts["read_only"], true, "{state}");
+    let err = std::fs::write(staging.join("x"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+
+    // NodePublishVolume refuses unknown options as well, without binding.
+    let target = driver.target_path("pod-flags");
+    let mut req = publish_req(&vol, &staging, &target, false, mode);
+    req.volume_capability = Some(with_flags(mount_cap(mode), &["nosuchflag"]));
+    let err = c.node.node_publish_volume(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("nosuchflag"), "{}", err.message());
+    assert!(!mounts::is_mount_point(&target).unwrap_or(false));
+
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after unstage");
+}

@@ -53,9 +53,11 @@ impl CapabilityRequest {
         )
     }
 
-    /// `ro` among the CSI mount flags (PV `mountOptions`).
+    /// `ro` or `readOnly` among the CSI mount flags (PV `mountOptions`).
     pub fn ro_flag(&self) -> bool {
-        self.mount_flags.iter().any(|f| f.trim() == "ro")
+        self.mount_flags
+            .iter()
+            .any(|f| params::READ_ONLY_FLAGS.contains(&f.trim()))
     }
 }
 
