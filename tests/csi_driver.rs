@@ -1054,3 +1054,84 @@ async fn pv_mount_options_are_honoured_or_refused() {
         .unwrap();
     assert_no_mounts_below(&driver, "after unstage");
 }
+
+/// Runs `cmd args` as uid/gid 65534 (nobody) with no supplementary groups.
+fn as_nobody(cmd: &str, args: &[&std::path::Path]) -> std::process::Output {
+    std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", cmd])
+        .args(args)
+        .output()
+        .expect("setpriv")
+}
+
+/// Issue 13 (13): a static PV on a directory another client made through the filer HTTP API
+/// without a mode (stored 0660) must be usable by a non-root pod, as with `weed mount`, whose
+/// root shows 0777 &^ umask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn non_root_pod_can_use_a_root_made_over_http() {
+    use std::os::unix::fs::PermissionsExt;
+    let weed = common::WeedServer::start();
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "-f", "-X", "POST"])
+        .arg(format!("http://{}/static13/data/", weed.filer_addr()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let driver = Driver::start_fuse(&weed.filer_addr(), &[]);
+    // The pod's user must be able to reach the target through the test's own directories.
+    std::fs::set_permissions(driver.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = driver.clients().await;
+    let vol = Volume {
+        volume_id: "static13".into(),
+        volume_context: [("path".to_string(), "/static13/data".to_string())].into(),
+        ..Default::default()
+    };
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = driver.staging_path("pv-static13");
+    let target = driver.target_path("pod-nobody");
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, mode))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
+        .await
+        .unwrap();
+
+    let (t, f) = (target.clone(), target.join("written-by-nobody"));
+    let (ls, touch, stat, mode_bits) = tokio::task::spawn_blocking(move || {
+        let mode_bits = std::fs::metadata(&t).unwrap().permissions().mode() & 0o7777;
+        (
+            as_nobody("ls", &[&t]),
+            as_nobody("touch", &[&f]),
+            as_nobody("stat", &[&f]),
+            mode_bits,
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        mode_bits, 0o777,
+        "the volume root as weed mount shows it (umask 000)"
+    );
+    for (what, o) in [("ls", &ls), ("touch", &touch), ("stat", &stat)] {
+        assert!(o.status.success(), "{what} as nobody: {o:?}");
+    }
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert_eq!(
+        weed.filer_get("/static13/data/written-by-nobody")
+            .as_deref(),
+        Some(&b""[..]),
+        "the file reached the filer"
+    );
+
+    c.node
+        .node_unpublish_volume(unpublish_req(&vol, &target))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after unstage");
+}

@@ -231,6 +231,11 @@ impl Fs {
         }
         let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
         a.ino = ROOT_INO;
+        // As `weed mount` does, the root shows 0777 &^ umask whatever mode the directory has
+        // on the filer: one made by another client without a mode (the filer HTTP API's
+        // `POST /dir/` stores 0660) would otherwise be unsearchable for every non-root pod.
+        // A chmod through the mount still reaches the filer and shows until the next stage.
+        a.perm = (0o777 & !self.cfg.umask) as u16;
         *self.root_attr.lock() = a;
         self.take_capacity(&e);
         Ok(())
