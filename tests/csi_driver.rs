@@ -1135,3 +1135,50 @@ async fn non_root_pod_can_use_a_root_made_over_http() {
         .unwrap();
     assert_no_mounts_below(&driver, "after unstage");
 }
+
+/// Issue 13 (3): grpc-core clients (Python `grpcio`) derive `:authority` from the socket path
+/// (`tmp%2F...%2Fcsi.sock`), which h2 refuses; the unix socket must serve them anyway. A raw
+/// unary call with a hand-encoded empty GetPluginInfoRequest, no `grpc.default_authority`.
+#[test]
+fn python_grpcio_client_over_the_unix_socket() {
+    const CLIENT: &str = r#"
+import sys, grpc
+ch = grpc.insecure_channel("unix://" + sys.argv[1])
+resp = ch.unary_unary("/csi.v1.Identity/GetPluginInfo")(b"", timeout=20)
+assert resp[0] == 0x0A, resp  # field 1 (name), length-delimited
+n, i, shift = 0, 1, 0
+while True:
+    b = resp[i]; i += 1
+    n |= (b & 0x7F) << shift; shift += 7
+    if b < 0x80:
+        break
+print(resp[i:i + n].decode())
+"#;
+    let have = std::process::Command::new("python3")
+        .args(["-c", "import grpc"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        have,
+        "needs python3 with grpcio (.ci/run: pip install grpcio==1.85.1)"
+    );
+    // No filer needed: Identity answers without one.
+    let driver = Driver::start("127.0.0.1:1", &["--components=controller"]);
+    for _ in 0..2 {
+        let out = std::process::Command::new("python3")
+            .args(["-c", CLIENT])
+            .arg(&driver.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "grpcio call failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "seaweedfs-csi-driver"
+        );
+    }
+}

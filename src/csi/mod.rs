@@ -2,6 +2,7 @@
 //! ([`server`]), mount helpers ([`mounts`]), parameter handling ([`params`]) and the seam to the
 //! FUSE layer ([`stager`]).
 
+pub mod authority;
 pub mod controller;
 pub mod identity;
 pub mod mounts;
