@@ -679,8 +679,24 @@ pub struct KeptEntry {
 
 struct ClientSock {
     fd: OwnedFd,
-    poisoned: bool,
+    poisoned: Option<Poison>,
+    /// Timed-out connections, kept open: the keeper may still count them as the owner of
+    /// entries this process serves, and closing one would let a successor claim those
+    /// while this process still serves them.
+    retired: VecDeque<OwnedFd>,
 }
+
+/// Why a connection cannot be used any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Poison {
+    /// No answer in time (it may still come): keep the connection open.
+    Timeout,
+    /// Reset, closed or garbled: the connection is dead.
+    Broken,
+}
+
+/// Most timed-out connections kept open per client.
+const MAX_RETIRED: usize = 8;
 
 /// Blocking client (each call is one bounded round trip; wrap in `spawn_blocking` from async
 /// code). Calls are serialized internally, so it can be shared across threads.
@@ -688,8 +704,9 @@ struct ClientSock {
 /// Ownership of entries (see the module comment) belongs to this connection: keep the client
 /// alive for as long as the process serves the sessions it put or claimed. After a timeout or
 /// an I/O error the connection is poisoned (an answer may still arrive, possibly a granted
-/// claim), and the next call opens a new one, which also releases anything the old one was
-/// granted. An I/O error (the keeper restarted, the connection was reset) is retried on a new
+/// claim), and the next call opens a new one. A timed-out connection stays open (retired), so
+/// what it owns stays owned until the client is dropped; drop the client to give up a pending
+/// claim. An I/O error (the keeper restarted, the connection was reset) is retried on a new
 /// connection a few times within [`RECONNECT_BUDGET`]; a timeout is not, since the keeper may
 /// still act on the request.
 pub struct KeeperClient {
@@ -728,7 +745,8 @@ impl KeeperClient {
         Ok(Self {
             sock: Mutex::new(ClientSock {
                 fd: open_conn(path)?,
-                poisoned: false,
+                poisoned: None,
+                retired: VecDeque::new(),
             }),
             path: path.to_path_buf(),
             timeout: DEFAULT_TIMEOUT,
@@ -751,11 +769,17 @@ impl KeeperClient {
         let payload = serde_json::to_vec(req).expect("requests always serialize");
         let mut delays = RECONNECT_DELAYS.iter();
         loop {
-            if s.poisoned {
+            if let Some(poison) = s.poisoned {
                 match open_conn(&self.path) {
                     Ok(fd) => {
-                        s.fd = fd;
-                        s.poisoned = false;
+                        let old = std::mem::replace(&mut s.fd, fd);
+                        if poison == Poison::Timeout {
+                            s.retired.push_back(old);
+                            if s.retired.len() > MAX_RETIRED {
+                                s.retired.pop_front();
+                            }
+                        }
+                        s.poisoned = None;
                         tracing::info!(socket = %self.path.display(), "reconnected to the fd-keeper");
                     }
                     Err(e) => match delays.next() {
@@ -770,7 +794,7 @@ impl KeeperClient {
             let res = Self::round_trip(&s.fd, &payload, fds, timeout);
             match res {
                 Err(KeeperError::Io(_)) => {
-                    s.poisoned = true;
+                    s.poisoned = Some(Poison::Broken);
                     match delays.next() {
                         Some(d) => {
                             tracing::warn!(socket = %self.path.display(), error = %res.as_ref().err().map(|e| e.to_string()).unwrap_or_default(),
@@ -780,8 +804,12 @@ impl KeeperClient {
                         None => return res,
                     }
                 }
-                Err(KeeperError::Timeout | KeeperError::Protocol(_)) => {
-                    s.poisoned = true;
+                Err(KeeperError::Timeout) => {
+                    s.poisoned = Some(Poison::Timeout);
+                    return res;
+                }
+                Err(KeeperError::Protocol(_)) => {
+                    s.poisoned = Some(Poison::Broken);
                     return res;
                 }
                 other => return other,
@@ -1014,6 +1042,32 @@ mod tests {
     }
 
     #[test]
+    fn a_timeout_does_not_give_up_what_the_connection_owns() {
+        let k = Running::start();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let other = k.client();
+        other.put("b", b"x", &[w.as_fd()]).unwrap();
+        let c = k.client();
+        c.put("a", b"x", &[w.as_fd()]).unwrap();
+        assert!(matches!(
+            c.claim("b", Duration::from_millis(100)),
+            Err(KeeperError::Timeout)
+        ));
+        // A new connection serves the next call; the timed-out one still owns "a".
+        assert_eq!(c.list().unwrap().len(), 2);
+        let successor = k.client();
+        assert!(matches!(
+            successor.claim("a", Duration::from_millis(300)),
+            Err(KeeperError::Timeout)
+        ));
+        // Once the client is gone (with its pending claim gone too), "a" can be claimed.
+        drop(successor);
+        drop(c);
+        let successor = k.client();
+        assert!(successor.claim("a", Duration::from_secs(5)).is_ok());
+    }
+
+    #[test]
     fn put_get_passes_the_same_open_file() {
         let k = Running::start();
         let c = k.client();
@@ -1088,8 +1142,8 @@ mod tests {
             short.claim("v", Duration::from_millis(200)),
             Err(KeeperError::Timeout)
         ));
-        // The next call reconnects; closing the timed-out connection withdraws its pending
-        // claim.
+        // The next call works on a new connection; dropping the client closes the timed-out
+        // one too, which withdraws its pending claim.
         assert_eq!(short.list().unwrap(), vec!["v".to_string()]);
         drop(short);
 

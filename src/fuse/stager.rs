@@ -171,15 +171,16 @@ impl FuseStager {
         }
     }
 
-    /// Whether the fd-keeper answers (reconnecting if the connection broke); `Ok` without
-    /// one. Blocking: one bounded round trip.
+    /// Whether the fd-keeper answers; `Ok` without one. Blocking: one bounded round trip on a
+    /// connection of its own, so a slow probe never poisons the connection that owns the
+    /// sessions (the stager's reconnects by itself at its next call).
     pub fn keeper_ready(&self) -> Result<(), String> {
-        match &self.keeper {
-            None => Ok(()),
-            Some((socket, k)) => k
-                .ping()
-                .map_err(|e| format!("fd-keeper at {}: {e}", socket.display())),
-        }
+        let Some((socket, _)) = &self.keeper else {
+            return Ok(());
+        };
+        KeeperClient::connect(socket)
+            .and_then(|k| k.with_timeout(Duration::from_secs(2)).ping())
+            .map_err(|e| format!("fd-keeper at {}: {e}", socket.display()))
     }
 
     /// Volume ids served by this process.
