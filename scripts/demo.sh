@@ -148,7 +148,7 @@ import csi_pb2 as pb
 import csi_pb2_grpc as rpc
 
 sock, call, kv = sys.argv[1], sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:])
-# kubelet-style authority; the default one grpc derives from a unix path is not valid HTTP/2
+# kubelet-style authority (the driver also accepts the one grpc derives from the unix path)
 ch = grpc.insecure_channel("unix://" + sock, options=[("grpc.default_authority", "localhost")])
 ident, ctrl, node = rpc.IdentityStub(ch), rpc.ControllerStub(ch), rpc.NodeStub(ch)
 ctx = {}

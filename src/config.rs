@@ -59,6 +59,10 @@ pub struct MountOptions {
     pub volume_server_access: VolumeServerAccess,
     /// Quota in bytes (0 = none): writes fail with ENOSPC beyond it; `df` shows it.
     pub quota_bytes: u64,
+    /// Take the quota from the root directory's [`crate::fs::CAPACITY_XATTR`] when it has one
+    /// (at mount and every few seconds after), over `quota_bytes`: the CSI controller records
+    /// every expansion there, so every node enforces the latest size without NodeExpandVolume.
+    pub quota_from_filer: bool,
     /// Max total wait for read retries.
     pub read_retry_secs: u64,
     /// FUSE worker threads.
@@ -90,6 +94,7 @@ impl Default for MountOptions {
             gid_map: Vec::new(),
             volume_server_access: VolumeServerAccess::Direct,
             quota_bytes: 0,
+            quota_from_filer: false,
             read_retry_secs: 6,
             fuse_threads: 4,
             manifest_batch: crate::chunks::MANIFEST_BATCH,

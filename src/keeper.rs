@@ -82,8 +82,6 @@ pub enum KeeperError {
     Protocol(String),
     #[error("timed out waiting for the keeper")]
     Timeout,
-    #[error("keeper connection is unusable after an earlier timeout or error; reconnect")]
-    Poisoned,
 }
 
 impl From<Errno> for KeeperError {
@@ -681,40 +679,76 @@ pub struct KeptEntry {
 
 struct ClientSock {
     fd: OwnedFd,
-    poisoned: bool,
+    poisoned: Option<Poison>,
+    /// Timed-out connections, kept open: the keeper may still count them as the owner of
+    /// entries this process serves, and closing one would let a successor claim those
+    /// while this process still serves them.
+    retired: VecDeque<OwnedFd>,
 }
+
+/// Why a connection cannot be used any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Poison {
+    /// No answer in time (it may still come): keep the connection open.
+    Timeout,
+    /// Reset, closed or garbled: the connection is dead.
+    Broken,
+}
+
+/// Most timed-out connections kept open per client.
+const MAX_RETIRED: usize = 8;
 
 /// Blocking client (each call is one bounded round trip; wrap in `spawn_blocking` from async
 /// code). Calls are serialized internally, so it can be shared across threads.
 ///
 /// Ownership of entries (see the module comment) belongs to this connection: keep the client
-/// alive for as long as the process serves the sessions it put or claimed. After a timeout
-/// the connection is poisoned (an answer may still arrive, possibly a granted claim); drop it
-/// and reconnect, which also releases anything it was granted.
+/// alive for as long as the process serves the sessions it put or claimed. After a timeout or
+/// an I/O error the connection is poisoned (an answer may still arrive, possibly a granted
+/// claim), and the next call opens a new one. A timed-out connection stays open (retired), so
+/// what it owns stays owned until the client is dropped; drop the client to give up a pending
+/// claim. An I/O error (the keeper restarted, the connection was reset) is retried on a new
+/// connection a few times within [`RECONNECT_BUDGET`]; a timeout is not, since the keeper may
+/// still act on the request.
 pub struct KeeperClient {
     sock: Mutex<ClientSock>,
+    path: PathBuf,
     timeout: Duration,
+}
+
+/// Reconnect attempts after an I/O error, and the pause before each one.
+const RECONNECT_DELAYS: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(200),
+    Duration::from_millis(500),
+];
+/// Longest a call spends reconnecting (the sum of [`RECONNECT_DELAYS`], rounded up).
+pub const RECONNECT_BUDGET: Duration = Duration::from_secs(1);
+
+fn open_conn(path: &Path) -> Result<OwnedFd, KeeperError> {
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    nix::sys::socket::setsockopt(
+        &fd,
+        sockopt::SendTimeout,
+        &nix::sys::time::TimeVal::new(DEFAULT_TIMEOUT.as_secs() as _, 0),
+    )?;
+    Ok(fd)
 }
 
 impl KeeperClient {
     pub fn connect(path: &Path) -> Result<Self, KeeperError> {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )?;
-        connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
-        nix::sys::socket::setsockopt(
-            &fd,
-            sockopt::SendTimeout,
-            &nix::sys::time::TimeVal::new(DEFAULT_TIMEOUT.as_secs() as _, 0),
-        )?;
         Ok(Self {
             sock: Mutex::new(ClientSock {
-                fd,
-                poisoned: false,
+                fd: open_conn(path)?,
+                poisoned: None,
+                retired: VecDeque::new(),
             }),
+            path: path.to_path_buf(),
             timeout: DEFAULT_TIMEOUT,
         })
     }
@@ -732,18 +766,60 @@ impl KeeperClient {
         timeout: Duration,
     ) -> Result<(Response, Vec<OwnedFd>), KeeperError> {
         let mut s = self.sock.lock();
-        if s.poisoned {
-            return Err(KeeperError::Poisoned);
-        }
         let payload = serde_json::to_vec(req).expect("requests always serialize");
-        let res = Self::round_trip(&s.fd, &payload, fds, timeout);
-        if matches!(
-            res,
-            Err(KeeperError::Timeout | KeeperError::Io(_) | KeeperError::Protocol(_))
-        ) {
-            s.poisoned = true;
+        let mut delays = RECONNECT_DELAYS.iter();
+        loop {
+            if let Some(poison) = s.poisoned {
+                match open_conn(&self.path) {
+                    Ok(fd) => {
+                        let old = std::mem::replace(&mut s.fd, fd);
+                        if poison == Poison::Timeout {
+                            s.retired.push_back(old);
+                            if s.retired.len() > MAX_RETIRED {
+                                s.retired.pop_front();
+                            }
+                        }
+                        s.poisoned = None;
+                        tracing::info!(socket = %self.path.display(), "reconnected to the fd-keeper");
+                    }
+                    Err(e) => match delays.next() {
+                        Some(d) => {
+                            std::thread::sleep(*d);
+                            continue;
+                        }
+                        None => return Err(e),
+                    },
+                }
+            }
+            let res = Self::round_trip(&s.fd, &payload, fds, timeout);
+            match res {
+                Err(KeeperError::Io(_)) => {
+                    s.poisoned = Some(Poison::Broken);
+                    match delays.next() {
+                        Some(d) => {
+                            tracing::warn!(socket = %self.path.display(), error = %res.as_ref().err().map(|e| e.to_string()).unwrap_or_default(),
+                                "fd-keeper connection failed; reconnecting");
+                            std::thread::sleep(*d)
+                        }
+                        None => return res,
+                    }
+                }
+                Err(KeeperError::Timeout) => {
+                    s.poisoned = Some(Poison::Timeout);
+                    return res;
+                }
+                Err(KeeperError::Protocol(_)) => {
+                    s.poisoned = Some(Poison::Broken);
+                    return res;
+                }
+                other => return other,
+            }
         }
-        res
+    }
+
+    /// One cheap round trip (`list`): whether the keeper answers now, for readiness checks.
+    pub fn ping(&self) -> Result<(), KeeperError> {
+        self.list().map(|_| ())
     }
 
     fn round_trip(
@@ -935,6 +1011,63 @@ mod tests {
     }
 
     #[test]
+    fn client_reconnects_after_a_keeper_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let serve = |path: &Path| {
+            let server = KeeperServer::bind(path).unwrap();
+            let (stop_r, stop_w) = nix::unistd::pipe().unwrap();
+            (
+                stop_w,
+                std::thread::spawn(move || server.serve(stop_r.as_fd())),
+            )
+        };
+        let (stop, t) = serve(&path);
+        let c = KeeperClient::connect(&path).unwrap();
+        assert!(c.list().unwrap().is_empty());
+        drop(stop);
+        t.join().unwrap().unwrap();
+        // Nobody listens: bounded retries, then an I/O error (not a hang).
+        let t0 = Instant::now();
+        assert!(matches!(c.list(), Err(KeeperError::Io(_))));
+        assert!(t0.elapsed() < RECONNECT_BUDGET + Duration::from_millis(500));
+        // A new keeper on the same path: the same client works again.
+        let (stop, t) = serve(&path);
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        c.put("v", b"x", &[w.as_fd()]).unwrap();
+        assert_eq!(c.list().unwrap(), vec!["v".to_string()]);
+        c.drop_entry("v").unwrap();
+        drop(stop);
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_timeout_does_not_give_up_what_the_connection_owns() {
+        let k = Running::start();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let other = k.client();
+        other.put("b", b"x", &[w.as_fd()]).unwrap();
+        let c = k.client();
+        c.put("a", b"x", &[w.as_fd()]).unwrap();
+        assert!(matches!(
+            c.claim("b", Duration::from_millis(100)),
+            Err(KeeperError::Timeout)
+        ));
+        // A new connection serves the next call; the timed-out one still owns "a".
+        assert_eq!(c.list().unwrap().len(), 2);
+        let successor = k.client();
+        assert!(matches!(
+            successor.claim("a", Duration::from_millis(300)),
+            Err(KeeperError::Timeout)
+        ));
+        // Once the client is gone (with its pending claim gone too), "a" can be claimed.
+        drop(successor);
+        drop(c);
+        let successor = k.client();
+        assert!(successor.claim("a", Duration::from_secs(5)).is_ok());
+    }
+
+    #[test]
     fn put_get_passes_the_same_open_file() {
         let k = Running::start();
         let c = k.client();
@@ -1009,8 +1142,9 @@ mod tests {
             short.claim("v", Duration::from_millis(200)),
             Err(KeeperError::Timeout)
         ));
-        assert!(matches!(short.list(), Err(KeeperError::Poisoned)));
-        // Closing the timed-out connection withdraws its pending claim.
+        // The next call works on a new connection; dropping the client closes the timed-out
+        // one too, which withdraws its pending claim.
+        assert_eq!(short.list().unwrap(), vec!["v".to_string()]);
         drop(short);
 
         let path = k.path();

@@ -51,15 +51,6 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
         .await?;
         let filer: Arc<dyn FilerApi> = Arc::new(filer);
 
-        // Before the CSI socket: /healthz is the node pod's readiness and liveness probe.
-        let _metrics = match plan.metrics_port {
-            Some(port) => Some(
-                seaweedfs_csi_driver::metrics_server::MetricsServer::start_on_port(port, None)
-                    .await?,
-            ),
-            None => None,
-        };
-
         let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {
             None
@@ -81,6 +72,19 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
             fuse_stager = Some(s.clone());
             Some(s)
         };
+        // Before the CSI socket: /healthz is the node pod's liveness probe, /readyz its
+        // readiness probe.
+        let _metrics = match plan.metrics_port {
+            Some(port) => Some(
+                seaweedfs_csi_driver::metrics_server::MetricsServer::start_on_port_with_ready(
+                    port,
+                    None,
+                    Some(readiness(filer.clone(), fuse_stager.clone())),
+                )
+                .await?,
+            ),
+            None => None,
+        };
         // Rolling update (maxSurge): the previous plugin still serves the socket until it gets
         // SIGTERM; its sessions are claimed above and adopted once it has exited.
         let stopped = tokio::select! {
@@ -101,6 +105,27 @@ fn run_driver(args: DriverArgs) -> anyhow::Result<()> {
     // Adoption claims may still wait on the keeper in blocking threads: do not wait for them.
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     result
+}
+
+/// `/readyz`: the filer answers (what every NodeStage and CreateVolume needs) and so does the
+/// fd-keeper, when there is one (every NodeStage hands it the session).
+fn readiness(
+    filer: Arc<dyn FilerApi>,
+    stager: Option<Arc<FuseStager>>,
+) -> seaweedfs_csi_driver::metrics_server::HealthCheck {
+    let rt = tokio::runtime::Handle::current();
+    Arc::new(move || {
+        let limit = std::time::Duration::from_secs(3);
+        match rt.block_on(tokio::time::timeout(limit, filer.configuration())) {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(format!("filer: {e}")),
+            Err(_) => return Err(format!("filer: no answer within {limit:?}")),
+        }
+        match &stager {
+            Some(s) => s.keeper_ready(),
+            None => Ok(()),
+        }
+    })
 }
 
 /// Waits while another process answers on the unix CSI socket (bounded only by that process:

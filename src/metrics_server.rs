@@ -1,5 +1,11 @@
 //! A tiny HTTP/1.x server for `--metricsPort`: `GET /metrics` (Prometheus text from
-//! [`crate::metrics::global`]) and `GET /healthz` (200 `ok` or 503 with the reason).
+//! [`crate::metrics::global`]), `GET /healthz` (liveness) and `GET /readyz` (readiness), each
+//! 200 `ok` or 503 with the reason.
+//!
+//! `/healthz` only says the process answers (and whatever its own check adds): it must not
+//! fail on a filer outage, or kubelet would restart the plugin, which cannot help and which
+//! the mounts only survive through the keeper. `/readyz` also checks what a new NodeStage
+//! needs from outside the process: the filer and the fd-keeper.
 //!
 //! Hand-written on tokio instead of a web framework: two read-only endpoints do not justify
 //! another dependency, and every connection is bounded in size, time and number so a
@@ -26,9 +32,15 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// the probe.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Returns `Err(reason)` when the process is unhealthy. Called on a blocking thread for every
-/// `/healthz` request, with [`HEALTH_TIMEOUT`].
+/// Returns `Err(reason)` when the process is unhealthy (or not ready). Called on a blocking
+/// thread for every `/healthz` (`/readyz`) request, with [`HEALTH_TIMEOUT`].
 pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+#[derive(Clone, Default)]
+struct Checks {
+    health: Option<HealthCheck>,
+    ready: Option<HealthCheck>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsServerError {
@@ -53,6 +65,16 @@ impl MetricsServer {
         addr: SocketAddr,
         health: Option<HealthCheck>,
     ) -> Result<Self, MetricsServerError> {
+        Self::start_with_ready(addr, health, None).await
+    }
+
+    /// Like [`Self::start`], with a readiness check for `/readyz` (`None`: same as `/healthz`).
+    pub async fn start_with_ready(
+        addr: SocketAddr,
+        health: Option<HealthCheck>,
+        ready: Option<HealthCheck>,
+    ) -> Result<Self, MetricsServerError> {
+        let checks = Checks { health, ready };
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| MetricsServerError::Bind { addr, source })?;
@@ -76,9 +98,9 @@ impl MetricsServer {
                 };
                 match conn {
                     Ok((stream, peer)) => {
-                        let health = health.clone();
+                        let checks = checks.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = serve_conn(stream, health).await {
+                            if let Err(e) = serve_conn(stream, checks).await {
                                 tracing::debug!(%peer, error = %e, "metrics connection ended");
                             }
                             drop(permit);
@@ -92,7 +114,7 @@ impl MetricsServer {
                 }
             }
         });
-        tracing::info!(%local_addr, "serving /metrics and /healthz");
+        tracing::info!(%local_addr, "serving /metrics, /healthz and /readyz");
         Ok(Self {
             local_addr,
             stop,
@@ -106,6 +128,15 @@ impl MetricsServer {
         health: Option<HealthCheck>,
     ) -> Result<Self, MetricsServerError> {
         Self::start(SocketAddr::from(([0, 0, 0, 0], port)), health).await
+    }
+
+    /// [`Self::start_on_port`] with a readiness check.
+    pub async fn start_on_port_with_ready(
+        port: u16,
+        health: Option<HealthCheck>,
+        ready: Option<HealthCheck>,
+    ) -> Result<Self, MetricsServerError> {
+        Self::start_with_ready(SocketAddr::from(([0, 0, 0, 0], port)), health, ready).await
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -147,7 +178,7 @@ impl Response {
     }
 }
 
-async fn serve_conn(mut stream: TcpStream, health: Option<HealthCheck>) -> std::io::Result<()> {
+async fn serve_conn(mut stream: TcpStream, checks: Checks) -> std::io::Result<()> {
     let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
         Ok(r) => r?,
         Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
@@ -155,7 +186,7 @@ async fn serve_conn(mut stream: TcpStream, health: Option<HealthCheck>) -> std::
     let (method, resp) = match head {
         Some(h) => {
             let (method, path) = parse_request_line(&h);
-            let resp = route(method, path, health).await;
+            let resp = route(method, path, checks).await;
             (method.to_string(), resp)
         }
         None => (
@@ -226,7 +257,7 @@ fn parse_request_line(head: &str) -> (&str, &str) {
     (method, path)
 }
 
-async fn route(method: &str, path: &str, health: Option<HealthCheck>) -> Response {
+async fn route(method: &str, path: &str, checks: Checks) -> Response {
     if method.is_empty() || path.is_empty() {
         return Response::text(400, "Bad Request", "bad request\n");
     }
@@ -240,14 +271,31 @@ async fn route(method: &str, path: &str, health: Option<HealthCheck>) -> Respons
             content_type: "text/plain; version=0.0.4; charset=utf-8",
             body: crate::metrics::global().render(),
         },
-        "/healthz" => match check_health(health).await {
+        "/healthz" => match check_health(checks.health).await {
             Ok(()) => Response::text(200, "OK", "ok\n"),
             Err(reason) => {
                 tracing::warn!(%reason, "health check failed");
                 Response::text(503, "Service Unavailable", format!("unhealthy: {reason}\n"))
             }
         },
-        _ => Response::text(404, "Not Found", "not found; try /metrics or /healthz\n"),
+        "/readyz" => {
+            let mut r = check_health(checks.health).await;
+            if r.is_ok() {
+                r = check_health(checks.ready).await;
+            }
+            match r {
+                Ok(()) => Response::text(200, "OK", "ok\n"),
+                Err(reason) => {
+                    tracing::warn!(%reason, "readiness check failed");
+                    Response::text(503, "Service Unavailable", format!("not ready: {reason}\n"))
+                }
+            }
+        }
+        _ => Response::text(
+            404,
+            "Not Found",
+            "not found; try /metrics, /healthz or /readyz\n",
+        ),
     }
 }
 
@@ -292,15 +340,37 @@ mod tests {
 
     #[tokio::test]
     async fn routes() {
-        assert_eq!(route("POST", "/metrics", None).await.status, 405);
-        assert_eq!(route("GET", "/nope", None).await.status, 404);
-        assert_eq!(route("", "", None).await.status, 400);
-        assert_eq!(route("GET", "/healthz", None).await.status, 200);
+        let none = Checks::default;
+        let health = |h: HealthCheck| Checks {
+            health: Some(h),
+            ready: None,
+        };
+        assert_eq!(route("POST", "/metrics", none()).await.status, 405);
+        assert_eq!(route("GET", "/nope", none()).await.status, 404);
+        assert_eq!(route("", "", none()).await.status, 400);
+        assert_eq!(route("GET", "/healthz", none()).await.status, 200);
+        assert_eq!(route("GET", "/readyz", none()).await.status, 200);
         let sick: HealthCheck = Arc::new(|| Err("filer unreachable".into()));
-        let r = route("GET", "/healthz", Some(sick)).await;
+        let r = route("GET", "/healthz", health(sick.clone())).await;
         assert_eq!(r.status, 503);
         assert!(r.body.contains("filer unreachable"));
         let panicky: HealthCheck = Arc::new(|| panic!("boom"));
-        assert_eq!(route("GET", "/healthz", Some(panicky)).await.status, 503);
+        assert_eq!(route("GET", "/healthz", health(panicky)).await.status, 503);
+        // Not ready is not unhealthy.
+        let not_ready = Checks {
+            health: None,
+            ready: Some(sick),
+        };
+        assert_eq!(
+            route("GET", "/healthz", not_ready.clone()).await.status,
+            200
+        );
+        let r = route("GET", "/readyz", not_ready).await;
+        assert_eq!(r.status, 503);
+        assert!(
+            r.body.contains("not ready: filer unreachable"),
+            "{}",
+            r.body
+        );
     }
 }

@@ -872,3 +872,313 @@ async fn go_style_flags_and_env_vars() {
         "json log line: {first}"
     );
 }
+
+/// Waits up to `secs` for `df` at `path` to show `want` bytes; returns what it showed last.
+async fn wait_df(path: &std::path::Path, want: u64, secs: u64) -> u64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let p = path.to_path_buf();
+        let got = tokio::task::spawn_blocking(move || df_total(&p))
+            .await
+            .unwrap();
+        if got == want || std::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// Issue 13 (1): an expansion is the size every node enforces, at every stage. Node A gets
+/// NodeExpandVolume; node B, staged before the expansion, never does and must pick the new
+/// size up by itself; A staged again with the PV's (creation-time) volume context must keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expansion_survives_restage_and_reaches_other_nodes() {
+    const GIB: u64 = 1 << 30;
+    let weed = common::WeedServer::start();
+    let a = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let b = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let (mut ca, mut cb) = (a.clients().await, b.clients().await);
+    let vol = ca
+        .controller
+        .create_volume(create_req("pvc-expand-13", GIB as i64, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let mode = Mode::MultiNodeMultiWriter;
+    let (sa, sb) = (a.staging_path("pv-exp"), b.staging_path("pv-exp"));
+    ca.node
+        .node_stage_volume(stage_req(&vol, &sa, mode))
+        .await
+        .unwrap();
+    cb.node
+        .node_stage_volume(stage_req(&vol, &sb, mode))
+        .await
+        .unwrap();
+    assert_eq!(wait_df(&sa, GIB, 0).await, GIB, "A before the expansion");
+    assert_eq!(wait_df(&sb, GIB, 0).await, GIB, "B before the expansion");
+
+    // csi-resizer: ControllerExpandVolume, then kubelet on node A only: NodeExpandVolume.
+    ca.controller
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 3 * GIB as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    ca.node
+        .node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: sa.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 3 * GIB as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        wait_df(&sa, 3 * GIB, 0).await,
+        3 * GIB,
+        "A after NodeExpandVolume"
+    );
+    assert_eq!(
+        wait_df(&sb, 3 * GIB, 20).await,
+        3 * GIB,
+        "B, staged before the expansion, never got NodeExpandVolume"
+    );
+
+    // The pod moves: kubelet unstages and stages again with the context stored in the PV.
+    ca.node
+        .node_unstage_volume(unstage_req(&vol, &sa))
+        .await
+        .unwrap();
+    let sa = a.staging_path("pv-exp");
+    ca.node
+        .node_stage_volume(stage_req(&vol, &sa, mode))
+        .await
+        .unwrap();
+    assert_eq!(
+        vol.volume_context.get("volumeCapacity").map(String::as_str),
+        Some("1073741824"),
+        "the PV keeps the size at creation"
+    );
+    assert_eq!(wait_df(&sa, 3 * GIB, 0).await, 3 * GIB, "A staged again");
+
+    for (c, s) in [(&mut ca, &sa), (&mut cb, &sb)] {
+        c.node
+            .node_unstage_volume(unstage_req(&vol, s))
+            .await
+            .unwrap();
+    }
+    assert_no_mounts_below(&a, "A after unstage");
+    assert_no_mounts_below(&b, "B after unstage");
+}
+
+fn with_flags(mut cap: VolumeCapability, flags: &[&str]) -> VolumeCapability {
+    if let Some(volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut() {
+        m.mount_flags = flags.iter().map(|s| s.to_string()).collect();
+    }
+    cap
+}
+
+/// Issue 13 (8): PV `mountOptions` (CSI mount_flags) that map to a setting of this driver are
+/// honoured; unknown ones are refused with INVALID_ARGUMENT naming them, leaving nothing
+/// mounted, at NodeStageVolume and NodePublishVolume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pv_mount_options_are_honoured_or_refused() {
+    let weed = common::WeedServer::start();
+    let driver = Driver::start(&weed.filer_addr(), &[]);
+    let mut c = driver.clients().await;
+    let vol = c
+        .controller
+        .create_volume(create_req("pvc-mount-flags", 1 << 30, &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = driver.staging_path("pv-flags");
+
+    // Unknown options: refused, named, nothing mounted.
+    let mut req = stage_req(&vol, &staging, mode);
+    req.volume_capability = Some(with_flags(
+        mount_cap(mode),
+        &["ro", "noatime", "bogusOption=1"],
+    ));
+    let err = c.node.node_stage_volume(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains(": noatime, bogusOption=1;"),
+        "names exactly the unknown ones: {}",
+        err.message()
+    );
+    assert_no_mounts_below(&driver, "after a refused stage");
+
+    // Known options: applied to the session (recorded with its options) and read-only.
+    let mut req = stage_req(&vol, &staging, mode);
+    req.volume_capability = Some(with_flags(
+        mount_cap(mode),
+        &["readOnly", "cacheCapacityMB=64", "concurrentReaders=3"],
+    ));
+    c.node.node_stage_volume(req).await.unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(driver.path("plugin/state/volumes.json")).unwrap())
+            .unwrap();
+    let opts = &state["volumes"][&vol.volume_id]["opts"];
+    assert_eq!(opts["cache_capacity_mb"], 64, "{state}");
+    assert_eq!(opts["concurrent_readers"], 3, "{state}");
+    assert_eq!(opts["read_only"], true, "{state}");
+    let err = std::fs::write(staging.join("x"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+
+    // NodePublishVolume refuses unknown options as well, without binding.
+    let target = driver.target_path("pod-flags");
+    let mut req = publish_req(&vol, &staging, &target, false, mode);
+    req.volume_capability = Some(with_flags(mount_cap(mode), &["nosuchflag"]));
+    let err = c.node.node_publish_volume(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("nosuchflag"), "{}", err.message());
+    assert!(!mounts::is_mount_point(&target).unwrap_or(false));
+
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after unstage");
+}
+
+/// Runs `cmd args` as uid/gid 65534 (nobody) with no supplementary groups.
+fn as_nobody(cmd: &str, args: &[&std::path::Path]) -> std::process::Output {
+    std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", cmd])
+        .args(args)
+        .output()
+        .expect("setpriv")
+}
+
+/// Issue 13 (13): a static PV on a directory another client made through the filer HTTP API
+/// without a mode (stored 0660) must be usable by a non-root pod, as with `weed mount`, whose
+/// root shows 0777 &^ umask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn non_root_pod_can_use_a_root_made_over_http() {
+    use std::os::unix::fs::PermissionsExt;
+    let weed = common::WeedServer::start();
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "-f", "-X", "POST"])
+        .arg(format!("http://{}/static13/data/", weed.filer_addr()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let driver = Driver::start_fuse(&weed.filer_addr(), &[]);
+    // The pod's user must be able to reach the target through the test's own directories.
+    std::fs::set_permissions(driver.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = driver.clients().await;
+    let vol = Volume {
+        volume_id: "static13".into(),
+        volume_context: [("path".to_string(), "/static13/data".to_string())].into(),
+        ..Default::default()
+    };
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = driver.staging_path("pv-static13");
+    let target = driver.target_path("pod-nobody");
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, mode))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&vol, &staging, &target, false, mode))
+        .await
+        .unwrap();
+
+    let (t, f) = (target.clone(), target.join("written-by-nobody"));
+    let (ls, touch, stat, mode_bits) = tokio::task::spawn_blocking(move || {
+        let mode_bits = std::fs::metadata(&t).unwrap().permissions().mode() & 0o7777;
+        (
+            as_nobody("ls", &[&t]),
+            as_nobody("touch", &[&f]),
+            as_nobody("stat", &[&f]),
+            mode_bits,
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        mode_bits, 0o777,
+        "the volume root as weed mount shows it (umask 000)"
+    );
+    for (what, o) in [("ls", &ls), ("touch", &touch), ("stat", &stat)] {
+        assert!(o.status.success(), "{what} as nobody: {o:?}");
+    }
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert_eq!(
+        weed.filer_get("/static13/data/written-by-nobody")
+            .as_deref(),
+        Some(&b""[..]),
+        "the file reached the filer"
+    );
+
+    c.node
+        .node_unpublish_volume(unpublish_req(&vol, &target))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert_no_mounts_below(&driver, "after unstage");
+}
+
+/// Issue 13 (3): grpc-core clients (Python `grpcio`) derive `:authority` from the socket path
+/// (`tmp%2F...%2Fcsi.sock`), which h2 refuses; the unix socket must serve them anyway. A raw
+/// unary call with a hand-encoded empty GetPluginInfoRequest, no `grpc.default_authority`.
+#[test]
+fn python_grpcio_client_over_the_unix_socket() {
+    const CLIENT: &str = r#"
+import sys, grpc
+ch = grpc.insecure_channel("unix://" + sys.argv[1])
+resp = ch.unary_unary("/csi.v1.Identity/GetPluginInfo")(b"", timeout=20)
+assert resp[0] == 0x0A, resp  # field 1 (name), length-delimited
+n, i, shift = 0, 1, 0
+while True:
+    b = resp[i]; i += 1
+    n |= (b & 0x7F) << shift; shift += 7
+    if b < 0x80:
+        break
+print(resp[i:i + n].decode())
+"#;
+    let have = std::process::Command::new("python3")
+        .args(["-c", "import grpc"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        have,
+        "needs python3 with grpcio (.ci/run: pip install grpcio==1.85.1)"
+    );
+    // No filer needed: Identity answers without one.
+    let driver = Driver::start("127.0.0.1:1", &["--components=controller"]);
+    for _ in 0..2 {
+        let out = std::process::Command::new("python3")
+            .args(["-c", CLIENT])
+            .arg(&driver.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "grpcio call failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "seaweedfs-csi-driver"
+        );
+    }
+}

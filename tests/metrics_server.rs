@@ -453,3 +453,139 @@ async fn driver_serves_metrics_on_its_port() {
         "{after}"
     );
 }
+
+/// A keeper process on `socket`, SIGKILLed on drop.
+struct KeeperProc(std::process::Child);
+
+impl KeeperProc {
+    fn start(socket: &std::path::Path, log: &std::path::Path) -> KeeperProc {
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let _ = std::fs::remove_file(socket);
+        let log = std::fs::File::create(log).unwrap();
+        let child = std::process::Command::new(csi_common::driver_bin())
+            .arg("keeper")
+            .arg(format!("--socket={}", socket.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let k = KeeperProc(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while seaweedfs_csi_driver::keeper::KeeperClient::connect(socket).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "keeper never listened"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        k
+    }
+
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for KeeperProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `path` until it answers `want` (at most `secs`); returns the last answer.
+async fn wait_status(addr: SocketAddr, path: &'static str, want: u16, secs: u64) -> (u16, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        let got = tokio::task::spawn_blocking(move || get(addr, path))
+            .await
+            .unwrap();
+        if got.0 == want || std::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Issue 13 (4): the fd-keeper restarts (crash: SIGKILL while a volume is staged) between two
+/// NodeStageVolume calls. The second stage must work against the new keeper without a plugin
+/// restart, and /readyz (not /healthz) must say when the keeper is away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keeper_restart_between_stages() {
+    use csi_common::*;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("csikeeper")
+        .tempdir()
+        .unwrap();
+    let keeper_sock = dir.path().join("keeper/keeper.sock");
+    let mut keeper = KeeperProc::start(&keeper_sock, &dir.path().join("keeper-1.log"));
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=node-1".to_string(),
+        format!("--keeperSocket={}", keeper_sock.display()),
+        format!("--metricsPort={port}"),
+        "--logLevel=info,seaweedfs_csi_driver=debug".to_string(),
+    ];
+    let keeper_log = dir.path().join("keeper-2.log");
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    assert_eq!(wait_status(addr, "/readyz", 200, 10).await.0, 200);
+
+    let c = driver.clients().await;
+    let first = driver.provision_and_publish("pvc-keeper-1", "pod-a").await;
+
+    // The keeper crashes and comes back empty.
+    keeper.kill();
+    let (s, body) = wait_status(addr, "/readyz", 503, 10).await;
+    assert_eq!(s, 503, "{body}");
+    assert!(body.contains("fd-keeper"), "{body}");
+    assert_eq!(
+        wait_status(addr, "/healthz", 200, 0).await.0,
+        200,
+        "liveness does not depend on the keeper"
+    );
+    let _keeper2 = KeeperProc::start(&keeper_sock, &keeper_log);
+
+    // A later stage works without restarting the plugin, and the new keeper holds it.
+    let second = driver.provision_and_publish("pvc-keeper-2", "pod-b").await;
+    assert_eq!(wait_status(addr, "/readyz", 200, 10).await.0, 200);
+    let t = second.target.clone();
+    tokio::task::spawn_blocking(move || {
+        std::fs::write(t.join("f"), b"after the keeper restart").unwrap();
+        assert_eq!(
+            std::fs::read(t.join("f")).unwrap(),
+            b"after the keeper restart"
+        );
+    })
+    .await
+    .unwrap();
+    let ids = seaweedfs_csi_driver::keeper::KeeperClient::connect(&keeper_sock)
+        .unwrap()
+        .list()
+        .unwrap();
+    assert!(ids.contains(&second.vol.volume_id), "{ids:?}");
+
+    second.unpublish_and_unstage(&c).await;
+    first.unpublish_and_unstage(&c).await;
+    assert!(driver.mounts().is_empty(), "{:?}", driver.mounts());
+
+    // The filer going away makes the plugin not ready, but still alive.
+    let mut weed = weed;
+    tokio::task::spawn_blocking(move || {
+        weed.stop_filer();
+        weed
+    })
+    .await
+    .unwrap();
+    let (s, body) = wait_status(addr, "/readyz", 503, 10).await;
+    assert_eq!(s, 503, "{body}");
+    assert!(body.contains("filer"), "{body}");
+    assert_eq!(wait_status(addr, "/healthz", 200, 0).await.0, 200);
+}

@@ -21,9 +21,9 @@ use crate::pb::csi::validate_volume_capabilities_response::Confirmed;
 use crate::pb::csi::*;
 use crate::pb::filer as fpb;
 
-/// Extended attribute of a volume directory holding its capacity in bytes (decimal). Not
-/// prefixed with `xattr-`, so FUSE clients do not list it as a user xattr.
-pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
+/// Extended attribute of a volume directory holding its capacity in bytes; every staged
+/// session enforces it as the quota (`crate::fs::CAPACITY_XATTR`).
+pub use crate::fs::CAPACITY_XATTR;
 
 /// Go's `os.ModeDir`, as the filer stores directory modes.
 const GO_MODE_DIR: u32 = 1 << 31;

@@ -2,6 +2,7 @@
 //! ([`server`]), mount helpers ([`mounts`]), parameter handling ([`params`]) and the seam to the
 //! FUSE layer ([`stager`]).
 
+pub mod authority;
 pub mod controller;
 pub mod identity;
 pub mod mounts;
@@ -53,9 +54,11 @@ impl CapabilityRequest {
         )
     }
 
-    /// `ro` among the CSI mount flags (PV `mountOptions`).
+    /// `ro` or `readOnly` among the CSI mount flags (PV `mountOptions`).
     pub fn ro_flag(&self) -> bool {
-        self.mount_flags.iter().any(|f| f.trim() == "ro")
+        self.mount_flags
+            .iter()
+            .any(|f| params::READ_ONLY_FLAGS.contains(&f.trim()))
     }
 }
 

@@ -278,11 +278,7 @@ impl NodeService {
         let known = self.volumes.lock().get(volume_id).cloned();
         let opts = match known.as_ref().and_then(|k| k.opts.clone()) {
             Some(o) => o,
-            None => {
-                let ro = cap.read_only_mode() || cap.ro_flag();
-                params::resolve_mount_options(volume_id, ctx, &self.config.defaults, ro)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?
-            }
+            None => self.mount_options(volume_id, ctx, cap)?,
         };
         let read_only = opts.read_only;
         self.stage_fresh(volume_id, opts.clone(), staging).await?;
@@ -306,6 +302,27 @@ impl NodeService {
             },
         );
         Ok(())
+    }
+
+    /// The options of a new session: node defaults, then the volume context, then the CSI
+    /// mount flags (PV `mountOptions`); anything invalid or unknown is INVALID_ARGUMENT.
+    fn mount_options(
+        &self,
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        cap: &CapabilityRequest,
+    ) -> Result<MountOptions, Status> {
+        let ro = cap.read_only_mode() || cap.ro_flag();
+        let mut opts = params::resolve_mount_options(volume_id, ctx, &self.config.defaults, ro)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        params::apply_mount_flags(
+            volume_id,
+            &mut opts,
+            &cap.mount_flags,
+            &self.config.defaults,
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(opts)
     }
 
     /// Lets the stager drop a session whose mount died; bounded, and a failure only logged:
@@ -559,13 +576,7 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         let volume_id = req.volume_id.as_str();
         let read_only = cap.read_only_mode() || cap.ro_flag();
-        let opts = params::resolve_mount_options(
-            volume_id,
-            &req.volume_context,
-            &self.config.defaults,
-            read_only,
-        )
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let opts = self.mount_options(volume_id, &req.volume_context, &cap)?;
 
         let _guard = self.locks.lock(volume_id).await;
         let known = self.volumes.lock().get(volume_id).cloned();
@@ -708,6 +719,9 @@ impl Node for NodeService {
             ));
         }
         let volume_id = req.volume_id.as_str();
+        // Session settings among them were applied at stage; unknown ones are refused here too.
+        params::check_mount_flags(&cap.mount_flags)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let read_only = req.readonly || cap.ro_flag() || cap.read_only_mode();
 
         let _guard = self.locks.lock(volume_id).await;
@@ -778,18 +792,13 @@ impl Node for NodeService {
             }
             // Staged before the state file existed (or by an older version): record it now.
             let ro = cap.read_only_mode() || cap.ro_flag();
-            match params::resolve_mount_options(
-                volume_id,
-                &req.volume_context,
-                &self.config.defaults,
-                ro,
-            ) {
+            match self.mount_options(volume_id, &req.volume_context, &cap) {
                 Ok(opts) => {
                     s.record_stage(volume_id, &staging, ro, &opts)?;
                     s.record_publish(volume_id, &target, read_only).map(|_| ())
                 }
                 Err(e) => {
-                    tracing::warn!(volume_id, error = %e, "publication not recorded");
+                    tracing::warn!(volume_id, error = %e.message(), "publication not recorded");
                     Ok(())
                 }
             }

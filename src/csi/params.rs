@@ -32,6 +32,8 @@ pub enum ParamError {
     LocalityWithoutDataCenter(String),
     #[error("invalid volume name {0:?}: {1}")]
     InvalidName(String, String),
+    #[error("unsupported mount options (PV mountOptions): {flags}; supported: {known}")]
+    UnknownMountFlags { flags: String, known: String },
 }
 
 fn invalid(key: &str, value: &str, reason: impl Into<String>) -> ParamError {
@@ -415,6 +417,9 @@ pub fn resolve_mount_options(
     o.filer_path = filer_path;
     o.read_only = read_only;
     o.quota_bytes = capacity_from_context(ctx)?;
+    // The capacity recorded on the volume's directory (CreateVolume, every expansion) wins
+    // over the context, which keeps the size at creation for the PV's whole life.
+    o.quota_from_filer = true;
     o.cache_dir = defaults
         .cache_root
         .as_deref()
@@ -529,6 +534,87 @@ pub fn resolve_mount_options(
     Ok(o)
 }
 
+/// Mount flags (PV `mountOptions`, CSI `mount_flags`) that make the volume read-only.
+pub const READ_ONLY_FLAGS: &[&str] = &["ro", "readOnly"];
+/// Mount flags that change nothing: `rw` is the default.
+const NO_OP_FLAGS: &[&str] = &["rw"];
+/// `key=value` mount flags: the volume-context settings of one FUSE session, same names and
+/// values as the context keys (docs/CONFIGURATION.md, "Mount options").
+const VALUE_FLAGS: &[&str] = &[
+    "cacheCapacityMB",
+    "cacheMetaTtlSec",
+    "concurrentReaders",
+    "concurrentWriters",
+    "chunkSizeLimitMB",
+    "readRetryTime",
+];
+
+/// Checks CSI mount flags: every one must be in the documented list. The error names every
+/// flag that is not, so nothing is silently dropped.
+pub fn check_mount_flags(flags: &[String]) -> Result<(), ParamError> {
+    let unknown: Vec<&str> = flags
+        .iter()
+        .map(|f| f.trim())
+        .filter(|f| !f.is_empty())
+        .filter(|f| {
+            if READ_ONLY_FLAGS.contains(f) || NO_OP_FLAGS.contains(f) {
+                return false;
+            }
+            !matches!(f.split_once('='), Some((k, _)) if VALUE_FLAGS.contains(&k.trim()))
+        })
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(ParamError::UnknownMountFlags {
+        flags: unknown.join(", "),
+        known: READ_ONLY_FLAGS
+            .iter()
+            .chain(NO_OP_FLAGS)
+            .map(|f| f.to_string())
+            .chain(VALUE_FLAGS.iter().map(|k| format!("{k}=<value>")))
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// Applies CSI mount flags on top of the options resolved from the volume context: a flag
+/// wins over the context key of the same name (the PV's `mountOptions` are the more specific
+/// choice). `ro`/`readOnly` are read by the caller (they also decide the publish bind).
+pub fn apply_mount_flags(
+    volume_id: &str,
+    o: &mut MountOptions,
+    flags: &[String],
+    defaults: &VolumeDefaults,
+) -> Result<(), ParamError> {
+    check_mount_flags(flags)?;
+    let ctx: HashMap<String, String> = flags
+        .iter()
+        .filter_map(|f| f.trim().split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    if ctx.is_empty() {
+        return Ok(());
+    }
+    // Same parsing and checks as the context keys, on a copy that only differs in these.
+    let mut base = defaults.clone();
+    base.base = o.clone();
+    base.data_locality = DataLocality::None;
+    let parsed = resolve_mount_options(volume_id, &ctx, &base, o.read_only)?;
+    for key in ctx.keys() {
+        match key.as_str() {
+            "cacheCapacityMB" => o.cache_capacity_mb = parsed.cache_capacity_mb,
+            "cacheMetaTtlSec" => o.cache_meta_ttl_sec = parsed.cache_meta_ttl_sec,
+            "concurrentReaders" => o.concurrent_readers = parsed.concurrent_readers,
+            "concurrentWriters" => o.concurrent_writers = parsed.concurrent_writers,
+            "chunkSizeLimitMB" => o.chunk_size_limit_mb = parsed.chunk_size_limit_mb,
+            "readRetryTime" => o.read_retry_secs = parsed.read_retry_secs,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 const KNOWN_KEYS: &[&str] = &[
     "collection",
     "replication",
@@ -566,6 +652,40 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn mount_flags_are_applied_or_refused() {
+        let flags = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let d = VolumeDefaults::default();
+        let mut o =
+            resolve_mount_options("/buckets/v", &ctx(&[("cacheCapacityMB", "100")]), &d, false)
+                .unwrap();
+        apply_mount_flags(
+            "/buckets/v",
+            &mut o,
+            &flags(&[
+                "ro",
+                "rw",
+                "cacheCapacityMB=64",
+                " concurrentReaders=3 ",
+                "readRetryTime=2s",
+            ]),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(
+            (o.cache_capacity_mb, o.concurrent_readers, o.read_retry_secs),
+            (64, 3, 2)
+        );
+        assert_eq!(o.filer_path, "/buckets/v", "nothing else changes");
+        let e = check_mount_flags(&flags(&["ro", "noatime", "bogus=1", "cacheCapacityMB=8"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("noatime, bogus=1"), "{e}");
+        assert!(e.contains("readOnly"), "the error lists what works: {e}");
+        let bad = apply_mount_flags("/v", &mut o, &flags(&["concurrentWriters=x"]), &d);
+        assert!(bad.unwrap_err().to_string().contains("concurrentWriters"));
     }
 
     #[test]

@@ -317,7 +317,11 @@ pub async fn serve(
                 stopping.await;
                 let _ = std::fs::remove_file(&p);
             };
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            // Any :authority, as kubelet's and every other client's (see `authority`).
+            let incoming = tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::UnixListenerStream::new(l),
+                |conn| conn.map(super::authority::AnyAuthority::new),
+            );
             let served = router.serve_with_incoming_shutdown(incoming, stopping);
             bounded(served, deadline).await
         }

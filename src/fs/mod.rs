@@ -14,6 +14,11 @@ mod resent;
 pub mod verifier;
 
 pub use attr::{Attr, IdMap, Kind};
+
+/// Extended attribute of a volume's root directory holding its capacity in bytes (decimal),
+/// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
+/// `xattr-`, so FUSE clients do not list it as a user xattr.
+pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
 pub use ops::{DirEntryOut, SetAttr, StatFs};
 
 use crate::cache::ChunkCache;
@@ -96,6 +101,8 @@ pub struct FsConfig {
     pub umask: u32,
     pub ids: IdMap,
     pub quota_bytes: u64,
+    /// See [`MountOptions::quota_from_filer`].
+    pub quota_from_filer: bool,
     pub concurrent_writers: usize,
     pub concurrent_readers: usize,
     /// Chunks prefetched ahead of a sequential reader.
@@ -143,6 +150,7 @@ impl FsConfig {
                 gids: o.gid_map.clone(),
             },
             quota_bytes: o.quota_bytes,
+            quota_from_filer: o.quota_from_filer,
             concurrent_writers: o.concurrent_writers.max(1),
             concurrent_readers: o.concurrent_readers.max(1),
             readahead_chunks: (o.concurrent_readers / 4).clamp(1, 8),

@@ -278,8 +278,49 @@ impl Fs {
         }
         let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
         a.ino = ROOT_INO;
+        // As `weed mount` does, the root shows 0777 &^ umask whatever mode the directory has
+        // on the filer: one made by another client without a mode (the filer HTTP API's
+        // `POST /dir/` stores 0660) would otherwise be unsearchable for every non-root pod.
+        // A chmod through the mount still reaches the filer and shows until the next stage.
+        a.perm = (0o777 & !self.cfg.umask) as u16;
         *self.root_attr.lock() = a;
+        self.take_capacity(&e);
         Ok(())
+    }
+
+    /// Applies the capacity recorded on the root entry (see [`super::CAPACITY_XATTR`]) as the
+    /// quota, when this volume takes its quota from the filer. An absent or unreadable record
+    /// keeps the current quota (volume context, NodeExpandVolume).
+    fn take_capacity(&self, root: &pb::Entry) {
+        if !self.cfg.quota_from_filer {
+            return;
+        }
+        let Some(bytes) = root
+            .extended
+            .get(super::CAPACITY_XATTR)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.trim().parse::<i64>().ok())
+        else {
+            return;
+        };
+        // 1 byte or less means no quota, as in the volume context.
+        let bytes = if bytes <= 1 { 0 } else { bytes as u64 };
+        if bytes != self.quota() {
+            tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
+            self.set_quota(bytes);
+        }
+    }
+
+    /// Re-reads the capacity recorded on the root entry (an expansion made elsewhere).
+    /// Errors are ignored: the health check reports an unreachable filer.
+    pub async fn refresh_capacity(&self) {
+        if !self.cfg.quota_from_filer || self.cfg.root == "/" {
+            return;
+        }
+        let (dir, name) = split(&self.cfg.root);
+        if let Ok(e) = self.filer.lookup_entry(&dir, &name).await {
+            self.take_capacity(&e);
+        }
     }
 
     fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {

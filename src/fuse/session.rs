@@ -148,6 +148,7 @@ pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
             tick.tick().await;
             let ok = tokio::time::timeout(Duration::from_secs(5), f.filer.configuration()).await;
             f.set_healthy(matches!(ok, Ok(Ok(_))));
+            let _ = tokio::time::timeout(Duration::from_secs(5), f.refresh_capacity()).await;
             if f.quota() > 0 {
                 f.refresh_usage().await;
             }

@@ -171,6 +171,18 @@ impl FuseStager {
         }
     }
 
+    /// Whether the fd-keeper answers; `Ok` without one. Blocking: one bounded round trip on a
+    /// connection of its own, so a slow probe never poisons the connection that owns the
+    /// sessions (the stager's reconnects by itself at its next call).
+    pub fn keeper_ready(&self) -> Result<(), String> {
+        let Some((socket, _)) = &self.keeper else {
+            return Ok(());
+        };
+        KeeperClient::connect(socket)
+            .and_then(|k| k.with_timeout(Duration::from_secs(2)).ping())
+            .map_err(|e| format!("fd-keeper at {}: {e}", socket.display()))
+    }
+
     /// Volume ids served by this process.
     pub fn volumes(&self) -> Vec<String> {
         self.sessions.lock().keys().cloned().collect()

@@ -142,6 +142,24 @@ impl Driver {
         Self::start_raw(dir, socket, stager, args, vec![])
     }
 
+    /// Like [`Driver::start`] with the real FUSE stager whatever `CSI_TEST_STAGER` says, for
+    /// tests about what the mounted filesystem shows.
+    pub fn start_fuse(filer: &str, extra: &[&str]) -> Driver {
+        let dir = tempfile::Builder::new()
+            .prefix("csitest")
+            .tempdir()
+            .unwrap();
+        let socket = dir.path().join("plugin/csi.sock");
+        let mut args = vec![
+            format!("--endpoint=unix://{}", socket.display()),
+            format!("--filer={filer}"),
+            "--nodeid=test-node".to_string(),
+            "--logLevel=info,seaweedfs_csi_driver=debug".to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start_raw(dir, socket, Stager::Fuse, args, vec![])
+    }
+
     /// Starts the binary with exactly these args and env (for flag/env tests).
     pub fn start_raw(
         dir: tempfile::TempDir,
@@ -422,6 +440,12 @@ pub fn unstage_req(vol: &Volume, staging: &Path) -> NodeUnstageVolumeRequest {
         volume_id: vol.volume_id.clone(),
         staging_target_path: staging.display().to_string(),
     }
+}
+
+/// Total bytes `df` shows for the filesystem at `path`.
+pub fn df_total(path: &Path) -> u64 {
+    let st = nix::sys::statvfs::statvfs(path).expect("statvfs");
+    st.blocks() as u64 * st.fragment_size() as u64
 }
 
 /// The gRPC code of a result.
