@@ -223,6 +223,7 @@ impl FileState {
 
     /// Takes `e` (newer, from the filer) as the file's entry. Callers check [`is_clean`].
     pub fn replace_entry(&mut self, e: pb::Entry, resolved: Vec<pb::FileChunk>) {
+        self.epoch += 1;
         self.size = entry_size(&e);
         self.max_ts = max_ts(&resolved);
         self.resolved = Arc::new(resolved);

@@ -567,7 +567,7 @@ impl Fs {
     }
 
     async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
-        let _local = self.note_local(dir, &e.name);
+        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), &e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
@@ -673,7 +673,7 @@ impl Fs {
     }
 
     async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
-        let _local = self.note_local(dir, &e.name);
+        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),
@@ -1055,7 +1055,7 @@ impl Fs {
             None => (false, false),
         };
         if !pending {
-            let _local = self.note_local(&dir, name);
+            let _local = self.note_local(&dir, name, Some(ino));
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let r = self
                 .filer
@@ -1236,8 +1236,8 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
-        let _old = self.note_local(odir, name);
-        let _new = self.note_local(ndir, newname);
+        let _old = self.note_local(odir, name, Some(ino));
+        let _new = self.note_local(ndir, newname, None);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let events = self
             .filer
@@ -1316,17 +1316,15 @@ impl Fs {
         let ino = entry_inode(&path, e);
         self.meta.link_removed(e);
         self.inodes.unlink_path(&path);
-        let Some(of) = self.open_file(ino) else {
+        let Some(of) = self.open_file(ino).filter(|_| !doubt) else {
             return;
         };
         let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
         let other = self.inodes.aliases(ino).into_iter().next();
         let mut s = of.state.lock();
         if !linked {
-            if !doubt {
-                s.unlinked = true;
-                s.epoch += 1;
-            }
+            s.unlinked = true;
+            s.epoch += 1;
             return;
         }
         s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
@@ -2326,11 +2324,12 @@ impl Fs {
     /// The returned guard marks an open file at that name as changing here until it drops
     /// (hold it across the filer call; see [`Self::resync_open_file`]).
     #[must_use]
-    fn note_local(&self, dir: &str, name: &str) -> LocalChange {
-        let of = self
-            .inodes
-            .ino_of(&join(dir, name))
-            .and_then(|ino| self.open_file(ino));
+    /// `ino`: the file changed, when known (the name may no longer lead to it here).
+    fn note_local(&self, dir: &str, name: &str, ino: Option<u64>) -> LocalChange {
+        let of = ino.and_then(|ino| self.open_file(ino)).or_else(|| {
+            let ino = self.inodes.ino_of(&join(dir, name))?;
+            self.open_file(ino)
+        });
         if let Some(of) = &of {
             let mut s = of.state.lock();
             s.local_inflight += 1;
@@ -2370,13 +2369,26 @@ impl Fs {
     /// event applied); otherwise it is asked again, since either may be the newer. A removal
     /// is believed only if the filer no longer has the file under its name.
     async fn resync_open_file(self: Arc<Self>, of: Arc<OpenFile>) {
+        /// Should the task end other than by its own return (a panic), a later doubtful
+        /// event still starts a new one.
+        struct Running(Option<Arc<OpenFile>>);
+        impl Drop for Running {
+            fn drop(&mut self) {
+                if let Some(of) = self.0.take() {
+                    of.state.lock().resync = Default::default();
+                }
+            }
+        }
+        let mut running = Running(Some(of.clone()));
         let mut attempt = 0;
         loop {
+            // the files lock is never taken under a file's state lock (the other order is used)
+            let open = self.open_file(of.ino).is_some_and(|o| Arc::ptr_eq(&o, &of));
             let (dir, name, epoch, deleted) = {
                 let mut s = of.state.lock();
-                let open = self.open_file(of.ino).is_some_and(|o| Arc::ptr_eq(&o, &of));
                 if !s.resync.wanted || !open {
                     s.resync = Default::default();
+                    running.0 = None;
                     return;
                 }
                 if s.local_inflight > 0 {
@@ -2406,7 +2418,6 @@ impl Fs {
                         let same = s.entry == e && *s.resolved == resolved;
                         if s.is_clean() && !same {
                             s.replace_entry(e, resolved);
-                            s.epoch += 1;
                             Ok(true)
                         } else {
                             Ok(false)
@@ -2438,11 +2449,12 @@ impl Fs {
                         s.resync.wanted = true;
                         s.resync.deleted |= deleted;
                     }
-                    if let Some(e) = failed {
+                    if let Some(e) = &failed {
                         tracing::warn!(path, error = %e, attempt, "re-reading an open file's entry after an event failed; retrying");
-                        tokio::time::sleep(super::backoff(attempt)).await;
-                        attempt += 1;
                     }
+                    // a pause before asking again, also when the file moved on meanwhile
+                    tokio::time::sleep(super::backoff(attempt)).await;
+                    attempt = (attempt + 1).min(5);
                 }
             }
         }
@@ -2500,12 +2512,13 @@ impl Fs {
                 match &n.new_entry {
                     None => {
                         let ino = entry_inode(&opath, old);
+                        // a hard-linked file may live on under other names: re-read, never unlink
                         let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
                         let mut doubt = false;
-                        if let Some(of) = self.open_file(ino).filter(|_| !linked) {
+                        if let Some(of) = self.open_file(ino) {
                             let mut s = of.state.lock();
                             doubt = self.doubtful(&s, dir, &old.name);
-                            if doubt && s.want_resync(true) {
+                            if doubt && s.want_resync(!linked) {
                                 doubtful.push(of.clone());
                             }
                         }
@@ -2571,7 +2584,6 @@ impl Fs {
                         }
                     } else if !crate::chunks::has_manifest(&new.chunks) {
                         s.replace_entry(new.clone(), new.chunks.clone());
-                        s.epoch += 1;
                     }
                 }
             }
@@ -3347,6 +3359,70 @@ mod integrity_tests {
             13,
             "our later write is committed"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_re_read_and_a_listing_do_not_deadlock() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let ours = filer.get("/f").unwrap();
+        // files lock then state locks, over and over, while re-reads take them too
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let lister = {
+            let (fs, stop) = (fs.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::black_box(fs.pending_in_dir("/", None));
+                }
+            })
+        };
+        let sender = {
+            let fs = fs.clone();
+            let rt = tokio::runtime::Handle::current();
+            std::thread::spawn(move || {
+                let _rt = rt.enter();
+                for _ in 0..20_000 {
+                    fs.apply_event(&event(Some(ours.clone()), Some(ours.clone())));
+                }
+            })
+        };
+        let sent = tokio::task::spawn_blocking(move || sender.join().is_ok());
+        let sent = tokio::time::timeout(Duration::from_secs(60), sent).await;
+        assert!(
+            matches!(sent, Ok(Ok(true))),
+            "the event thread never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.store(true, Ordering::Relaxed);
+        let done = tokio::task::spawn_blocking(move || lister.join().is_ok());
+        let joined = tokio::time::timeout(Duration::from_secs(60), done).await;
+        assert!(
+            matches!(joined, Ok(Ok(true))),
+            "the listing thread never finished"
+        );
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn our_changes_stay_marked_after_a_doubtful_delete() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        filer.fail_next(1000); // the re-read waits, the doubt stays
+        fs.apply_event(&event(filer.get("/f"), None));
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        let epoch = of.state.lock().epoch;
+        {
+            // a commit of the file names it: the guard must find it though the path is gone here
+            let _g = fs.note_local("/", "f", Some(a.ino));
+            assert_eq!(of.state.lock().local_inflight, 1);
+        }
+        assert!(of.state.lock().epoch > epoch);
+        filer.fail_next(0);
+        fs.release(fh, a.ino).await.unwrap();
     }
 
     #[tokio::test]

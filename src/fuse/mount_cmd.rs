@@ -132,16 +132,18 @@ pub fn run(args: MountArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let security = SecurityConfig::load()?;
         let mounted = MountedVolume::mount(&opts, &security, &args.dir).await?;
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break,
+                _ = int.recv() => break,
                 _ = term.recv() => break,
                 _ = tick.tick() => {
-                    // `umount` from outside: nothing is left to serve, exit as weed mount does
-                    if !mounted.is_mounted() {
-                        tracing::info!(dir = %args.dir.display(), "unmounted from outside; exiting");
+                    // unmounted from outside: nothing is left to serve, exit as weed mount does
+                    if mounted.session_ended() {
+                        tracing::info!(dir = %args.dir.display(), "the FUSE connection ended (unmounted); exiting");
                         break;
                     }
                 }

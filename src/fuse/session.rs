@@ -554,13 +554,13 @@ impl MountedVolume {
         flushed.map_err(MountError::Fs)
     }
 
-    /// The mount is still there (false once someone unmounted it from outside). Reads
-    /// /proc/self/mountinfo, never the mount itself.
-    pub fn is_mounted(&self) -> bool {
-        match (self.conn, mount_device(&self.mountpoint)) {
-            (Some(conn), Some(dev)) => dev == (0, conn),
-            (Some(_), None) => false,
-            (None, _) => true, // cannot tell
+    /// The kernel ended the FUSE connection (an unmount from outside, once nothing uses the
+    /// mount any more): fuser's session loop returns on ENODEV.
+    pub fn session_ended(&self) -> bool {
+        match &self.serving {
+            Some(Serving::Plain(bg)) => bg.guard.is_finished(),
+            Some(Serving::Kept(k)) => k.bg.as_ref().is_some_and(|bg| bg.guard.is_finished()),
+            None => true,
         }
     }
 
@@ -577,8 +577,14 @@ impl MountedVolume {
             None => (None, None),
         };
         let conn = self.conn;
+        // whatever is at the path now is not ours to unmount (maybe a new mount there)
+        let ended = self.session_ended();
         let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            let r = super::takeover::unmount(&mp);
+            let r = if ended {
+                Ok(())
+            } else {
+                super::takeover::unmount(&mp)
+            };
             if let Some((keeper, volume_id)) = keeper {
                 if let Err(e) = keeper.drop_entry(&volume_id) {
                     tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
