@@ -278,8 +278,10 @@ filer=\${dev%%:/*} path=/\${dev#*:/}
 log="$results/$c/mounts.log"
 echo "\$(date -u +%T) mount \$dev \$dir \$opts" >>"\$log"
 if [[ $c == ours ]]; then
+  # --nonempty: a test that wrote into the scratch directory while it was not mounted must
+  # not fail every later mount there (weed mount mounts over it too)
   RUST_LOG=\${RUST_LOG:-warn} setsid "$bin" mount --filer="\$filer" --filer.path="\$path" \
-    --dir="\$dir" \${ro:+--readOnly} >>"\$log" 2>&1 </dev/null &
+    --dir="\$dir" --nonempty \${ro:+--readOnly} >>"\$log" 2>&1 </dev/null &
 else
   cd "$work" || exit 32 # weed writes next to its working directory
   n=\$RANDOM\$RANDOM
