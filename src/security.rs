@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
@@ -340,7 +341,7 @@ fn read(path: &Path) -> Result<Vec<u8>, SecurityError> {
 
 fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, SecurityError> {
     let data = read(path)?;
-    let certs = rustls_pemfile::certs(&mut data.as_slice())
+    let certs = CertificateDer::pem_slice_iter(&data)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| SecurityError::Tls(format!("{}: {e}", path.display())))?;
     if certs.is_empty() {
@@ -354,9 +355,12 @@ fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, SecurityError
 
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, SecurityError> {
     let data = read(path)?;
-    rustls_pemfile::private_key(&mut data.as_slice())
-        .map_err(|e| SecurityError::Tls(format!("{}: {e}", path.display())))?
-        .ok_or_else(|| SecurityError::Tls(format!("{}: no PEM private key found", path.display())))
+    PrivateKeyDer::from_pem_slice(&data).map_err(|e| match e {
+        pem::Error::NoItemsFound => {
+            SecurityError::Tls(format!("{}: no PEM private key found", path.display()))
+        }
+        e => SecurityError::Tls(format!("{}: {e}", path.display())),
+    })
 }
 
 fn load_roots(path: &Path) -> Result<RootCertStore, SecurityError> {
@@ -632,6 +636,34 @@ insecure_skip_verify = false
         // a broken file is an error, not silently ignored
         std::fs::write(a.path().join(SECURITY_FILE), "[[[").unwrap();
         assert!(SecurityConfig::load_from(&dirs, |_| None).is_err());
+    }
+
+    #[test]
+    fn pem_files_load_certs_and_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["a.invalid".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let crt = dir.path().join("a.crt");
+        let k = dir.path().join("a.key");
+        // two certificates in one file (a chain), with text around them
+        std::fs::write(&crt, format!("junk\n{}\n{}", cert.pem(), cert.pem())).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        assert_eq!(load_certs(&crt).unwrap().len(), 2);
+        assert!(load_key(&k).is_ok());
+        // a certificate file has no private key; a key file has no certificate
+        let e = load_key(&crt).unwrap_err().to_string();
+        assert!(e.contains("no PEM private key found"), "{e}");
+        let e = load_certs(&k).unwrap_err().to_string();
+        assert!(e.contains("no PEM certificate found"), "{e}");
+        // a broken PEM section is an error naming the file
+        let bad = dir.path().join("bad.crt");
+        std::fs::write(&bad, "-----BEGIN CERTIFICATE-----\n!!!\n").unwrap();
+        let e = load_certs(&bad).unwrap_err().to_string();
+        assert!(e.contains("bad.crt"), "{e}");
+        assert!(load_roots(&crt).is_ok());
     }
 
     #[test]

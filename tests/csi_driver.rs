@@ -812,13 +812,11 @@ async fn go_style_flags_and_env_vars() {
         .tempdir()
         .unwrap();
     let socket = dir.path().join("csi.sock");
-    let scratch = dir.path().join("scratch");
     let args = vec![
         "-driverName=custom.csi.example.com".to_string(),
         "-components=controller".to_string(),
         "-attacher=false".to_string(),
         "-mountEndpoint=unix:///tmp/ignored.sock".to_string(),
-        format!("-fakeStager={}", scratch.display()),
     ];
     let env = vec![
         (
@@ -828,7 +826,8 @@ async fn go_style_flags_and_env_vars() {
         ("WEED_FILER".to_string(), weed.filer_addr()),
         ("WEED_LOGFORMAT".to_string(), "json".to_string()),
     ];
-    let driver = Driver::start_raw(dir, socket, Stager::Fake, args, env);
+    // controller only: no stager runs
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, env);
     let mut c = driver.clients().await;
     let info = c
         .identity

@@ -319,6 +319,11 @@ fn scratch_image_runs_and_mounts_slow() {
     let (ok, out) = root.run(&["--help"]);
     assert!(ok, "--help failed: {out}");
     assert!(out.contains("mount"), "{out}");
+    // the shipped binary has product commands only: no test seams
+    assert!(
+        !out.contains("memfs") && !out.contains("fakeStager"),
+        "{out}"
+    );
     let (ok, out) = root.run(&["mount", "--help"]);
     assert!(ok && out.contains("--filer"), "{out}");
 

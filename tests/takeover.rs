@@ -23,7 +23,8 @@ use nix::unistd::Pid;
 use seaweedfs_csi_driver::fuse::takeover;
 use seaweedfs_csi_driver::keeper::KeeperClient;
 
-const BIN: &str = env!("CARGO_BIN_EXE_seaweedfs-csi-driver");
+/// memfs is a test seam: only the test-support binary has it (and the product's keeper).
+const BIN: &str = env!("CARGO_BIN_EXE_seaweedfs-csi-test-support");
 /// Nothing may hang longer than this.
 const BOUND: Duration = Duration::from_secs(20);
 

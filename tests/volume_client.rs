@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use common::{WeedOptions, WeedServer};
 use parking_lot::Mutex;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, RngExt, SeedableRng};
 use seaweedfs_csi_driver::chunks::{self, ReadPiece};
 use seaweedfs_csi_driver::config::VolumeServerAccess;
 use seaweedfs_csi_driver::filer::grpc::{FilerClientOptions, GrpcFiler};
@@ -462,8 +462,8 @@ async fn uploads_are_readable_through_filer_and_our_reads() {
     assert_eq!(read_all(&store, &entry).await, want);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for _ in 0..40 {
-        let off = rng.gen_range(0..size);
-        let len = rng.gen_range(0..200_000u64);
+        let off = rng.random_range(0..size);
+        let len = rng.random_range(0..200_000u64);
         let got = read_range(&store, &entry, off, len).await.unwrap();
         let end = (off + len).min(size) as usize;
         assert_eq!(got, &want[off as usize..end], "range {off}+{len}");
@@ -577,8 +577,8 @@ async fn reads_files_the_filer_wrote_and_overwrites_resolve_like_the_filer() {
     assert_eq!(read_all(&store, &e).await, big);
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     for _ in 0..30 {
-        let off = rng.gen_range(0..big.len() as u64);
-        let len = rng.gen_range(1..6 * 1024 * 1024u64);
+        let off = rng.random_range(0..big.len() as u64);
+        let len = rng.random_range(1..6 * 1024 * 1024u64);
         let got = read_range(&store, &e, off, len).await.unwrap();
         let end = (off + len).min(big.len() as u64) as usize;
         assert_eq!(got, &big[off as usize..end], "range {off}+{len}");
@@ -710,8 +710,8 @@ async fn large_file_streams_with_matching_hash() {
     let mut f = std::fs::File::open(&path).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     for _ in 0..10 {
-        let off = rng.gen_range(0..size);
-        let len = rng.gen_range(1..9 * 1024 * 1024u64).min(size - off);
+        let off = rng.random_range(0..size);
+        let len = rng.random_range(1..9 * 1024 * 1024u64).min(size - off);
         let mut want = vec![0u8; len as usize];
         f.seek(SeekFrom::Start(off)).unwrap();
         f.read_exact(&mut want).unwrap();

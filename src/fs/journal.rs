@@ -46,7 +46,7 @@ impl Journal {
     pub fn create() -> io::Result<Self> {
         let fd = nix::sys::memfd::memfd_create(
             c"seaweedfs-inodes",
-            nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
         )?;
         let j = Journal {
             file: File::from(fd),
@@ -140,7 +140,7 @@ impl Journal {
         *st = (new_start, new_end);
         // give the old range's pages back
         let _ = nix::fcntl::fallocate(
-            std::os::fd::AsRawFd::as_raw_fd(&self.file),
+            &self.file,
             nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
                 | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             old.0 as i64,

@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -103,7 +103,7 @@ impl DirtyLog {
     pub fn create() -> io::Result<Self> {
         let fd = nix::sys::memfd::memfd_create(
             c"seaweedfs-dirty",
-            nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
         )?;
         let log = DirtyLog {
             file: File::from(fd),
@@ -185,7 +185,7 @@ impl DirtyLog {
         self.write_header(start, end)?;
         let old = std::mem::replace(&mut *range, (start, end));
         let _ = nix::fcntl::fallocate(
-            self.file.as_raw_fd(),
+            &self.file,
             nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
                 | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             old.0 as i64,

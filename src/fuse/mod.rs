@@ -1,5 +1,6 @@
 //! Thin fuser adapter, session lifecycle and live-connection takeover.
 pub mod adapter;
+#[cfg(feature = "test-support")]
 pub mod memfs;
 pub mod mount_cmd;
 pub mod session;

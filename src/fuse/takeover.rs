@@ -74,7 +74,6 @@ use std::path::{Path, PathBuf};
 
 use fuser::{Config, Filesystem, MountOption, Session, SessionACL};
 use nix::errno::Errno;
-use nix::fcntl::OFlag;
 use nix::mount::{MntFlags, MsFlags};
 use nix::sys::socket::{socketpair, AddressFamily, MsgFlags, SockFlag, SockType};
 use serde::de::DeserializeOwned;
@@ -412,7 +411,7 @@ fn open_dev_fuse() -> io::Result<OwnedFd> {
 
 /// Checks that `fd` is an open `/dev/fuse` file.
 fn check_dev_fuse(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let st = nix::sys::stat::fstat(fd.as_raw_fd())?;
+    let st = nix::sys::stat::fstat(fd)?;
     let rdev = st.st_rdev;
     if st.st_mode & libc::S_IFMT != libc::S_IFCHR
         || libc::major(rdev) as u64 != DEV_FUSE_MAJOR
@@ -428,7 +427,7 @@ fn check_dev_fuse(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 fn read_retrying(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
     loop {
-        match nix::unistd::read(fd.as_raw_fd(), buf) {
+        match nix::unistd::read(fd, buf) {
             Ok(n) => return Ok(n),
             // ENOENT: the request was interrupted before we got it; read the next one.
             Err(Errno::EINTR | Errno::EAGAIN | Errno::ENOENT) => continue,
@@ -467,7 +466,9 @@ fn handshake_via_socketpair<FS: Filesystem>(
 /// sound). Must run before the session serves.
 fn splice_fd<FS: Filesystem>(live: BorrowedFd<'_>, session: &Session<FS>) -> io::Result<()> {
     let target = session.as_fd().as_raw_fd();
-    nix::unistd::dup3(live.as_raw_fd(), target, OFlag::O_CLOEXEC)?;
+    // nix's dup3 wants the target as an OwnedFd, but fuser owns it: call libc directly.
+    // SAFETY: both fds are open for the whole call; dup3 only changes what `target` refers to.
+    Errno::result(unsafe { libc::dup3(live.as_raw_fd(), target, libc::O_CLOEXEC) })?;
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 
 use aes_gcm::aead::{Aead, KeyInit};
 use aes_gcm::{Aes128Gcm, Aes256Gcm, Nonce};
-use rand::RngCore;
+use rand::Rng;
 
 pub const KEY_LEN: usize = 32;
 pub const NONCE_LEN: usize = 12;
@@ -12,7 +12,7 @@ pub const TAG_LEN: usize = 16;
 /// A fresh random 32-byte key.
 pub fn gen_key() -> Vec<u8> {
     let mut k = vec![0u8; KEY_LEN];
-    rand::thread_rng().fill_bytes(&mut k);
+    rand::rng().fill_bytes(&mut k);
     k
 }
 
@@ -21,7 +21,7 @@ pub fn encrypt(plain: &[u8], key: &[u8]) -> Result<Vec<u8>, String> {
     let cipher =
         Aes256Gcm::new_from_slice(key).map_err(|_| format!("bad key length {}", key.len()))?;
     let mut nonce = [0u8; NONCE_LEN];
-    rand::thread_rng().fill_bytes(&mut nonce);
+    rand::rng().fill_bytes(&mut nonce);
     let ct = cipher
         .encrypt(Nonce::from_slice(&nonce), plain)
         .map_err(|_| "encryption failed".to_string())?;

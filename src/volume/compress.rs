@@ -134,7 +134,7 @@ mod tests {
         assert!(maybe_gzip(b"a", Some("text/plain")).is_none());
         // Random bytes of unknown type are not compressed.
         let mut rnd = vec![0u8; 64 * 1024];
-        rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut rnd);
+        rand::fill(&mut rnd[..]);
         rnd[0] = 0;
         assert!(detect_mime(&rnd).is_none());
         assert!(maybe_gzip(&rnd, None).is_none());

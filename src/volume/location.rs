@@ -105,7 +105,7 @@ pub fn ordered_hosts(
         VolumeServerAccess::PublicUrl if !l.public_url.is_empty() => l.public_url.clone(),
         _ => l.url.clone(),
     };
-    let mut rng = rand::thread_rng();
+    let mut rng = rand::rng();
     let (mut near, mut far): (Vec<_>, Vec<_>) = locs
         .iter()
         .filter(|l| !l.url.is_empty() || !l.public_url.is_empty())

@@ -2,9 +2,10 @@
 //! in-process) on a temp unix socket and talk to it with the generated clients over UDS,
 //! exactly like kubelet and the sidecars do.
 //!
-//! The stager is chosen by `CSI_TEST_STAGER`: unset/`fake` = `--fakeStager` (bind mounts of
-//! scratch directories), `fuse` = the real in-process FUSE stager. Tests that need data to land
-//! on the filer check [`Stager::Fuse`].
+//! The stager is chosen by `CSI_TEST_STAGER`: unset/`fuse` = the real in-process FUSE stager of
+//! the shipped binary; `fake` = `--fakeStager` (bind mounts of scratch directories) of the
+//! `seaweedfs-csi-test-support` binary, which exists only with `--features test-support`.
+//! Tests that need data to land on the filer check [`Stager::Fuse`].
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -34,8 +35,8 @@ pub enum Stager {
 impl Stager {
     pub fn from_env() -> Self {
         match std::env::var("CSI_TEST_STAGER").as_deref() {
-            Ok("fuse") => Stager::Fuse,
-            _ => Stager::Fake,
+            Ok("fake") => Stager::Fake,
+            _ => Stager::Fuse,
         }
     }
 }
@@ -113,8 +114,19 @@ pub struct Driver {
     log_path: PathBuf,
 }
 
+/// The shipped binary.
 pub fn driver_bin() -> &'static str {
     env!("CARGO_BIN_EXE_seaweedfs-csi-driver")
+}
+
+/// The binary that runs a driver with `stager`: `--fakeStager` is a test seam that only the
+/// test-support binary has.
+pub fn driver_bin_for(stager: Stager) -> &'static str {
+    match stager {
+        Stager::Fuse => driver_bin(),
+        Stager::Fake => option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support")
+            .expect("the fake stager needs the test-support binary: --features test-support"),
+    }
 }
 
 impl Driver {
@@ -188,7 +200,7 @@ impl Driver {
             .append(true)
             .open(&self.log_path)
             .unwrap();
-        let mut cmd = Command::new(driver_bin());
+        let mut cmd = Command::new(driver_bin_for(self.stager));
         cmd.args(&self.args)
             .stdout(Stdio::null())
             .stderr(log)

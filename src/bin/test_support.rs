@@ -1,0 +1,82 @@
+//! `seaweedfs-csi-test-support`: the driver binary plus its test seams, built only with
+//! `--features test-support` and never shipped (the image and `scripts/build-static.sh` build
+//! `seaweedfs-csi-driver`, which has product commands only).
+//!
+//! - `memfs`: a trivial in-memory FUSE filesystem with the same takeover machinery as the
+//!   product (the takeover tests, and the benchmark ceiling);
+//! - `--fakeStager=DIR`: the driver stages volumes as bind mounts of scratch directories under
+//!   DIR instead of FUSE sessions (CSI tests that need mounts surviving the process, or
+//!   `CSI_TEST_STAGER=fake`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{CommandFactory, Parser, Subcommand};
+use seaweedfs_csi_driver::cli::{self, Command, DriverArgs, LogArgs};
+use seaweedfs_csi_driver::csi::stager::{FakeStager, Stager};
+use seaweedfs_csi_driver::fuse::memfs;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "seaweedfs-csi-test-support",
+    about = "seaweedfs-csi-driver with test seams (memfs, --fakeStager); not shipped",
+    args_conflicts_with_subcommands = true
+)]
+struct TestCli {
+    #[command(subcommand)]
+    command: Option<TestCommand>,
+    /// Stage volumes with bind mounts of scratch directories under this path (no FUSE)
+    #[arg(long = "fakeStager")]
+    fake_stager: Option<PathBuf>,
+    #[command(flatten)]
+    driver: DriverArgs,
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum TestCommand {
+    /// A trivial in-memory FUSE filesystem (takeover tests and the benchmark ceiling).
+    Memfs(memfs::MemfsArgs),
+    #[command(flatten)]
+    Product(Command),
+}
+
+fn main() -> ExitCode {
+    seaweedfs_csi_driver::fuse::session::tune_allocator();
+    let cli = TestCli::parse_from(cli::normalize_args_for(
+        &TestCli::command(),
+        std::env::args_os(),
+    ));
+    if let Err(e) = cli::init_tracing(&cli.log) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
+    let result = match cli.command {
+        Some(TestCommand::Memfs(args)) => memfs::run(args),
+        Some(TestCommand::Product(Command::Mount(args))) => {
+            seaweedfs_csi_driver::fuse::mount_cmd::run(*args)
+        }
+        Some(TestCommand::Product(Command::Keeper(args))) => {
+            seaweedfs_csi_driver::keeper::run(args)
+        }
+        None => {
+            let fake = cli.fake_stager.map(|dir| {
+                Box::new(move || -> anyhow::Result<Arc<dyn Stager>> {
+                    tracing::warn!(dir = %dir.display(), "test mode: volumes are bind mounts of scratch directories");
+                    Ok(Arc::new(FakeStager::new(dir)?.leave_mounts_on_drop()))
+                }) as seaweedfs_csi_driver::driver::StagerOverride
+            });
+            seaweedfs_csi_driver::driver::run(cli.driver, fake)
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
