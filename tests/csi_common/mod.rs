@@ -124,8 +124,12 @@ pub fn driver_bin() -> &'static str {
 pub fn driver_bin_for(stager: Stager) -> &'static str {
     match stager {
         Stager::Fuse => driver_bin(),
-        Stager::Fake => option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support")
-            .expect("the fake stager needs the test-support binary: --features test-support"),
+        Stager::Fake => match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
+            Some(bin) => bin,
+            None => {
+                panic!("the fake stager needs the test-support binary: --features test-support")
+            }
+        },
     }
 }
 
