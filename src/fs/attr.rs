@@ -131,18 +131,30 @@ pub fn entry_inode(path: &str, e: &pb::Entry) -> u64 {
     }
 }
 
+/// Filer seconds and nanoseconds (nanoseconds always forward, also before 1970) as a time.
 pub fn ts(secs: i64, nanos: i32) -> SystemTime {
-    if secs >= 0 {
-        UNIX_EPOCH + Duration::new(secs as u64, nanos.clamp(0, 999_999_999) as u32)
+    let nanos = Duration::from_nanos(nanos.clamp(0, 999_999_999) as u64);
+    let t = if secs >= 0 {
+        UNIX_EPOCH.checked_add(Duration::from_secs(secs as u64))
     } else {
-        UNIX_EPOCH
-    }
+        UNIX_EPOCH.checked_sub(Duration::from_secs(secs.unsigned_abs()))
+    };
+    t.and_then(|t| t.checked_add(nanos)).unwrap_or(UNIX_EPOCH)
 }
 
+/// The inverse of [`ts`]: times before 1970 have negative seconds (as the filer and `weed
+/// mount` store them), not 0.
 pub fn split_ts(t: SystemTime) -> (i64, i32) {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i32),
-        Err(_) => (0, 0),
+        Err(e) => {
+            let d = e.duration();
+            let secs = -(d.as_secs().min(i64::MAX as u64) as i64);
+            match d.subsec_nanos() {
+                0 => (secs, 0),
+                n => (secs - 1, (1_000_000_000 - n) as i32),
+            }
+        }
     }
 }
 
@@ -248,6 +260,22 @@ pub fn entry_attr(ino: u64, e: &pb::Entry, ids: &IdMap) -> Attr {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn times_before_1970_keep_their_value() {
+        for (secs, nanos) in [
+            (-1, 0),
+            (-100, 5),
+            (-2, 500_000_000),
+            (0, 1),
+            (1_700_000_000, 9),
+        ] {
+            assert_eq!(split_ts(ts(secs, nanos)), (secs, nanos));
+        }
+        let t = UNIX_EPOCH - Duration::from_millis(1500);
+        assert_eq!(split_ts(t), (-2, 500_000_000));
+        assert_eq!(ts(-2, 500_000_000), t);
+    }
+
     use super::*;
 
     #[test]
