@@ -7,7 +7,8 @@ use std::sync::Arc;
 use crate::cli::DriverArgs;
 use crate::csi::server::{shutdown_signal, Endpoint};
 use crate::csi::stager::Stager;
-use crate::filer::grpc::{FilerClientOptions, GrpcFiler};
+use crate::filer::grpc::FilerClientOptions;
+use crate::filer::hub::FilerHub;
 use crate::filer::FilerApi;
 use crate::fuse::stager::FuseStager;
 use crate::security::SecurityConfig;
@@ -24,13 +25,15 @@ pub fn run(args: DriverArgs, stager_override: Option<StagerOverride>) -> anyhow:
         .build()?;
     let result = rt.block_on(async move {
         let security = SecurityConfig::load()?;
-        let filer = GrpcFiler::connect(FilerClientOptions {
-            addresses: plan.filers.clone(),
-            security: security.clone(),
-            ..Default::default()
-        })
-        .await?;
-        let filer: Arc<dyn FilerApi> = Arc::new(filer);
+        // The node's one connection to this filer: staged volumes on it share it.
+        let shared = FilerHub::global()
+            .connect(FilerClientOptions {
+                addresses: plan.filers.clone(),
+                security: security.clone(),
+                ..Default::default()
+            })
+            .await?;
+        let filer: Arc<dyn FilerApi> = shared.session();
 
         let mut fuse_stager = None;
         let stager: Option<Arc<dyn Stager>> = if !plan.run_node {

@@ -5,6 +5,7 @@
 
 pub mod addr;
 pub mod grpc;
+pub mod hub;
 pub mod mock;
 pub mod subscribe;
 

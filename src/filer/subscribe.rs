@@ -7,6 +7,9 @@
 //!
 //! Our own mutations carry `filer.signature()` in `signatures`, and the subscription sends the
 //! same signature, so the filer filters our own events out server-side.
+//!
+//! This is the one-client form (tools, tests). Mounted volumes share one subscription per
+//! filer per node instead: see [`super::hub`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,7 +49,7 @@ pub enum SubscriptionEvent {
     Resync,
 }
 
-fn random_nonzero() -> i32 {
+pub(crate) fn random_nonzero() -> i32 {
     loop {
         let v: i32 = rand::random();
         if v != 0 {
@@ -55,15 +58,23 @@ fn random_nonzero() -> i32 {
     }
 }
 
+/// A pause of between a quarter of `backoff` and all of it: nodes that lost the filer at the
+/// same moment (a filer restart) spread their reconnects instead of arriving in lockstep.
+pub(crate) fn jittered(backoff: Duration) -> Duration {
+    backoff.mul_f64(0.25 + 0.75 * rand::random::<f64>())
+}
+
 /// An event that carries an entry change (not an empty progress marker).
-fn has_change(ev: &pb::SubscribeMetadataResponse) -> bool {
+pub(crate) fn has_change(ev: &pb::SubscribeMetadataResponse) -> bool {
     ev.event_notification
         .as_ref()
         .is_some_and(|n| n.old_entry.is_some() || n.new_entry.is_some())
 }
 
 /// Splits a (possibly batched) message into single events.
-fn flatten(mut msg: pb::SubscribeMetadataResponse) -> Vec<pb::SubscribeMetadataResponse> {
+pub(crate) fn flatten(
+    mut msg: pb::SubscribeMetadataResponse,
+) -> Vec<pb::SubscribeMetadataResponse> {
     let rest = std::mem::take(&mut msg.events);
     let mut out = Vec::with_capacity(1 + rest.len());
     if msg.event_notification.is_some() || msg.ts_ns != 0 {
@@ -157,7 +168,7 @@ async fn run(
         }
         tokio::select! {
             _ = tx.closed() => return,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(jittered(backoff)) => {}
         }
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }
@@ -199,6 +210,15 @@ mod tests {
                 .clone(),
             SubscriptionEvent::Resync => "<resync>".into(),
         }
+    }
+
+    #[test]
+    fn backoff_is_jittered_within_bounds() {
+        let b = Duration::from_secs(4);
+        let v: Vec<Duration> = (0..200).map(|_| jittered(b)).collect();
+        assert!(v.iter().all(|d| *d >= b / 4 && *d <= b));
+        let (lo, hi) = (v.iter().min().unwrap(), v.iter().max().unwrap());
+        assert!(*hi - *lo > Duration::from_secs(1), "spread: {lo:?}..{hi:?}");
     }
 
     #[test]

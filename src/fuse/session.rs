@@ -3,8 +3,9 @@
 
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;
-use crate::filer::grpc::{FilerClientOptions, GrpcFiler};
-use crate::filer::subscribe::{spawn_subscription, SubscribeOptions, SubscriptionEvent};
+use crate::filer::grpc::FilerClientOptions;
+use crate::filer::hub::{FilerHub, SessionFiler};
+use crate::filer::subscribe::SubscriptionEvent;
 use crate::filer::{FilerApi, FilerError};
 use crate::fs::{Fs, FsConfig, FsError};
 use crate::security::SecurityConfig;
@@ -70,19 +71,21 @@ pub fn tune_allocator() {
     }
 }
 
-/// Connects to the filer and builds the filesystem for `opts` (nothing is mounted yet).
+/// Builds the filesystem for `opts` (nothing is mounted yet) on the node's shared connection
+/// to its filer ([`FilerHub::global`]); the returned view carries the session's signature.
 pub async fn build_fs(
     opts: &MountOptions,
     security: &SecurityConfig,
-) -> Result<Arc<Fs>, MountError> {
-    let filer = GrpcFiler::connect(FilerClientOptions {
-        addresses: opts.filers.clone(),
-        security: security.clone(),
-        ..Default::default()
-    })
-    .await?;
-    let filer: Arc<dyn FilerApi> =
-        Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(filer)));
+) -> Result<(Arc<Fs>, Arc<SessionFiler>), MountError> {
+    let shared = FilerHub::global()
+        .connect(FilerClientOptions {
+            addresses: opts.filers.clone(),
+            security: security.clone(),
+            ..Default::default()
+        })
+        .await?;
+    let session = shared.session();
+    let filer: Arc<dyn FilerApi> = session.clone();
     let conf = filer.configuration().await?;
     let store = VolumeClient::new(
         filer.clone(),
@@ -101,11 +104,13 @@ pub async fn build_fs(
     let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
     let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
-    Ok(fs)
+    Ok((fs, session))
 }
 
-/// Background work of a mounted filesystem: coherence and write-back.
-pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
+/// Background work of a mounted filesystem: coherence and write-back. Its events come from
+/// the node's one subscription to the filer (a route on `session`'s connection), which ends
+/// when the event task is aborted.
+pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task::JoinHandle<()>> {
     let since_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as i64)
@@ -115,18 +120,10 @@ pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
     } else {
         format!("{}/", fs.cfg.root)
     };
-    let (mut rx, sub) = spawn_subscription(
-        fs.filer.clone(),
-        SubscribeOptions {
-            client_name: "seaweedfs-csi".into(),
-            path_prefix: prefix,
-            extra_prefixes: Vec::new(),
-            since_ns,
-        },
-    );
+    let mut sub = session.subscribe(&prefix, since_ns);
     let f = fs.clone();
     let events = tokio::spawn(async move {
-        while let Some(ev) = rx.recv().await {
+        while let Some(ev) = sub.rx.recv().await {
             match ev {
                 SubscriptionEvent::Event(e) => f.apply_event(&e),
                 SubscriptionEvent::Resync => f.resync(),
@@ -154,7 +151,7 @@ pub fn spawn_background(fs: &Arc<Fs>) -> Vec<tokio::task::JoinHandle<()>> {
             }
         }
     });
-    vec![sub, events, flusher, health]
+    vec![events, flusher, health]
 }
 
 /// Checks that `dir` can be mounted on: exists (or is created), is a directory, is empty
@@ -296,7 +293,7 @@ impl MountedVolume {
         security: &SecurityConfig,
         mountpoint: &Path,
     ) -> Result<Self, MountError> {
-        let fs = build_fs(opts, security).await?;
+        let (fs, session) = build_fs(opts, security).await?;
         let adapter =
             super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
         let mut config = fuse_config(opts, fsname(opts));
@@ -316,10 +313,10 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        Ok(Self::started(fs, mountpoint, Serving::Plain(bg)))
+        Ok(Self::started(fs, &session, mountpoint, Serving::Plain(bg)))
     }
 
-    fn started(fs: Arc<Fs>, mountpoint: &Path, serving: Serving) -> Self {
+    fn started(fs: Arc<Fs>, session: &SessionFiler, mountpoint: &Path, serving: Serving) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
             Serving::Kept(k) => k.bg.as_ref(),
@@ -329,7 +326,7 @@ impl MountedVolume {
         }
         raise_readahead(mountpoint, 4096);
         register_metrics(&fs);
-        let tasks = spawn_background(&fs);
+        let tasks = spawn_background(&fs, session);
         let conn = connection_id(mountpoint);
         tracing::info!(mountpoint = %mountpoint.display(), root = %fs.cfg.root, conn, "serving");
         MountedVolume {
@@ -349,7 +346,7 @@ impl MountedVolume {
         mountpoint: &Path,
         keeper: Arc<crate::keeper::KeeperClient>,
     ) -> Result<Self, MountError> {
-        let fs = build_fs(opts, security).await?;
+        let (fs, session) = build_fs(opts, security).await?;
         let journal =
             Arc::new(crate::fs::journal::Journal::create().map_err(|e| mount_err(mountpoint, e))?);
         fs.inodes.set_journal(journal.clone());
@@ -413,7 +410,7 @@ impl MountedVolume {
             opts: opts.clone(),
             init: mounted.init,
         }));
-        Ok(Self::started(fs, mountpoint, serving))
+        Ok(Self::started(fs, &session, mountpoint, serving))
     }
 
     /// Adopts a session a previous process left with the keeper (crash or upgrade). `keeper`
@@ -441,9 +438,9 @@ impl MountedVolume {
         let state = blob.state;
         // The kernel queues requests meanwhile; keep trying while the filer is unreachable.
         let mut delay = Duration::from_millis(200);
-        let fs = loop {
+        let (fs, filer) = loop {
             match build_fs(&state.opts, security).await {
-                Ok(fs) => break fs,
+                Ok(built) => break built,
                 Err(e) => {
                     tracing::warn!(volume_id = %state.volume_id, error = %e, "adopt: filer not ready, retrying");
                     tokio::time::sleep(delay).await;
@@ -503,7 +500,7 @@ impl MountedVolume {
             opts: state.opts.clone(),
             init,
         }));
-        Ok(Self::started(fs, &mountpoint, serving))
+        Ok(Self::started(fs, &filer, &mountpoint, serving))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.

@@ -1,0 +1,969 @@
+//! Node-wide filer connections and metadata subscriptions.
+//!
+//! A node stages tens of volumes; with a client per volume the filer would hold one gRPC
+//! connection and one `SubscribeMetadata` stream per volume per node. The hub instead keeps
+//! ONE [`SharedFiler`] per (filer addresses, security, timeouts): one set of tonic channels
+//! (HTTP/2 multiplexes every call and stream) and ONE subscription whose request carries
+//! every staged volume's path prefix. Events are routed to the sessions by path.
+//!
+//! Signatures: each session mutates through its own [`SessionFiler`] view, which stamps the
+//! session's own signature on its mutations. The shared subscription cannot filter by a
+//! single signature server-side (it would hide one volume's changes from another volume
+//! mapped to the same or a nested path), so it asks for everything (`signature: 0`) and the
+//! router drops, per session, the events carrying that session's signature: the [`Fs`]
+//! applies its own changes from the mutation responses and must not see them again.
+//!
+//! Prefix set changes (a volume staged or unstaged) restart the stream from the lowest
+//! position any session has seen, so no session loses an event; each session also drops
+//! events at or below its own position, so none sees one twice and a new session starts at
+//! its own "now". A replay is short: the filer sends a progress marker after every 1000
+//! events it filtered out, which moves the positions on a busy filer.
+//!
+//! A slow session never stalls the others: its channel is bounded and, when full, the
+//! router drops its events and sends it [`SubscriptionEvent::Resync`] as soon as there is
+//! room (it then rereads from the filer what it cached). Blocking would let one stuck
+//! session stop coherence for every volume of the node; buffering without bound would let it
+//! grow the plugin's memory with the filer's event rate.
+//!
+//! [`Fs`]: crate::fs::Fs
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, Notify};
+
+use super::grpc::{FilerClientOptions, GrpcFiler};
+use super::subscribe::{
+    flatten, has_change, jittered, random_nonzero, SubscriptionEvent, BACKOFF_MAX, BACKOFF_MIN,
+};
+use super::{pb, FilerApi, MetadataStream, Result};
+use crate::security::SecurityConfig;
+
+/// Events a session may have queued before it is marked for a resync.
+pub const SESSION_QUEUE: usize = 1024;
+/// How often pending resyncs of full sessions are retried when no event comes.
+const RESYNC_RETRY: Duration = Duration::from_millis(250);
+/// Shown by the filer in its subscriber list.
+const CLIENT_NAME: &str = "seaweedfs-csi";
+
+/// What makes two volumes share a connection.
+#[derive(Clone, PartialEq, Eq)]
+struct HubKey {
+    addresses: Vec<String>,
+    security: SecurityConfig,
+    call_timeout: Duration,
+    connect_timeout: Duration,
+}
+
+/// The node's filer connections, one per distinct filer configuration.
+#[derive(Default)]
+pub struct FilerHub {
+    conns: Mutex<Vec<(HubKey, Weak<SharedFiler>)>>,
+}
+
+impl FilerHub {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The process-wide hub (sessions, the CSI controller and the node service use it).
+    pub fn global() -> &'static FilerHub {
+        static HUB: OnceLock<FilerHub> = OnceLock::new();
+        HUB.get_or_init(FilerHub::new)
+    }
+
+    /// The shared connection for `opts`, created on first use. It lives as long as someone
+    /// holds it (or a view of it); the last holder's drop closes its channels and stream.
+    pub async fn connect(&self, opts: FilerClientOptions) -> Result<Arc<SharedFiler>> {
+        let addresses = super::addr::FilerAddress::parse_all(&opts.addresses)
+            .map_err(super::FilerError::InvalidArgument)?
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        let key = HubKey {
+            addresses,
+            security: opts.security.clone(),
+            call_timeout: opts.call_timeout,
+            connect_timeout: opts.connect_timeout,
+        };
+        if let Some(s) = self.find(&key) {
+            return Ok(s);
+        }
+        // connect() does not touch the network, so two racing callers cost nothing.
+        let grpc = GrpcFiler::connect(opts).await?;
+        let inner: Arc<dyn FilerApi> =
+            Arc::new(crate::instrumented::InstrumentedFiler(Arc::new(grpc)));
+        let mut conns = self.conns.lock();
+        conns.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(s) = conns
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(s);
+        }
+        let shared = SharedFiler::new(inner);
+        conns.push((key, Arc::downgrade(&shared)));
+        Ok(shared)
+    }
+
+    fn find(&self, key: &HubKey) -> Option<Arc<SharedFiler>> {
+        self.conns
+            .lock()
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, w)| w.upgrade())
+    }
+
+    /// Live shared connections.
+    pub fn connections(&self) -> usize {
+        self.conns
+            .lock()
+            .iter()
+            .filter(|(_, w)| w.strong_count() > 0)
+            .count()
+    }
+}
+
+/// One filer connection shared by every session of a node, and its one subscription.
+pub struct SharedFiler {
+    inner: Arc<dyn FilerApi>,
+    router: Arc<Router>,
+}
+
+impl SharedFiler {
+    /// Shares `inner` (any [`FilerApi`]; the hub uses the gRPC client).
+    pub fn new(inner: Arc<dyn FilerApi>) -> Arc<SharedFiler> {
+        Arc::new(SharedFiler {
+            inner,
+            router: Arc::new(Router::default()),
+        })
+    }
+
+    /// A view for one session (or the controller) with a signature of its own.
+    pub fn session(self: &Arc<Self>) -> Arc<SessionFiler> {
+        Arc::new(SessionFiler {
+            shared: self.clone(),
+            signature: random_nonzero(),
+        })
+    }
+
+    /// `SubscribeMetadata` streams opened so far (one per prefix-set change or reconnect).
+    pub fn streams_opened(&self) -> u64 {
+        self.router.streams_opened.load(Ordering::Relaxed)
+    }
+
+    /// Sessions currently subscribed.
+    pub fn routes(&self) -> usize {
+        self.router.state.lock().routes.len()
+    }
+}
+
+/// A session's view of a [`SharedFiler`]: same channels, its own signature.
+pub struct SessionFiler {
+    shared: Arc<SharedFiler>,
+    signature: i32,
+}
+
+fn sign(signatures: &mut Vec<i32>, me: i32) {
+    if signatures.is_empty() {
+        signatures.push(me);
+    }
+}
+
+impl SessionFiler {
+    /// Subscribes to the events under `prefix` (e.g. `"/buckets/pvc-1/"`) after `since_ns`,
+    /// except this view's own. Dropping the [`Subscription`] ends the route.
+    pub fn subscribe(&self, prefix: &str, since_ns: i64) -> Subscription {
+        self.shared
+            .router
+            .add(&self.shared.inner, prefix, self.signature, since_ns)
+    }
+
+    pub fn shared(&self) -> &Arc<SharedFiler> {
+        &self.shared
+    }
+}
+
+#[async_trait::async_trait]
+impl FilerApi for SessionFiler {
+    async fn lookup_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
+        self.shared.inner.lookup_entry(dir, name).await
+    }
+    async fn list_page(
+        &self,
+        dir: &str,
+        start_from: &str,
+        inclusive: bool,
+        limit: u32,
+    ) -> Result<Vec<pb::Entry>> {
+        self.shared
+            .inner
+            .list_page(dir, start_from, inclusive, limit)
+            .await
+    }
+    async fn create_entry(
+        &self,
+        mut req: pb::CreateEntryRequest,
+    ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+        sign(&mut req.signatures, self.signature);
+        self.shared.inner.create_entry(req).await
+    }
+    async fn update_entry(
+        &self,
+        mut req: pb::UpdateEntryRequest,
+    ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+        sign(&mut req.signatures, self.signature);
+        self.shared.inner.update_entry(req).await
+    }
+    async fn delete_entry(
+        &self,
+        mut req: pb::DeleteEntryRequest,
+    ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+        sign(&mut req.signatures, self.signature);
+        self.shared.inner.delete_entry(req).await
+    }
+    async fn rename_entry(
+        &self,
+        mut req: pb::StreamRenameEntryRequest,
+    ) -> Result<Vec<pb::StreamRenameEntryResponse>> {
+        sign(&mut req.signatures, self.signature);
+        self.shared.inner.rename_entry(req).await
+    }
+    async fn assign_volume(
+        &self,
+        req: pb::AssignVolumeRequest,
+    ) -> Result<pb::AssignVolumeResponse> {
+        self.shared.inner.assign_volume(req).await
+    }
+    async fn lookup_volume(&self, volume_id: u32) -> Result<Vec<pb::Location>> {
+        self.shared.inner.lookup_volume(volume_id).await
+    }
+    async fn statistics(&self, req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
+        self.shared.inner.statistics(req).await
+    }
+    async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse> {
+        self.shared.inner.configuration().await
+    }
+    async fn subscribe_once(&self, req: pb::SubscribeMetadataRequest) -> Result<MetadataStream> {
+        self.shared.inner.subscribe_once(req).await
+    }
+    fn http_address(&self) -> String {
+        self.shared.inner.http_address()
+    }
+    fn signature(&self) -> i32 {
+        self.signature
+    }
+}
+
+/// A session's end of the shared subscription; dropping it removes the route.
+pub struct Subscription {
+    pub rx: mpsc::Receiver<SubscriptionEvent>,
+    _route: RouteGuard,
+}
+
+struct RouteGuard {
+    router: Arc<Router>,
+    id: u64,
+}
+
+impl Drop for RouteGuard {
+    fn drop(&mut self) {
+        self.router.state.lock().routes.remove(&self.id);
+        self.router.changed.notify_one();
+    }
+}
+
+struct Route {
+    /// `"/"` or a directory with a trailing slash.
+    prefix: String,
+    signature: i32,
+    tx: mpsc::Sender<SubscriptionEvent>,
+    /// Events at or below this position were delivered (or covered by a resync) already.
+    after_ns: i64,
+    /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
+    owes_resync: bool,
+}
+
+impl Route {
+    fn wants(&self, src: &str, dst: &str, sigs: &[i32]) -> bool {
+        let under = |p: &str| !p.is_empty() && p.starts_with(&self.prefix);
+        (under(src) || under(dst)) && !sigs.contains(&self.signature)
+    }
+
+    /// Sends what the route owes, then `ev`; never waits.
+    fn deliver(&mut self, ev: Option<SubscriptionEvent>) {
+        use mpsc::error::TrySendError;
+        if self.owes_resync {
+            match self.tx.try_send(SubscriptionEvent::Resync) {
+                Ok(()) => self.owes_resync = false,
+                // the resync still to come covers `ev`
+                Err(TrySendError::Full(_)) | Err(TrySendError::Closed(_)) => return,
+            }
+        }
+        if let Some(ev) = ev {
+            if let Err(TrySendError::Full(_)) = self.tx.try_send(ev) {
+                self.owes_resync = true;
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct RouterState {
+    routes: HashMap<u64, Route>,
+    next_id: u64,
+    /// A subscription task runs (it ends when the last route goes).
+    running: bool,
+}
+
+#[derive(Default)]
+struct Router {
+    state: Mutex<RouterState>,
+    /// Routes were added or removed.
+    changed: Notify,
+    streams_opened: AtomicU64,
+}
+
+/// The smallest prefix set covering `prefixes` (nested ones are covered by their parent).
+fn cover(prefixes: impl IntoIterator<Item = String>) -> Vec<String> {
+    let sorted: BTreeSet<String> = prefixes.into_iter().collect();
+    let mut out: Vec<String> = Vec::new();
+    for p in sorted {
+        // in sorted order, anything a kept prefix covers comes right after it
+        if out.last().is_some_and(|q| p.starts_with(q.as_str())) {
+            continue;
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Source and target path of an event, as the filer matches them against prefixes.
+fn event_paths(ev: &pb::SubscribeMetadataResponse) -> (String, String) {
+    let join = |d: &str, n: &str| {
+        if d.ends_with('/') {
+            format!("{d}{n}")
+        } else {
+            format!("{d}/{n}")
+        }
+    };
+    let Some(n) = &ev.event_notification else {
+        return (String::new(), String::new());
+    };
+    let src = n
+        .old_entry
+        .as_ref()
+        .or(n.new_entry.as_ref())
+        .map(|e| join(&ev.directory, &e.name))
+        .unwrap_or_default();
+    let dst = n
+        .new_entry
+        .as_ref()
+        .map(|e| {
+            let d = if n.new_parent_path.is_empty() {
+                &ev.directory
+            } else {
+                &n.new_parent_path
+            };
+            join(d, &e.name)
+        })
+        .unwrap_or_default();
+    (src, dst)
+}
+
+impl Router {
+    fn add(
+        self: &Arc<Self>,
+        inner: &Arc<dyn FilerApi>,
+        prefix: &str,
+        signature: i32,
+        since_ns: i64,
+    ) -> Subscription {
+        let (tx, rx) = mpsc::channel(SESSION_QUEUE);
+        let mut st = self.state.lock();
+        let id = st.next_id;
+        st.next_id += 1;
+        st.routes.insert(
+            id,
+            Route {
+                prefix: prefix.to_string(),
+                signature,
+                tx,
+                after_ns: since_ns,
+                owes_resync: false,
+            },
+        );
+        if !st.running {
+            st.running = true;
+            tokio::spawn(run(inner.clone(), self.clone()));
+        }
+        drop(st);
+        self.changed.notify_one();
+        Subscription {
+            rx,
+            _route: RouteGuard {
+                router: self.clone(),
+                id,
+            },
+        }
+    }
+
+    /// The prefix set and start position of the next stream; None (and the task is over)
+    /// when no route is left.
+    fn plan(&self) -> Option<(Vec<String>, i64)> {
+        let mut st = self.state.lock();
+        if st.routes.is_empty() {
+            st.running = false;
+            return None;
+        }
+        let prefixes = cover(st.routes.values().map(|r| r.prefix.clone()));
+        let since = st.routes.values().map(|r| r.after_ns).min().unwrap_or(0);
+        Some((prefixes, since))
+    }
+
+    fn prefixes(&self) -> Vec<String> {
+        cover(self.state.lock().routes.values().map(|r| r.prefix.clone()))
+    }
+
+    fn dispatch(&self, ev: pb::SubscribeMetadataResponse) {
+        let change = has_change(&ev);
+        let (src, dst) = event_paths(&ev);
+        let sigs: &[i32] = ev
+            .event_notification
+            .as_ref()
+            .map(|n| n.signatures.as_slice())
+            .unwrap_or(&[]);
+        let mut st = self.state.lock();
+        for r in st.routes.values_mut() {
+            if ev.ts_ns <= r.after_ns {
+                continue; // replayed after a prefix change, or older than the session
+            }
+            r.after_ns = ev.ts_ns;
+            if change && r.wants(&src, &dst, sigs) {
+                r.deliver(Some(SubscriptionEvent::Event(ev.clone())));
+            } else if r.owes_resync {
+                r.deliver(None);
+            }
+        }
+    }
+
+    /// After a gap every session must treat its caches as stale.
+    fn resync_all(&self) {
+        for r in self.state.lock().routes.values_mut() {
+            r.owes_resync = true;
+            r.deliver(None);
+        }
+    }
+
+    fn retry_resyncs(&self) {
+        for r in self.state.lock().routes.values_mut() {
+            if r.owes_resync {
+                r.deliver(None);
+            }
+        }
+    }
+}
+
+/// Why a stream ended.
+enum Ended {
+    /// The prefix set changed: reopen at once, no gap.
+    Replan,
+    /// Broken or refused: back off, then resync everyone.
+    Lost,
+    /// No route left.
+    Done,
+}
+
+async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
+    let client_id = random_nonzero();
+    let mut epoch: i32 = 0;
+    let mut backoff = BACKOFF_MIN;
+    let mut had_stream = false;
+    let mut gap = false;
+    while let Some((prefixes, since_ns)) = router.plan() {
+        // The filer refuses a second stream of one client_id with an epoch <= the active one.
+        epoch = epoch.wrapping_add(1).max(1);
+        // path_prefix must not be empty (it would match every path); the filer matches an
+        // event's source and target path against path_prefix and every path_prefixes.
+        let req = pb::SubscribeMetadataRequest {
+            client_name: CLIENT_NAME.into(),
+            path_prefix: prefixes[0].clone(),
+            path_prefixes: prefixes[1..].to_vec(),
+            since_ns,
+            signature: 0,
+            client_id,
+            client_epoch: epoch,
+            ..Default::default()
+        };
+        let opened = tokio::select! {
+            r = inner.subscribe_once(req) => r,
+            _ = router.changed.notified() => continue,
+        };
+        let ended = match opened {
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "metadata subscription failed to open");
+                gap |= had_stream;
+                Ended::Lost
+            }
+            Ok(stream) => {
+                router.streams_opened.fetch_add(1, Ordering::Relaxed);
+                if gap {
+                    tracing::info!(since_ns, epoch, "metadata subscription reconnected");
+                    router.resync_all();
+                    gap = false;
+                }
+                had_stream = true;
+                let ended = pump(&router, stream, &prefixes, &mut backoff).await;
+                if matches!(ended, Ended::Lost) {
+                    gap = true;
+                }
+                ended
+            }
+        };
+        match ended {
+            Ended::Replan => continue,
+            Ended::Done => continue, // plan() ends the task
+            Ended::Lost => {
+                let pause = jittered(backoff);
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                let sleep = tokio::time::sleep(pause);
+                tokio::pin!(sleep);
+                loop {
+                    tokio::select! {
+                        _ = &mut sleep => break,
+                        _ = router.changed.notified() => {
+                            if router.state.lock().routes.is_empty() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Forwards one stream's events until it ends or the prefix set changes.
+async fn pump(
+    router: &Router,
+    mut stream: MetadataStream,
+    prefixes: &[String],
+    backoff: &mut Duration,
+) -> Ended {
+    let mut tick = tokio::time::interval(RESYNC_RETRY);
+    loop {
+        tokio::select! {
+            _ = router.changed.notified() => {
+                if router.state.lock().routes.is_empty() {
+                    return Ended::Done;
+                }
+                if router.prefixes() != prefixes {
+                    return Ended::Replan;
+                }
+            }
+            _ = tick.tick() => router.retry_resyncs(),
+            item = stream.next() => match item {
+                Some(Ok(msg)) => {
+                    *backoff = BACKOFF_MIN;
+                    for ev in flatten(msg) {
+                        router.dispatch(ev);
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "metadata subscription broke");
+                    return Ended::Lost;
+                }
+                None => {
+                    tracing::info!("metadata subscription ended by filer");
+                    return Ended::Lost;
+                }
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::filer::mock::MockFiler;
+
+    fn mk(dir: &str, name: &str) -> pb::CreateEntryRequest {
+        pb::CreateEntryRequest {
+            directory: dir.into(),
+            entry: Some(pb::Entry {
+                name: name.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn mv(od: &str, on: &str, nd: &str, nn: &str) -> pb::StreamRenameEntryRequest {
+        pb::StreamRenameEntryRequest {
+            old_directory: od.into(),
+            old_name: on.into(),
+            new_directory: nd.into(),
+            new_name: nn.into(),
+            ..Default::default()
+        }
+    }
+
+    fn now_ns() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64
+    }
+
+    /// `dir/name` of an event's new entry (old entry for a delete), or `<resync>`.
+    fn what(ev: &SubscriptionEvent) -> String {
+        match ev {
+            SubscriptionEvent::Resync => "<resync>".into(),
+            SubscriptionEvent::Event(e) => {
+                let n = e.event_notification.as_ref().unwrap();
+                match (&n.old_entry, &n.new_entry) {
+                    (_, Some(ne)) => {
+                        let d = if n.new_parent_path.is_empty() {
+                            &e.directory
+                        } else {
+                            &n.new_parent_path
+                        };
+                        format!("{}/{}", d.trim_end_matches('/'), ne.name)
+                    }
+                    (Some(o), None) => format!("-{}/{}", e.directory.trim_end_matches('/'), o.name),
+                    _ => "?".into(),
+                }
+            }
+        }
+    }
+
+    async fn next(s: &mut Subscription) -> String {
+        let ev = tokio::time::timeout(Duration::from_secs(10), s.rx.recv())
+            .await
+            .expect("event in time")
+            .expect("channel open");
+        what(&ev)
+    }
+
+    /// Nothing more arrives within a short while.
+    async fn quiet(s: &mut Subscription) {
+        if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(300), s.rx.recv()).await {
+            panic!("unexpected event {}", what(&ev));
+        }
+    }
+
+    async fn wait_for(mut cond: impl FnMut() -> bool, what: &str) {
+        let t0 = std::time::Instant::now();
+        while !cond() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A recording double: the requests of every stream opened.
+    /// With `lag`, each message waits that long before it is handed over (a stream that is
+    /// behind the filer's log, so that a restart has events in flight).
+    struct Rec {
+        inner: MockFiler,
+        seen: Mutex<Vec<pb::SubscribeMetadataRequest>>,
+        lag: Option<Duration>,
+    }
+
+    fn rec(m: &MockFiler) -> Arc<Rec> {
+        Arc::new(Rec {
+            inner: m.clone(),
+            seen: Default::default(),
+            lag: None,
+        })
+    }
+
+    #[async_trait::async_trait]
+    impl FilerApi for Rec {
+        async fn lookup_entry(&self, d: &str, n: &str) -> Result<pb::Entry> {
+            self.inner.lookup_entry(d, n).await
+        }
+        async fn list_page(&self, d: &str, s: &str, i: bool, l: u32) -> Result<Vec<pb::Entry>> {
+            self.inner.list_page(d, s, i, l).await
+        }
+        async fn create_entry(
+            &self,
+            r: pb::CreateEntryRequest,
+        ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+            self.inner.create_entry(r).await
+        }
+        async fn update_entry(
+            &self,
+            r: pb::UpdateEntryRequest,
+        ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+            self.inner.update_entry(r).await
+        }
+        async fn delete_entry(
+            &self,
+            r: pb::DeleteEntryRequest,
+        ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+            self.inner.delete_entry(r).await
+        }
+        async fn rename_entry(
+            &self,
+            r: pb::StreamRenameEntryRequest,
+        ) -> Result<Vec<pb::StreamRenameEntryResponse>> {
+            self.inner.rename_entry(r).await
+        }
+        async fn assign_volume(
+            &self,
+            r: pb::AssignVolumeRequest,
+        ) -> Result<pb::AssignVolumeResponse> {
+            self.inner.assign_volume(r).await
+        }
+        async fn lookup_volume(&self, v: u32) -> Result<Vec<pb::Location>> {
+            self.inner.lookup_volume(v).await
+        }
+        async fn statistics(&self, r: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
+            self.inner.statistics(r).await
+        }
+        async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse> {
+            self.inner.configuration().await
+        }
+        async fn subscribe_once(&self, r: pb::SubscribeMetadataRequest) -> Result<MetadataStream> {
+            self.seen.lock().push(r.clone());
+            let s = self.inner.subscribe_once(r).await?;
+            Ok(match self.lag {
+                None => s,
+                Some(d) => s
+                    .then(move |m| async move {
+                        tokio::time::sleep(d).await;
+                        m
+                    })
+                    .boxed(),
+            })
+        }
+        fn http_address(&self) -> String {
+            self.inner.http_address()
+        }
+        fn signature(&self) -> i32 {
+            self.inner.signature()
+        }
+    }
+
+    #[test]
+    fn cover_drops_nested_and_duplicate_prefixes() {
+        let c = cover(["/b/x/", "/a/", "/a/", "/b/", "/ab/", "/a/deep/"].map(String::from));
+        assert_eq!(c, ["/a/", "/ab/", "/b/"]);
+        assert_eq!(cover(["/", "/a/"].map(String::from)), ["/"]);
+    }
+
+    #[tokio::test]
+    async fn routes_by_path_and_a_rename_between_roots_reaches_both() {
+        let m = MockFiler::new();
+        let other = m.other_client();
+        let r = rec(&m);
+        let shared = SharedFiler::new(r.clone());
+        let (a, b) = (shared.session(), shared.session());
+        let t = now_ns();
+        let mut sa = a.subscribe("/a/", t);
+        let mut sb = b.subscribe("/b/", t);
+        wait_for(|| shared.routes() == 2, "routes").await;
+        other.create_entry(mk("/a", "x")).await.unwrap();
+        other.create_entry(mk("/b", "y")).await.unwrap();
+        other.create_entry(mk("/c", "z")).await.unwrap();
+        assert_eq!(next(&mut sa).await, "/a/x");
+        assert_eq!(next(&mut sb).await, "/b/y");
+        other.rename_entry(mv("/a", "x", "/b", "x2")).await.unwrap();
+        assert_eq!(next(&mut sa).await, "/b/x2", "source root sees it leave");
+        assert_eq!(next(&mut sb).await, "/b/x2", "target root sees it arrive");
+        quiet(&mut sa).await;
+        quiet(&mut sb).await;
+        // one stream, no server-side signature filter, a non-empty path_prefix
+        let last = r.seen.lock().last().cloned().unwrap();
+        assert_eq!(last.signature, 0);
+        let mut all = last.path_prefixes.clone();
+        all.push(last.path_prefix.clone());
+        all.sort();
+        assert_eq!(all, ["/a/", "/b/"]);
+        assert_ne!(last.client_id, 0);
+    }
+
+    #[tokio::test]
+    async fn own_events_dropped_per_session_only() {
+        let m = MockFiler::new();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let (a, twin, nested) = (shared.session(), shared.session(), shared.session());
+        let mut dir = mk("/v", "sub");
+        dir.entry.as_mut().unwrap().is_directory = true;
+        m.other_client().create_entry(dir).await.unwrap();
+        let t = now_ns();
+        let mut sa = a.subscribe("/v/", t);
+        // another volume of this node on the same filer path, and one nested inside it
+        let mut st = twin.subscribe("/v/", t);
+        let mut sn = nested.subscribe("/v/sub/", t);
+        wait_for(|| shared.routes() == 3, "routes").await;
+        a.create_entry(mk("/v", "mine")).await.unwrap();
+        a.create_entry(mk("/v/sub", "deep")).await.unwrap();
+        twin.create_entry(mk("/v", "theirs")).await.unwrap();
+        nested.create_entry(mk("/v/sub", "n")).await.unwrap();
+        // a's own changes are not sent back to a, but reach the others
+        assert_eq!(next(&mut sa).await, "/v/theirs");
+        assert_eq!(next(&mut sa).await, "/v/sub/n");
+        quiet(&mut sa).await;
+        assert_eq!(next(&mut st).await, "/v/mine");
+        assert_eq!(next(&mut st).await, "/v/sub/deep");
+        assert_eq!(next(&mut st).await, "/v/sub/n");
+        quiet(&mut st).await;
+        assert_eq!(next(&mut sn).await, "/v/sub/deep");
+        quiet(&mut sn).await;
+    }
+
+    #[tokio::test]
+    async fn prefix_changes_lose_and_repeat_nothing() {
+        let m = MockFiler::new();
+        let other = m.other_client();
+        let r = Arc::new(Rec {
+            lag: Some(Duration::from_millis(6)),
+            ..Arc::into_inner(rec(&m)).unwrap()
+        });
+        let shared = SharedFiler::new(r.clone());
+        let a = shared.session();
+        let t0 = now_ns();
+        let mut sa = a.subscribe("/a/", t0);
+        wait_for(|| shared.streams_opened() == 1, "first stream").await;
+        // a steady writer in /a while volumes come and go
+        const N: usize = 120;
+        let w = other.clone();
+        let writer = tokio::spawn(async move {
+            for i in 0..N {
+                w.create_entry(mk("/a", &format!("f{i:03}"))).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        });
+        let mut later = Vec::new();
+        for i in 0..6 {
+            let s = shared.session();
+            // one starts in the past: the stream replays from there, /a must not see twice
+            let since = if i == 4 { t0 } else { now_ns() };
+            let sub = s.subscribe(&format!("/b{i}/"), since);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            if i % 2 == 0 {
+                drop(sub); // unstaged again
+            } else {
+                later.push((s, sub));
+            }
+        }
+        writer.await.unwrap();
+        for i in 0..N {
+            assert_eq!(next(&mut sa).await, format!("/a/f{i:03}"));
+        }
+        quiet(&mut sa).await;
+        assert!(
+            shared.streams_opened() >= 4,
+            "the prefix set changed: {} streams",
+            shared.streams_opened()
+        );
+        // a newly added volume starts at its own "now": none of /a's history, its own events
+        let (_, sub) = &mut later[0];
+        other.create_entry(mk("/b1", "new")).await.unwrap();
+        assert_eq!(next(sub).await, "/b1/new");
+        // restarts resume where the slowest session was
+        let seen = r.seen.lock().clone();
+        assert!(seen.iter().all(|q| q.since_ns >= t0));
+        assert!(seen
+            .windows(2)
+            .all(|w| w[1].client_epoch > w[0].client_epoch));
+    }
+
+    #[tokio::test]
+    async fn resync_reaches_every_session_after_a_disconnect() {
+        let m = MockFiler::new();
+        let other = m.other_client();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let (a, b) = (shared.session(), shared.session());
+        let t = now_ns();
+        let mut sa = a.subscribe("/a/", t);
+        let mut sb = b.subscribe("/b/", t);
+        wait_for(|| shared.streams_opened() >= 1, "stream").await;
+        other.create_entry(mk("/a", "1")).await.unwrap();
+        assert_eq!(next(&mut sa).await, "/a/1");
+        m.fail_next(1); // the first reconnect attempt fails too
+        m.disconnect_subscribers();
+        wait_for(|| m.calls("subscribe_once") >= 3, "reconnect").await;
+        other.create_entry(mk("/b", "2")).await.unwrap();
+        assert_eq!(next(&mut sa).await, "<resync>");
+        assert_eq!(next(&mut sb).await, "<resync>");
+        assert_eq!(next(&mut sb).await, "/b/2");
+        quiet(&mut sa).await;
+    }
+
+    #[tokio::test]
+    async fn a_stuck_session_gets_a_resync_and_stalls_nobody() {
+        let m = MockFiler::new();
+        let other = m.other_client();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let (slow, fast) = (shared.session(), shared.session());
+        let t = now_ns();
+        let mut ss = slow.subscribe("/s/", t);
+        let mut sf = fast.subscribe("/f/", t);
+        wait_for(|| shared.streams_opened() >= 1, "stream").await;
+        let n = SESSION_QUEUE + 50;
+        for i in 0..n {
+            other.create_entry(mk("/s", &format!("{i}"))).await.unwrap();
+        }
+        other.create_entry(mk("/f", "after")).await.unwrap();
+        // the fast session is not held up by the full one
+        assert_eq!(next(&mut sf).await, "/f/after");
+        // the slow one gets what fitted, then a resync in place of what did not
+        let mut got = 0;
+        loop {
+            match next(&mut ss).await.as_str() {
+                "<resync>" => break,
+                _ => got += 1,
+            }
+        }
+        assert_eq!(got, SESSION_QUEUE);
+        other.create_entry(mk("/s", "again")).await.unwrap();
+        assert_eq!(next(&mut ss).await, "/s/again");
+    }
+
+    #[tokio::test]
+    async fn the_stream_ends_with_the_last_route_and_restarts_on_demand() {
+        let m = MockFiler::new();
+        let other = m.other_client();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let a = shared.session();
+        let sa = a.subscribe("/a/", now_ns());
+        wait_for(|| shared.streams_opened() == 1, "stream").await;
+        drop(sa);
+        wait_for(|| !shared.router.state.lock().running, "task ends").await;
+        let mut sa = a.subscribe("/a/", now_ns());
+        wait_for(|| shared.streams_opened() == 2, "stream again").await;
+        other.create_entry(mk("/a", "x")).await.unwrap();
+        assert_eq!(next(&mut sa).await, "/a/x");
+    }
+
+    #[tokio::test]
+    async fn hub_shares_one_connection_per_filer_configuration() {
+        let hub = FilerHub::new();
+        let opts = |a: &str| FilerClientOptions {
+            addresses: vec![a.into()],
+            ..Default::default()
+        };
+        let x = hub.connect(opts("127.0.0.1:1")).await.unwrap();
+        let y = hub.connect(opts("127.0.0.1:1")).await.unwrap();
+        let z = hub.connect(opts("127.0.0.1:2")).await.unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        assert!(!Arc::ptr_eq(&x, &z));
+        assert_eq!(hub.connections(), 2);
+        // views share it and sign differently
+        let (v1, v2) = (x.session(), x.session());
+        assert!(Arc::ptr_eq(v1.shared(), v2.shared()));
+        assert_ne!(v1.signature(), v2.signature());
+        drop((x, y, z));
+        assert_eq!(hub.connections(), 1, "held by its views");
+        drop((v1, v2));
+        assert_eq!(hub.connections(), 0, "the last holder closes it");
+        assert!(hub.connect(opts("not an address")).await.is_err());
+    }
+}
