@@ -1307,6 +1307,12 @@ mod tests {
         async fn kv_put(&self, _r: Request<pb::KvPutRequest>) -> R<pb::KvPutResponse> {
             Err(Status::unimplemented("fake"))
         }
+        async fn list_metadata_subscribers(
+            &self,
+            _r: Request<pb::ListMetadataSubscribersRequest>,
+        ) -> R<pb::ListMetadataSubscribersResponse> {
+            Err(Status::unimplemented("fake"))
+        }
         async fn cache_remote_object_to_local_cluster(
             &self,
             _r: Request<pb::CacheRemoteObjectToLocalClusterRequest>,

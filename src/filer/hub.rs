@@ -262,8 +262,16 @@ impl FilerApi for SessionFiler {
 
 /// A session's end of the shared subscription; dropping it removes the route.
 pub struct Subscription {
-    pub rx: mpsc::Receiver<SubscriptionEvent>,
+    rx: mpsc::Receiver<SubscriptionEvent>,
     _route: RouteGuard,
+}
+
+impl Subscription {
+    /// The next event for this session. (A method, not a public field: a task that moved
+    /// only the receiver out would drop the route with the rest of the struct.)
+    pub async fn recv(&mut self) -> Option<SubscriptionEvent> {
+        self.rx.recv().await
+    }
 }
 
 struct RouteGuard {
@@ -643,7 +651,7 @@ mod tests {
     }
 
     async fn next(s: &mut Subscription) -> String {
-        let ev = tokio::time::timeout(Duration::from_secs(10), s.rx.recv())
+        let ev = tokio::time::timeout(Duration::from_secs(10), s.recv())
             .await
             .expect("event in time")
             .expect("channel open");
@@ -652,7 +660,7 @@ mod tests {
 
     /// Nothing more arrives within a short while.
     async fn quiet(s: &mut Subscription) {
-        if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(300), s.rx.recv()).await {
+        if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(300), s.recv()).await {
             panic!("unexpected event {}", what(&ev));
         }
     }

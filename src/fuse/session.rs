@@ -123,7 +123,7 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
     let mut sub = session.subscribe(&prefix, since_ns);
     let f = fs.clone();
     let events = tokio::spawn(async move {
-        while let Some(ev) = sub.rx.recv().await {
+        while let Some(ev) = sub.recv().await {
             match ev {
                 SubscriptionEvent::Event(e) => f.apply_event(&e),
                 SubscriptionEvent::Resync => f.resync(),

@@ -1,0 +1,177 @@
+//! Volumes staged in one process share one filer connection and ONE metadata subscription
+//! (real `weed`, real kernel FUSE): changes reach every volume, nested ones included, the
+//! filer lists one subscriber for them, and a filer restart resyncs them all.
+
+mod common;
+mod fuse_support;
+
+use common::WeedServer;
+use fuse_support::*;
+use seaweedfs_csi_driver::config::MountOptions;
+use seaweedfs_csi_driver::filer::hub::FilerHub;
+use seaweedfs_csi_driver::fuse::session::MountedVolume;
+use seaweedfs_csi_driver::pb::filer as pb;
+use seaweedfs_csi_driver::security::SecurityConfig;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Detaches a mount left behind by a failed test.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        if is_mounted(&self.0) {
+            lazy_unmount(&self.0);
+        }
+    }
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Polls both listings (from a blocking thread: this runtime serves the mounts).
+async fn both_list(dirs: [PathBuf; 2], name: &str, timeout: Duration) -> bool {
+    let name = name.to_string();
+    tokio::task::spawn_blocking(move || {
+        wait_until(timeout, || dirs.iter().all(|d| names(d).contains(&name)))
+    })
+    .await
+    .unwrap()
+}
+
+/// Our subscribers on the filer, from its own admin API.
+async fn our_subscribers(grpc: &str) -> Vec<pb::MetadataSubscriber> {
+    let Ok(mut c) =
+        pb::seaweed_filer_client::SeaweedFilerClient::connect(format!("http://{grpc}")).await
+    else {
+        return Vec::new();
+    };
+    match c
+        .list_metadata_subscribers(pb::ListMetadataSubscribersRequest::default())
+        .await
+    {
+        Ok(r) => r
+            .into_inner()
+            .subscribers
+            .into_iter()
+            .filter(|s| s.client_type == "seaweedfs-csi")
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
+    // own server: this test restarts its filer
+    let mut w = blocking(WeedServer::start).await;
+    let grpc = format!("127.0.0.1:{}", w.filer_port + 10000);
+    let root = unique_path("hub");
+    let (_ta, da) = mount_dir("hub-a");
+    let (_tb, db) = mount_dir("hub-b");
+    let _ga = Unmount(da.clone());
+    let _gb = Unmount(db.clone());
+    let opts = |p: String| MountOptions {
+        filers: vec![w.filer_addr()],
+        filer_path: p,
+        // listings stay cached far longer than the test: only events can show changes
+        cache_meta_ttl_sec: 3600,
+        ..Default::default()
+    };
+    let sec = SecurityConfig::default();
+    let a = MountedVolume::mount(&opts(root.clone()), &sec, &da)
+        .await
+        .unwrap();
+    let d = da.join("sub");
+    blocking(move || std::fs::create_dir(d).unwrap()).await;
+    // a second volume nested in the first one's filer path
+    let b = MountedVolume::mount(&opts(format!("{root}/sub")), &sec, &db)
+        .await
+        .unwrap();
+    let dirs = [da.join("sub"), db.clone()];
+    let warm = dirs.clone();
+    blocking(move || {
+        for d in &warm {
+            assert!(names(d).is_empty());
+        }
+    })
+    .await;
+
+    // (a) a file written through the filer HTTP API shows in both volumes' cached listings
+    w.filer_put(&format!("{root}/sub/http1"), b"x", "");
+    let ok = both_list(dirs.clone(), "http1", Duration::from_secs(15)).await;
+    let seen = blocking({
+        let d = dirs.clone();
+        move || (names(&d[0]), names(&d[1]))
+    })
+    .await;
+    assert!(ok, "http1 in both listings: {seen:?}");
+    // each volume sees the other's writes (same filer path, distinct signatures)
+    let p = da.join("sub/from-a");
+    blocking(move || std::fs::write(p, b"a").unwrap()).await;
+    assert!(both_list(dirs.clone(), "from-a", Duration::from_secs(15)).await);
+    let p = db.join("from-b");
+    blocking(move || std::fs::write(p, b"b").unwrap()).await;
+    assert!(both_list(dirs.clone(), "from-b", Duration::from_secs(15)).await);
+
+    // (b) the filer lists ONE subscriber of ours for the two volumes; one shared connection
+    let subs = our_subscribers(&grpc).await;
+    assert_eq!(subs.len(), 1, "one subscription for two volumes: {subs:?}");
+    assert_eq!(
+        subs[0].path_prefix,
+        format!("{root}/"),
+        "nested root covered"
+    );
+    assert_eq!(FilerHub::global().connections(), 1);
+
+    // (c) filer restart (by pid): a file created before our stream is back shows in both
+    w = blocking(move || {
+        w.stop_filer();
+        std::thread::sleep(Duration::from_secs(3));
+        w.start_filer();
+        w
+    })
+    .await;
+    let before = our_subscribers(&grpc).await.len();
+    w.filer_put(&format!("{root}/sub/during-restart"), b"r", "");
+    eprintln!("subscribers of ours when the file was created: {before}");
+    assert!(
+        both_list(dirs.clone(), "during-restart", Duration::from_secs(30)).await,
+        "the file created around the restart shows in both listings"
+    );
+    let mut after = Vec::new();
+    for _ in 0..50 {
+        after = our_subscribers(&grpc).await;
+        if after.len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(after.len(), 1, "one subscription again: {after:?}");
+
+    // unstaging both closes the stream and the shared connection
+    a.unmount().await.unwrap();
+    b.unmount().await.unwrap();
+    let mut gone = false;
+    for _ in 0..50 {
+        if our_subscribers(&grpc).await.is_empty() && FilerHub::global().connections() == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(gone, "stream and connection closed with the last volume");
+    blocking(move || drop(w)).await;
+}
