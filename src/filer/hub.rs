@@ -50,6 +50,10 @@ const RESYNC_RETRY: Duration = Duration::from_millis(250);
 /// Shown by the filer in its subscriber list.
 const CLIENT_NAME: &str = "seaweedfs-csi";
 
+/// Process-wide counters (the hub's connections come and go; counters must not).
+static STREAMS_OPENED: AtomicU64 = AtomicU64::new(0);
+static EVENTS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
 /// What makes two volumes share a connection.
 #[derive(Clone, PartialEq, Eq)]
 struct HubKey {
@@ -71,9 +75,58 @@ impl FilerHub {
     }
 
     /// The process-wide hub (sessions, the CSI controller and the node service use it).
+    /// Its state is exported with the process's metrics.
     pub fn global() -> &'static FilerHub {
         static HUB: OnceLock<FilerHub> = OnceLock::new();
-        HUB.get_or_init(FilerHub::new)
+        HUB.get_or_init(|| {
+            crate::metrics::global()
+                .add_collector(Box::new(|out| FilerHub::global().render_metrics(out)));
+            FilerHub::new()
+        })
+    }
+
+    /// Appends the hub's gauges and the process-wide stream counters (Prometheus text).
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let live: Vec<Arc<SharedFiler>> = self
+            .conns
+            .lock()
+            .iter()
+            .filter_map(|(_, w)| w.upgrade())
+            .collect();
+        let streaming = live.iter().filter(|s| s.routes() > 0).count();
+        let rows: [(&str, &str, &str, u64); 4] = [
+            (
+                "seaweedfs_csi_filer_connections",
+                "gauge",
+                "Filer connections shared by this process's volumes (one per filer).",
+                live.len() as u64,
+            ),
+            (
+                "seaweedfs_csi_metadata_subscriptions",
+                "gauge",
+                "Filers this process holds a SubscribeMetadata stream on (one stream each).",
+                streaming as u64,
+            ),
+            (
+                "seaweedfs_csi_metadata_streams_opened_total",
+                "counter",
+                "SubscribeMetadata streams opened (prefix-set changes and reconnects).",
+                STREAMS_OPENED.load(Ordering::Relaxed),
+            ),
+            (
+                "seaweedfs_csi_metadata_events_dropped_total",
+                "counter",
+                "Events not queued for a volume whose queue was full (it gets a resync).",
+                EVENTS_DROPPED.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, help, v) in rows {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        }
     }
 
     /// The shared connection for `opts`, created on first use. It lives as long as someone
@@ -310,11 +363,17 @@ impl Route {
             match self.tx.try_send(SubscriptionEvent::Resync) {
                 Ok(()) => self.owes_resync = false,
                 // the resync still to come covers `ev`
-                Err(TrySendError::Full(_)) | Err(TrySendError::Closed(_)) => return,
+                Err(e) => {
+                    if ev.is_some() && matches!(e, TrySendError::Full(_)) {
+                        EVENTS_DROPPED.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return;
+                }
             }
         }
         if let Some(ev) = ev {
             if let Err(TrySendError::Full(_)) = self.tx.try_send(ev) {
+                EVENTS_DROPPED.fetch_add(1, Ordering::Relaxed);
                 self.owes_resync = true;
             }
         }
@@ -520,6 +579,7 @@ async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
             }
             Ok(stream) => {
                 router.streams_opened.fetch_add(1, Ordering::Relaxed);
+                STREAMS_OPENED.fetch_add(1, Ordering::Relaxed);
                 if gap {
                     tracing::info!(since_ns, epoch, "metadata subscription reconnected");
                     router.resync_all();
@@ -931,6 +991,7 @@ mod tests {
             }
         }
         assert_eq!(got, SESSION_QUEUE);
+        assert!(EVENTS_DROPPED.load(Ordering::Relaxed) >= 50);
         other.create_entry(mk("/s", "again")).await.unwrap();
         assert_eq!(next(&mut ss).await, "/s/again");
     }
@@ -973,5 +1034,35 @@ mod tests {
         drop((v1, v2));
         assert_eq!(hub.connections(), 0, "the last holder closes it");
         assert!(hub.connect(opts("not an address")).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn metrics_show_connections_streams_and_drops() {
+        let hub = FilerHub::new();
+        let x = hub
+            .connect(FilerClientOptions {
+                addresses: vec!["127.0.0.1:1".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut out = String::new();
+        hub.render_metrics(&mut out);
+        assert!(
+            out.contains("\nseaweedfs_csi_filer_connections 1\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\nseaweedfs_csi_metadata_subscriptions 0\n"),
+            "{out}"
+        );
+        assert!(out.contains("# TYPE seaweedfs_csi_metadata_events_dropped_total counter"));
+        drop(x);
+        let mut out = String::new();
+        hub.render_metrics(&mut out);
+        assert!(
+            out.contains("\nseaweedfs_csi_filer_connections 0\n"),
+            "{out}"
+        );
     }
 }
