@@ -186,7 +186,13 @@ impl FilerHub {
 pub struct SharedFiler {
     inner: Arc<dyn FilerApi>,
     router: Arc<Router>,
+    /// The last good `GetFilerConfiguration` answer: every session's health check asks for
+    /// it every few seconds, which would be filer load growing with the volumes per node.
+    conf: Mutex<Option<(std::time::Instant, pb::GetFilerConfigurationResponse)>>,
 }
+
+/// How long one `GetFilerConfiguration` answer serves every session of a filer.
+pub const CONFIGURATION_TTL: Duration = Duration::from_secs(4);
 
 impl SharedFiler {
     /// Shares `inner` (any [`FilerApi`]; the hub uses the gRPC client).
@@ -194,6 +200,7 @@ impl SharedFiler {
         Arc::new(SharedFiler {
             inner,
             router: Arc::new(Router::default()),
+            conf: Mutex::new(None),
         })
     }
 
@@ -299,8 +306,17 @@ impl FilerApi for SessionFiler {
     async fn statistics(&self, req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
         self.shared.inner.statistics(req).await
     }
+    /// Shared by the sessions for [`CONFIGURATION_TTL`]; failures are not remembered, so a
+    /// filer that went away is noticed by the next caller.
     async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse> {
-        self.shared.inner.configuration().await
+        if let Some((at, c)) = &*self.shared.conf.lock() {
+            if at.elapsed() < CONFIGURATION_TTL {
+                return Ok(c.clone());
+            }
+        }
+        let c = self.shared.inner.configuration().await?;
+        *self.shared.conf.lock() = Some((std::time::Instant::now(), c.clone()));
+        Ok(c)
     }
     async fn subscribe_once(&self, req: pb::SubscribeMetadataRequest) -> Result<MetadataStream> {
         self.shared.inner.subscribe_once(req).await
@@ -1034,6 +1050,27 @@ mod tests {
         drop((v1, v2));
         assert_eq!(hub.connections(), 0, "the last holder closes it");
         assert!(hub.connect(opts("not an address")).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn sessions_share_configuration_answers_but_not_failures() {
+        let m = MockFiler::new();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let views: Vec<_> = (0..50).map(|_| shared.session()).collect();
+        for v in &views {
+            v.configuration().await.unwrap();
+        }
+        assert_eq!(
+            m.calls("configuration"),
+            1,
+            "one call serves 50 health checks"
+        );
+        // a failure is not kept: the next check asks the filer again
+        *shared.conf.lock() = None;
+        m.fail_next(1);
+        assert!(views[0].configuration().await.is_err());
+        views[1].configuration().await.unwrap();
+        assert_eq!(m.calls("configuration"), 3);
     }
 
     #[tokio::test]
