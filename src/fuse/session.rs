@@ -753,3 +753,75 @@ fn render_session_metrics(out: &mut String) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::filer::hub::SharedFiler;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::inode::ROOT_INO;
+    use crate::volume::mock::MockChunkStore;
+
+    async fn listing(fs: &Arc<Fs>) -> Vec<String> {
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        let names = fs
+            .readdir(ROOT_INO, dh, 0)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.name.clone())
+            .filter(|n| n != "." && n != "..")
+            .collect();
+        fs.releasedir(dh);
+        names
+    }
+
+    /// Two sessions on one shared connection, the same filer path: each one's cached
+    /// listing follows the other's changes through the node's one subscription, for as
+    /// long as its background tasks run.
+    #[tokio::test]
+    async fn background_keeps_the_route_and_sessions_see_each_other() {
+        let m = MockFiler::new();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let fs_of = |v: Arc<SessionFiler>| {
+            Fs::new(
+                FsConfig::from_mount_options(&MountOptions::default()),
+                v,
+                Arc::new(MockChunkStore::new()),
+                ChunkCache::new(1 << 20),
+            )
+        };
+        let (va, vb) = (shared.session(), shared.session());
+        let (a, b) = (fs_of(va.clone()), fs_of(vb.clone()));
+        let ta = spawn_background(&a, &va);
+        let tb = spawn_background(&b, &vb);
+        assert!(listing(&b).await.is_empty()); // cached from now on
+        let (attr, fh) = a
+            .create(ROOT_INO, "from-a", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        a.release(fh, attr.ino).await.unwrap();
+        let lists = m.calls("list_page");
+        let t0 = std::time::Instant::now();
+        while !listing(&b).await.contains(&"from-a".to_string()) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "event never applied"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(m.calls("list_page"), lists, "from the event, not a re-read");
+        assert_eq!(shared.routes(), 2);
+        for t in ta.into_iter().chain(tb) {
+            t.abort();
+        }
+        let t0 = std::time::Instant::now();
+        while shared.routes() > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "routes end with the tasks"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
