@@ -14,10 +14,13 @@
 //! applies its own changes from the mutation responses and must not see them again.
 //!
 //! Prefix set changes (a volume staged or unstaged) restart the stream from the lowest
-//! position any session has seen, so no session loses an event; each session also drops
-//! events at or below its own position, so none sees one twice and a new session starts at
-//! its own "now". A replay is short: the filer sends a progress marker after every 1000
-//! events it filtered out, which moves the positions on a busy filer.
+//! position any session has seen, minus [`RESUME_MARGIN`], so no session loses an event. A
+//! position is never used to filter: the filer stamps `ts_ns` before the event enters its
+//! log (and a peer filer's events keep their own stamps), so one stream is not monotone in
+//! `ts_ns`. A replay's repeats are instead recognised by the fingerprints each session keeps
+//! of what it was sent (or, if it forgot too many, it gets a resync). A replay is short: the
+//! filer sends a progress marker after every 1000 events it filtered out, which moves the
+//! positions on a busy filer.
 //!
 //! A slow session never stalls the others: its channel is bounded and, when full, the
 //! router drops its events and sends it [`SubscriptionEvent::Resync`] as soon as there is
@@ -27,7 +30,7 @@
 //!
 //! [`Fs`]: crate::fs::Fs
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
@@ -47,6 +50,15 @@ use crate::security::SecurityConfig;
 pub const SESSION_QUEUE: usize = 1024;
 /// How often pending resyncs of full sessions are retried when no event comes.
 const RESYNC_RETRY: Duration = Duration::from_millis(250);
+/// A restarted stream resumes this far before the lowest position, for events stamped
+/// before, but logged after, those already seen.
+pub const RESUME_MARGIN: i64 = 2_000_000_000;
+/// Fingerprints a session keeps of the events it was sent, to skip them in a replay: at
+/// most this many...
+const SEEN_MAX: usize = 4096;
+/// ...and only those seen within this much of its position (a replay starts
+/// [`RESUME_MARGIN`] before it).
+const SEEN_WINDOW: i64 = 30_000_000_000;
 /// Shown by the filer in its subscriber list.
 const CLIENT_NAME: &str = "seaweedfs-csi";
 
@@ -360,13 +372,61 @@ struct Route {
     prefix: String,
     signature: i32,
     tx: mpsc::Sender<SubscriptionEvent>,
-    /// Events at or below this position were delivered (or covered by a resync) already.
-    after_ns: i64,
+    /// The highest `ts_ns` of the events the route's streams carried (its `since_ns` at
+    /// first). Only chooses where a restarted stream resumes: stamps are not monotone.
+    resume_ns: i64,
+    /// The running stream's request carries this route's prefix: only then do its events
+    /// tell anything about this route (a route added later waits for the restart).
+    covered: bool,
+    /// Fingerprints of the events sent (or owed as a resync), with the route's position
+    /// when each was seen (monotone, so the oldest are in front).
+    seen: VecDeque<(i64, u64)>,
+    seen_set: HashSet<u64>,
+    /// The highest position of a forgotten fingerprint: a replay from at or below it may
+    /// repeat an event that cannot be recognised.
+    forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
 }
 
 impl Route {
+    fn new(
+        prefix: &str,
+        signature: i32,
+        since_ns: i64,
+    ) -> (Route, mpsc::Receiver<SubscriptionEvent>) {
+        let (tx, rx) = mpsc::channel(SESSION_QUEUE);
+        let r = Route {
+            prefix: prefix.to_string(),
+            signature,
+            tx,
+            resume_ns: since_ns,
+            covered: false,
+            seen: VecDeque::new(),
+            seen_set: HashSet::new(),
+            forgot_ns: i64::MIN,
+            owes_resync: false,
+        };
+        (r, rx)
+    }
+
+    /// Records `fp`; false if it was recorded already (a replayed event).
+    fn first_sight(&mut self, fp: u64) -> bool {
+        if !self.seen_set.insert(fp) {
+            return false;
+        }
+        self.seen.push_back((self.resume_ns, fp));
+        while let Some(&(at, old)) = self.seen.front() {
+            if self.seen.len() <= SEEN_MAX && at >= self.resume_ns.saturating_sub(SEEN_WINDOW) {
+                break;
+            }
+            self.seen.pop_front();
+            self.seen_set.remove(&old);
+            self.forgot_ns = self.forgot_ns.max(at);
+        }
+        true
+    }
+
     fn wants(&self, src: &str, dst: &str, sigs: &[i32]) -> bool {
         let under = |p: &str| !p.is_empty() && p.starts_with(&self.prefix);
         (under(src) || under(dst)) && !sigs.contains(&self.signature)
@@ -394,6 +454,20 @@ impl Route {
             }
         }
     }
+}
+
+/// Identifies an event across a replay: the same event comes back with the same stamp.
+fn fingerprint(ev: &pb::SubscribeMetadataResponse) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ev.ts_ns.hash(&mut h);
+    ev.directory.hash(&mut h);
+    if let Some(n) = &ev.event_notification {
+        n.old_entry.as_ref().map(|e| &e.name).hash(&mut h);
+        n.new_entry.as_ref().map(|e| &e.name).hash(&mut h);
+        n.new_parent_path.hash(&mut h);
+    }
+    h.finish()
 }
 
 #[derive(Default)]
@@ -467,20 +541,11 @@ impl Router {
         signature: i32,
         since_ns: i64,
     ) -> Subscription {
-        let (tx, rx) = mpsc::channel(SESSION_QUEUE);
+        let (route, rx) = Route::new(prefix, signature, since_ns);
         let mut st = self.state.lock();
         let id = st.next_id;
         st.next_id += 1;
-        st.routes.insert(
-            id,
-            Route {
-                prefix: prefix.to_string(),
-                signature,
-                tx,
-                after_ns: since_ns,
-                owes_resync: false,
-            },
-        );
+        st.routes.insert(id, route);
         if !st.running {
             st.running = true;
             tokio::spawn(run(inner.clone(), self.clone()));
@@ -496,8 +561,8 @@ impl Router {
         }
     }
 
-    /// The prefix set and start position of the next stream; None (and the task is over)
-    /// when no route is left.
+    /// The prefix set and start position of the next stream, which covers every route from
+    /// now on; None (and the task is over) when no route is left.
     fn plan(&self) -> Option<(Vec<String>, i64)> {
         let mut st = self.state.lock();
         if st.routes.is_empty() {
@@ -505,12 +570,25 @@ impl Router {
             return None;
         }
         let prefixes = cover(st.routes.values().map(|r| r.prefix.clone()));
-        let since = st.routes.values().map(|r| r.after_ns).min().unwrap_or(0);
+        let low = st.routes.values().map(|r| r.resume_ns).min().unwrap_or(0);
+        let since = low.saturating_sub(RESUME_MARGIN);
+        for r in st.routes.values_mut() {
+            // it forgot events the replay may repeat: a resync instead of a possible repeat
+            if r.forgot_ns >= since {
+                r.owes_resync = true;
+            }
+            r.covered = true;
+        }
         Some((prefixes, since))
     }
 
-    fn prefixes(&self) -> Vec<String> {
-        cover(self.state.lock().routes.values().map(|r| r.prefix.clone()))
+    /// The running stream (of `prefixes`) no longer fits the routes: a prefix went, or a
+    /// route came, which needs a replay from its own `since_ns` even if a parent prefix is
+    /// carried already.
+    fn needs_replan(&self, prefixes: &[String]) -> bool {
+        let st = self.state.lock();
+        st.routes.values().any(|r| !r.covered)
+            || cover(st.routes.values().map(|r| r.prefix.clone())) != prefixes
     }
 
     fn dispatch(&self, ev: pb::SubscribeMetadataResponse) {
@@ -521,13 +599,21 @@ impl Router {
             .as_ref()
             .map(|n| n.signatures.as_slice())
             .unwrap_or(&[]);
+        let mut fp = None;
         let mut st = self.state.lock();
         for r in st.routes.values_mut() {
-            if ev.ts_ns <= r.after_ns {
-                continue; // replayed after a prefix change, or older than the session
+            if !r.covered {
+                // this stream may not carry its prefix: its position must not move
+                if r.owes_resync {
+                    r.deliver(None);
+                }
+                continue;
             }
-            r.after_ns = ev.ts_ns;
-            if change && r.wants(&src, &dst, sigs) {
+            r.resume_ns = r.resume_ns.max(ev.ts_ns);
+            if change
+                && r.wants(&src, &dst, sigs)
+                && r.first_sight(*fp.get_or_insert_with(|| fingerprint(&ev)))
+            {
                 r.deliver(Some(SubscriptionEvent::Event(ev.clone())));
             } else if r.owes_resync {
                 r.deliver(None);
@@ -646,7 +732,7 @@ async fn pump(
                 if router.state.lock().routes.is_empty() {
                     return Ended::Done;
                 }
-                if router.prefixes() != prefixes {
+                if router.needs_replan(prefixes) {
                     return Ended::Replan;
                 }
             }
@@ -890,6 +976,9 @@ mod tests {
         a.create_entry(mk("/v/sub", "deep")).await.unwrap();
         twin.create_entry(mk("/v", "theirs")).await.unwrap();
         nested.create_entry(mk("/v/sub", "n")).await.unwrap();
+        // the resume margin replays the directory's creation (harmless: in log order)
+        assert_eq!(next(&mut sa).await, "/v/sub");
+        assert_eq!(next(&mut st).await, "/v/sub");
         // a's own changes are not sent back to a, but reach the others
         assert_eq!(next(&mut sa).await, "/v/theirs");
         assert_eq!(next(&mut sa).await, "/v/sub/n");
@@ -951,9 +1040,9 @@ mod tests {
         let (_, sub) = &mut later[0];
         other.create_entry(mk("/b1", "new")).await.unwrap();
         assert_eq!(next(sub).await, "/b1/new");
-        // restarts resume where the slowest session was
+        // restarts resume where the slowest session was, less the margin
         let seen = r.seen.lock().clone();
-        assert!(seen.iter().all(|q| q.since_ns >= t0));
+        assert!(seen.iter().all(|q| q.since_ns >= t0 - RESUME_MARGIN));
         assert!(seen
             .windows(2)
             .all(|w| w[1].client_epoch > w[0].client_epoch));

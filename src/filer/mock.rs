@@ -12,7 +12,9 @@
 //! - rename moves whole subtrees and returns one event per moved entry;
 //! - `ListEntries` is sorted by name and paged, a missing directory lists as empty;
 //! - `AssignVolume` hands out fake fids `1,<hex>` on location `mock:0`;
-//! - subscriptions see events whose `signatures` do not contain the subscriber's signature.
+//! - subscriptions see events whose `signatures` do not contain the subscriber's signature;
+//!   they resume by log position (exclusive), not by `ts_ns`: like the real filer, an event
+//!   may carry a stamp older than events logged before it ([`MockFiler::stamp_next_back`]).
 //!
 //! Several [`MockFiler`] handles can share one namespace ([`MockFiler::other_client`]), each
 //! with its own signature, to simulate foreign writers. Fault injection: [`MockFiler::fail_next`].
@@ -43,7 +45,7 @@ pub struct MockFiler {
 
 struct Shared {
     state: Mutex<State>,
-    events: broadcast::Sender<pb::SubscribeMetadataResponse>,
+    events: broadcast::Sender<(i64, pb::SubscribeMetadataResponse)>,
     /// Bumped to cut every open subscription stream (with an Unavailable error).
     disconnect: watch::Sender<u64>,
     faults: Mutex<Option<(u32, FilerError)>>,
@@ -55,9 +57,12 @@ struct Shared {
 struct State {
     entries: BTreeMap<String, pb::Entry>,
     /// Live subscribers; every logged event is also sent here.
-    tx: broadcast::Sender<pb::SubscribeMetadataResponse>,
-    log: Vec<pb::SubscribeMetadataResponse>,
+    tx: broadcast::Sender<(i64, pb::SubscribeMetadataResponse)>,
+    /// Events with their log position (monotone, like the filer's LogEntry ts).
+    log: Vec<(i64, pb::SubscribeMetadataResponse)>,
     last_ts: i64,
+    /// The next event's `ts_ns` is this much older than its log position.
+    stamp_back: i64,
 }
 
 fn join(dir: &str, name: &str) -> String {
@@ -164,11 +169,15 @@ impl State {
                 is_from_other_cluster: false,
                 signatures: sigs,
             }),
-            ts_ns: self.next_ts(),
             ..Default::default()
         };
-        self.log.push(ev.clone());
-        let _ = self.tx.send(ev.clone());
+        let pos = self.next_ts();
+        let ev = pb::SubscribeMetadataResponse {
+            ts_ns: pos - std::mem::take(&mut self.stamp_back),
+            ..ev
+        };
+        self.log.push((pos, ev.clone()));
+        let _ = self.tx.send((pos, ev.clone()));
         ev
     }
 }
@@ -243,6 +252,7 @@ impl MockFiler {
                     tx: events.clone(),
                     log: Vec::new(),
                     last_ts: 0,
+                    stamp_back: 0,
                 }),
                 events,
                 disconnect,
@@ -300,7 +310,20 @@ impl MockFiler {
 
     /// Every logged event so far.
     pub fn events(&self) -> Vec<pb::SubscribeMetadataResponse> {
-        self.shared.state.lock().log.clone()
+        self.shared
+            .state
+            .lock()
+            .log
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// The next logged event gets a `ts_ns` `ns` older than its log position, as when the
+    /// filer stamps two racing mutations in one order and logs them in the other, or an
+    /// event comes from a peer filer.
+    pub fn stamp_next_back(&self, ns: i64) {
+        self.shared.state.lock().stamp_back = ns;
     }
 
     fn enter(&self, op: &'static str) -> Result<()> {
@@ -697,16 +720,17 @@ impl FilerApi for MockFiler {
             let backlog: Vec<_> = st
                 .log
                 .iter()
-                .filter(|e| e.ts_ns > req.since_ns)
+                .filter(|(pos, _)| *pos > req.since_ns)
                 .cloned()
                 .collect();
             (rx, backlog)
         };
-        let last_backlog = backlog.last().map(|e| e.ts_ns).unwrap_or(req.since_ns);
+        let last_backlog = backlog.last().map(|e| e.0).unwrap_or(req.since_ns);
         let cut = self.shared.disconnect.subscribe();
         let req = Arc::new(req);
         let r1 = req.clone();
         let backlog = futures::stream::iter(backlog)
+            .map(|(_, e)| e)
             .filter(move |e| futures::future::ready(matches_subscription(&r1, e)));
         let live = futures::stream::unfold(
             (rx, cut, req, false),
@@ -721,7 +745,7 @@ impl FilerApi for MockFiler {
                             return Some((e, (rx, cut, req, true)));
                         }
                         r = rx.recv() => match r {
-                            Ok(ev) if ev.ts_ns > last_backlog && matches_subscription(&req, &ev) => {
+                            Ok((pos, ev)) if pos > last_backlog && matches_subscription(&req, &ev) => {
                                 return Some((Ok(ev), (rx, cut, req, false)));
                             }
                             Ok(_) => continue,
