@@ -13,8 +13,10 @@
 //! router drops, per session, the events carrying that session's signature: the [`Fs`]
 //! applies its own changes from the mutation responses and must not see them again.
 //!
-//! Prefix set changes (a volume staged or unstaged) restart the stream from the lowest
-//! position any session has seen, minus [`RESUME_MARGIN`], so no session loses an event. A
+//! A volume staged (even under a prefix already carried, for its own history) or a prefix
+//! unstaged restarts the stream from the lowest position any session has seen, minus
+//! [`RESUME_MARGIN`], so no session loses an event; a new session starts at its own
+//! `since_ns`, and a stream that did not carry it never moves its position. A
 //! position is never used to filter: the filer stamps `ts_ns` before the event enters its
 //! log (and a peer filer's events keep their own stamps), so one stream is not monotone in
 //! `ts_ns`. A replay's repeats are instead recognised by the fingerprints each session keeps
