@@ -19,7 +19,7 @@ pub use attr::{Attr, IdMap, Kind};
 /// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
 /// `xattr-`, so FUSE clients do not list it as a user xattr.
 pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
-pub use ops::{DirEntryOut, SetAttr, StatFs};
+pub use ops::{DirEntryOut, DirListing, SetAttr, StatFs};
 
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;
@@ -205,7 +205,10 @@ pub struct Fs {
     pub meta: MetaCache,
     files: Mutex<HashMap<u64, OpenEntry>>,
     handles: Mutex<HashMap<u64, Arc<Handle>>>,
-    dir_handles: Mutex<HashMap<u64, Arc<Vec<DirEntryOut>>>>,
+    dir_handles: Mutex<HashMap<u64, Arc<DirListing>>>,
+    /// Bumped whenever an event takes a name away (delete, rename, doubt): a listing taken
+    /// before may hand the kernel names that are gone (see [`Fs::gone_since`]).
+    names_gone: AtomicU64,
     next_fh: AtomicU64,
     upload_sem: Arc<Semaphore>,
     prefetch_sem: Arc<Semaphore>,
@@ -272,6 +275,7 @@ impl Fs {
             files: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             dir_handles: Mutex::new(HashMap::new()),
+            names_gone: AtomicU64::new(0),
             next_fh: AtomicU64::new(start_fh),
             dir_locks: Mutex::new(HashMap::new()),
             dir_times: Mutex::new(HashMap::new()),

@@ -23,6 +23,14 @@ pub struct DirEntryOut {
     pub attr: Option<Attr>,
 }
 
+/// The entries an open directory handle lists (a snapshot taken at opendir).
+#[derive(Debug, Default)]
+pub struct DirListing {
+    pub entries: Vec<DirEntryOut>,
+    /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
+    names_gone: u64,
+}
+
 /// A setattr request; `None` fields are unchanged.
 #[derive(Debug, Clone, Default)]
 pub struct SetAttr {
@@ -658,6 +666,7 @@ impl Fs {
             // (an O_CREAT open then creates a new file instead of failing).
             Err(e) if e.errno == libc::ENOENT => {
                 self.meta.remove(&dir, &name);
+                self.note_name_gone();
                 if let (Some(nt), Some(pino)) =
                     (self.notifier.read().clone(), self.inodes.ino_of(&dir))
                 {
@@ -1463,7 +1472,17 @@ impl Fs {
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        let e = self.entry_at(&dir, &name).await?;
+        let e = match self.entry_at(&dir, &name).await {
+            Ok(e) => e,
+            // The kernel opens a node it still has a name for, but the name is gone (deleted
+            // by another client; the kernel's entry outlived our invalidation). ESTALE makes
+            // it walk the path again: a plain open then fails with ENOENT, an O_CREAT open
+            // creates the file, instead of failing with ENOENT.
+            Err(err) if err.errno == libc::ENOENT => {
+                return Err(errno(libc::ESTALE, format!("{path}: {}", err.msg)))
+            }
+            Err(err) => return Err(err),
+        };
         if e.is_directory {
             return Err(errno(libc::EISDIR, format!("{path} is a directory")));
         }
@@ -1858,6 +1877,8 @@ impl Fs {
     // ---------- directories ----------
 
     pub async fn opendir(&self, ino: u64) -> Result<u64> {
+        // read first: a name an event takes away from here on is caught by `gone_since`
+        let names_gone = self.names_gone.load(Ordering::SeqCst);
         let dir = self.path_of(ino)?;
         if ino != ROOT_INO {
             let (pd, pn) = split(&dir);
@@ -1904,12 +1925,18 @@ impl Fs {
             });
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dir_handles.lock().insert(fh, Arc::new(out));
+        self.dir_handles.lock().insert(
+            fh,
+            Arc::new(DirListing {
+                entries: out,
+                names_gone,
+            }),
+        );
         Ok(fh)
     }
 
     /// Entries from `offset` on. With `plus`, each returned entry counts as a lookup.
-    pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<Vec<DirEntryOut>>> {
+    pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
         let existing = self.dir_handles.lock().get(&fh).cloned();
         let list = match existing {
             Some(l) => l,
@@ -1945,6 +1972,68 @@ impl Fs {
             }
             _ => Some(snap.clone()),
         }
+    }
+
+    /// Of `sent` (names readdirplus handed the kernel from `listing`, a snapshot of directory
+    /// `dir_ino`), those an event may have taken away since the snapshot was taken. The
+    /// kernel keeps a readdirplus entry as a positive dentry for the entry TTL, and a removal
+    /// event's invalidation can reach the kernel before that reply does: such a name would
+    /// then stay visible (and an O_CREAT open of it would fail) after it is gone. The caller
+    /// invalidates these names once the reply is out. Rare: only when a name went away while
+    /// the listing was read.
+    pub fn gone_since<'a>(
+        &self,
+        dir_ino: u64,
+        listing: &DirListing,
+        sent: impl IntoIterator<Item = &'a DirEntryOut>,
+    ) -> Vec<String> {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+            return Vec::new();
+        }
+        let dir = self.inodes.path(dir_ino);
+        sent.into_iter()
+            .filter(|e| e.name != "." && e.name != "..")
+            .filter(|e| {
+                let Some(dir) = &dir else {
+                    return true;
+                };
+                let path = join(dir, &e.name);
+                // still there, as the same file: nothing to take back
+                !matches!(self.meta.lookup(dir, &e.name),
+                    Cached::Found(cur) if entry_inode(&path, &cur) == e.ino)
+            })
+            .map(|e| e.name.clone())
+            .collect()
+    }
+
+    /// Drops the kernel's entries for `names` in directory `dir_ino`, off the calling thread:
+    /// the kernel takes the directory's lock for it, which a listing in progress may hold.
+    pub fn invalidate_names(&self, dir_ino: u64, names: Vec<String>) {
+        if names.is_empty() {
+            return;
+        }
+        let Some(nt) = self.notifier.read().clone() else {
+            return;
+        };
+        tracing::debug!(
+            dir_ino,
+            ?names,
+            "names listed while an event took them away"
+        );
+        let drop_all = move || {
+            for name in &names {
+                nt.inval_entry(dir_ino, name);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(drop_all)),
+            Err(_) => drop(std::thread::spawn(drop_all)),
+        }
+    }
+
+    /// An event took a name away (see [`Self::gone_since`]).
+    fn note_name_gone(&self) {
+        self.names_gone.fetch_add(1, Ordering::SeqCst);
     }
 
     /// readdirplus registers the names it returns, as lookup would.
@@ -2311,6 +2400,7 @@ impl Fs {
         for (d, name) in touched {
             if self.changed_here_lately(d, name) {
                 self.meta.invalidate_dir(d, false);
+                self.note_name_gone();
                 if let (Some(nt), Some(pino)) =
                     (self.notifier.read().clone(), self.inodes.ino_of(d))
                 {
@@ -2502,6 +2592,8 @@ impl Fs {
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
                 self.meta.remove(dir, &old.name);
+                // after the removal: a listing that missed this count cannot hold the name
+                self.note_name_gone();
                 let opath = join(dir, &old.name);
                 if old.is_directory {
                     self.meta.invalidate_dir(&opath, true);
@@ -2567,6 +2659,8 @@ impl Fs {
                 n.new_parent_path.as_str()
             };
             self.meta.upsert(ndir, Arc::new(new.clone()));
+            // the name may lead to another file now (replaced by an upload)
+            self.note_name_gone();
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);
             if let Some(of) = self.open_file(ino) {
@@ -2736,7 +2830,7 @@ mod tests {
 
         let dh = fs.opendir(ROOT_INO).await.unwrap();
         let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
-        let e = list.iter().find(|e| e.name == "f").unwrap();
+        let e = list.entries.iter().find(|e| e.name == "f").unwrap();
         assert_eq!(e.attr.as_ref().unwrap().size, 5);
 
         // Written after the snapshot: open, then closed again.
@@ -2746,7 +2840,7 @@ mod tests {
         fs.release(fh, a.ino).await.unwrap();
         assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
         // "." and ".." carry no attributes.
-        assert!(fs.current_dir_attr(ROOT_INO, &list[0]).is_none());
+        assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
     }
 }
 
@@ -3121,6 +3215,70 @@ mod integrity_tests {
         }
     }
 
+    /// Deletes "/f" as another client would, and applies its event here.
+    async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
+        let e = filer.get("/f").unwrap();
+        filer
+            .other_client()
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.apply_event(&event(Some(e), None));
+    }
+
+    #[tokio::test]
+    async fn a_listing_read_across_a_delete_event_takes_the_name_back() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+        fs.release(fh, a.ino).await.unwrap();
+        let quiet = fs.opendir(ROOT_INO).await.unwrap();
+        let quiet = fs.readdir(ROOT_INO, quiet, 0).await.unwrap();
+        assert!(fs.gone_since(ROOT_INO, &quiet, &quiet.entries).is_empty());
+        let before = fs.opendir(ROOT_INO).await.unwrap();
+        let before = fs.readdir(ROOT_INO, before, 0).await.unwrap();
+        assert!(before.entries.iter().any(|e| e.name == "f"));
+        delete_f_elsewhere(&fs, &filer).await;
+        // the snapshot still has f: handed to the kernel after the event's invalidation, it
+        // would stay there as a live name
+        assert_eq!(
+            fs.gone_since(ROOT_INO, &before, &before.entries),
+            vec!["f".to_string()]
+        );
+        let after = fs.opendir(ROOT_INO).await.unwrap();
+        let after = fs.readdir(ROOT_INO, after, 0).await.unwrap();
+        assert!(after.entries.iter().all(|e| e.name != "f"));
+        assert!(fs.gone_since(ROOT_INO, &after, &after.entries).is_empty());
+    }
+
+    #[tokio::test]
+    async fn opening_a_node_whose_name_was_deleted_elsewhere_is_estale() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+        fs.release(fh, a.ino).await.unwrap();
+        let listed = DirEntryOut {
+            name: "f".into(),
+            ino: a.ino,
+            kind: Kind::File,
+            attr: Some(a.clone()),
+        };
+        delete_f_elsewhere(&fs, &filer).await;
+        // a listing read before the event registers the name again (as readdirplus does)
+        fs.remember_dir_entry(ROOT_INO, &listed);
+        // the kernel opens the node it still has a name for: ESTALE makes it look the name up
+        // again (an O_CREAT open then creates the file), where ENOENT failed the open
+        for flags in [libc::O_RDONLY, libc::O_WRONLY | libc::O_TRUNC] {
+            let err = fs.open(a.ino, flags).await.unwrap_err();
+            assert_eq!(err.errno, libc::ESTALE, "{err}");
+        }
+        let (b, fh) = create_f(&fs, libc::O_WRONLY).await;
+        assert_ne!(b.ino, a.ino);
+        fs.release(fh, b.ino).await.unwrap();
+    }
+
     #[tokio::test]
     async fn an_older_update_does_not_roll_back_an_open_file_we_committed() {
         let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
@@ -3249,6 +3407,7 @@ mod integrity_tests {
             .readdir(ROOT_INO, dh, 0)
             .await
             .unwrap()
+            .entries
             .iter()
             .map(|e| e.name.clone())
             .collect();
