@@ -594,6 +594,7 @@ impl Fs {
             Ok(e) => Ok(e),
             Err(FilerError::NotFound(_)) => {
                 self.meta.remove(dir, name);
+                self.note_name_gone();
                 Err(errno(libc::ENOENT, format!("{dir}/{name}")))
             }
             Err(e) => Err(e.into()),
@@ -1483,6 +1484,12 @@ impl Fs {
             }
             Err(err) => return Err(err),
         };
+        // the name leads to another file now (deleted and created again elsewhere): this node
+        // is not that file (entries without an inode attribute are known by path only)
+        let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
+        if numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
+            return Err(errno(libc::ESTALE, format!("{path} is another file now")));
+        }
         if e.is_directory {
             return Err(errno(libc::EISDIR, format!("{path} is a directory")));
         }
@@ -1974,61 +1981,79 @@ impl Fs {
         }
     }
 
-    /// Of `sent` (names readdirplus handed the kernel from `listing`, a snapshot of directory
-    /// `dir_ino`), those an event may have taken away since the snapshot was taken. The
-    /// kernel keeps a readdirplus entry as a positive dentry for the entry TTL, and a removal
-    /// event's invalidation can reach the kernel before that reply does: such a name would
-    /// then stay visible (and an O_CREAT open of it would fail) after it is gone. The caller
-    /// invalidates these names once the reply is out. Rare: only when a name went away while
-    /// the listing was read.
-    pub fn gone_since<'a>(
+    /// Of the entries `range` of `listing` (a snapshot of directory `dir_ino` that
+    /// readdirplus handed the kernel), the names an event may have taken away since the
+    /// snapshot was taken. The kernel keeps a readdirplus entry as a positive dentry for the
+    /// entry TTL, and a removal event's invalidation can reach the kernel before that reply
+    /// does: such a name would stay visible after it is gone. Costs nothing unless a name went
+    /// away somewhere while the listing was read; then each sent name is checked (a lookup
+    /// where the directory's listing is not cached).
+    pub async fn gone_since(
         &self,
         dir_ino: u64,
         listing: &DirListing,
-        sent: impl IntoIterator<Item = &'a DirEntryOut>,
+        range: std::ops::Range<usize>,
     ) -> Vec<String> {
         if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
             return Vec::new();
         }
-        let dir = self.inodes.path(dir_ino);
-        sent.into_iter()
-            .filter(|e| e.name != "." && e.name != "..")
-            .filter(|e| {
-                let Some(dir) = &dir else {
-                    return true;
-                };
-                let path = join(dir, &e.name);
-                // still there, as the same file: nothing to take back
-                !matches!(self.meta.lookup(dir, &e.name),
-                    Cached::Found(cur) if entry_inode(&path, &cur) == e.ino)
-            })
-            .map(|e| e.name.clone())
-            .collect()
+        let Some(dir) = self.inodes.path(dir_ino) else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for e in listing.entries.get(range).unwrap_or_default() {
+            if e.name == "." || e.name == ".." {
+                continue;
+            }
+            let path = join(&dir, &e.name);
+            let current = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) == e.ino,
+                Cached::Absent => false,
+                Cached::Unknown => match self.entry_at(&dir, &e.name).await {
+                    Ok(cur) => entry_inode(&path, &cur) == e.ino,
+                    // not sure: leave the kernel's entry (an open of it is ESTALE if stale)
+                    Err(err) => err.errno != libc::ENOENT,
+                },
+            };
+            if !current {
+                gone.push(e.name.clone());
+            }
+        }
+        gone
     }
 
-    /// Drops the kernel's entries for `names` in directory `dir_ino`, off the calling thread:
-    /// the kernel takes the directory's lock for it, which a listing in progress may hold.
-    pub fn invalidate_names(&self, dir_ino: u64, names: Vec<String>) {
-        if names.is_empty() {
+    /// Invalidates, in the background, the kernel's entries for the names of `range` that
+    /// [`Self::gone_since`] finds gone. Called once the readdirplus reply is out: the kernel
+    /// takes the directory's lock for an invalidation, which the listing may still hold.
+    pub fn take_back_gone(
+        self: &Arc<Self>,
+        dir_ino: u64,
+        listing: Arc<DirListing>,
+        range: std::ops::Range<usize>,
+    ) {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
             return;
         }
-        let Some(nt) = self.notifier.read().clone() else {
+        let (Some(nt), Ok(rt)) = (
+            self.notifier.read().clone(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
             return;
         };
-        tracing::debug!(
-            dir_ino,
-            ?names,
-            "names listed while an event took them away"
-        );
-        let drop_all = move || {
-            for name in &names {
-                nt.inval_entry(dir_ino, name);
+        let fs = self.clone();
+        rt.spawn(async move {
+            let gone = fs.gone_since(dir_ino, &listing, range).await;
+            if gone.is_empty() {
+                return;
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(drop_all)),
-            Err(_) => drop(std::thread::spawn(drop_all)),
-        }
+            tracing::debug!(dir_ino, ?gone, "names listed while an event took them away");
+            let _ = tokio::task::spawn_blocking(move || {
+                for name in &gone {
+                    nt.inval_entry(dir_ino, name);
+                }
+            })
+            .await;
+        });
     }
 
     /// An event took a name away (see [`Self::gone_since`]).
@@ -2039,13 +2064,20 @@ impl Fs {
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
-            // a file with several links keeps its other names
+            let path = join(&dir, &e.name);
+            // a file with several links keeps its other names; a name an event took away
+            // since the snapshot (renamed, deleted) must not become the node's path again
             let linked = e
                 .attr
                 .as_ref()
                 .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
+            let stale = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) != e.ino,
+                Cached::Absent => true,
+                Cached::Unknown => false,
+            };
             self.inodes
-                .remember_as(e.ino, &join(&dir, &e.name), e.kind, true, linked);
+                .remember_as(e.ino, &path, e.kind, true, linked || stale);
         }
     }
 
@@ -2400,7 +2432,6 @@ impl Fs {
         for (d, name) in touched {
             if self.changed_here_lately(d, name) {
                 self.meta.invalidate_dir(d, false);
-                self.note_name_gone();
                 if let (Some(nt), Some(pino)) =
                     (self.notifier.read().clone(), self.inodes.ino_of(d))
                 {
@@ -2659,10 +2690,12 @@ impl Fs {
                 n.new_parent_path.as_str()
             };
             self.meta.upsert(ndir, Arc::new(new.clone()));
-            // the name may lead to another file now (replaced by an upload)
-            self.note_name_gone();
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);
+            if self.inodes.ino_of(&npath).is_some_and(|known| known != ino) {
+                // the name leads to another file now (replaced by an upload)
+                self.note_name_gone();
+            }
             if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();
                 // A manifest entry needs its manifests fetched first: keep the old list
@@ -3237,7 +3270,8 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let quiet = fs.opendir(ROOT_INO).await.unwrap();
         let quiet = fs.readdir(ROOT_INO, quiet, 0).await.unwrap();
-        assert!(fs.gone_since(ROOT_INO, &quiet, &quiet.entries).is_empty());
+        let all = 0..quiet.entries.len();
+        assert!(fs.gone_since(ROOT_INO, &quiet, all).await.is_empty());
         let before = fs.opendir(ROOT_INO).await.unwrap();
         let before = fs.readdir(ROOT_INO, before, 0).await.unwrap();
         assert!(before.entries.iter().any(|e| e.name == "f"));
@@ -3245,13 +3279,15 @@ mod integrity_tests {
         // the snapshot still has f: handed to the kernel after the event's invalidation, it
         // would stay there as a live name
         assert_eq!(
-            fs.gone_since(ROOT_INO, &before, &before.entries),
+            fs.gone_since(ROOT_INO, &before, 0..before.entries.len())
+                .await,
             vec!["f".to_string()]
         );
         let after = fs.opendir(ROOT_INO).await.unwrap();
         let after = fs.readdir(ROOT_INO, after, 0).await.unwrap();
         assert!(after.entries.iter().all(|e| e.name != "f"));
-        assert!(fs.gone_since(ROOT_INO, &after, &after.entries).is_empty());
+        let all = 0..after.entries.len();
+        assert!(fs.gone_since(ROOT_INO, &after, all).await.is_empty());
     }
 
     #[tokio::test]
@@ -3277,6 +3313,9 @@ mod integrity_tests {
         let (b, fh) = create_f(&fs, libc::O_WRONLY).await;
         assert_ne!(b.ino, a.ino);
         fs.release(fh, b.ino).await.unwrap();
+        // the name leads to another file now: the old node must not open it
+        let err = fs.open(a.ino, libc::O_RDONLY).await.unwrap_err();
+        assert_eq!(err.errno, libc::ESTALE, "{err}");
     }
 
     #[tokio::test]

@@ -646,8 +646,7 @@ impl Filesystem for FuseAdapter {
                 reply.ok();
                 // after the reply: its entries may have reached the kernel after an event's
                 // invalidation of a name it took away
-                let gone = fs.gone_since(ino.0, &list, &list.entries[start..sent]);
-                fs.invalidate_names(ino.0, gone);
+                fs.take_back_gone(ino.0, list.clone(), start..sent);
             }
         );
     }
