@@ -1437,7 +1437,7 @@ impl Fs {
             return Ok(h.clone());
         }
         self.verifier.adopted_handle(fh, ino);
-        let of = self.open_inode(ino).await?;
+        let of = self.open_inode(ino, false).await?;
         let file = self.register_open(ino, of);
         let h = Arc::new(Handle {
             ino,
@@ -1467,7 +1467,10 @@ impl Fs {
         }
     }
 
-    async fn open_inode(&self, ino: u64) -> Result<Arc<OpenFile>> {
+    /// The open-file state of `ino`, loaded if it is not open. `by_name`: for a new open from
+    /// the kernel (which can look the name up again); a handle re-created after a takeover
+    /// cannot, and keeps using the file its name leads to.
+    async fn open_inode(&self, ino: u64, by_name: bool) -> Result<Arc<OpenFile>> {
         if let Some(of) = self.open_file(ino) {
             return Ok(of);
         }
@@ -1479,7 +1482,7 @@ impl Fs {
             // by another client; the kernel's entry outlived our invalidation). ESTALE makes
             // it walk the path again: a plain open then fails with ENOENT, an O_CREAT open
             // creates the file, instead of failing with ENOENT.
-            Err(err) if err.errno == libc::ENOENT => {
+            Err(err) if by_name && err.errno == libc::ENOENT => {
                 return Err(errno(libc::ESTALE, format!("{path}: {}", err.msg)))
             }
             Err(err) => return Err(err),
@@ -1487,7 +1490,7 @@ impl Fs {
         // the name leads to another file now (deleted and created again elsewhere): this node
         // is not that file (entries without an inode attribute are known by path only)
         let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
-        if numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
+        if by_name && numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
             return Err(errno(libc::ESTALE, format!("{path} is another file now")));
         }
         if e.is_directory {
@@ -1562,7 +1565,7 @@ impl Fs {
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;
         }
-        let of = self.open_inode(ino).await?;
+        let of = self.open_inode(ino, true).await?;
         let fh = self.add_handle(ino, of, writable);
         let Some(of) = self.handles.lock().get(&fh).map(|h| h.file.clone()) else {
             return Err(errno(libc::EIO, "handle vanished while opening"));
@@ -3699,7 +3702,7 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").unwrap();
         assert_eq!(crate::chunks::file_size(&e), (MIB + 14) as u64);
-        let of = fs.open_inode(a.ino).await.unwrap();
+        let of = fs.open_inode(a.ino, true).await.unwrap();
         let got = fs.read_range(&of, 0, (MIB + 14) as u64).await.unwrap();
         assert_eq!(&got[..MIB + 10], &data[..]);
         assert_eq!(&got[MIB + 10..], b"more");
