@@ -147,6 +147,14 @@ impl World {
         if names != want {
             return Err(format!("{l}: names {names:?}, model {want:?}"));
         }
+        // a name gone from the listing must be gone for lookups too (a kernel entry that
+        // outlived its invalidation made an O_CREAT open of it fail with ENOENT)
+        for name in NAMES.iter().filter(|n| !self.model.contains_key(**n)) {
+            match fs::symlink_metadata(node.guard.join(name)) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                other => return Err(format!("{l}: {name} is not in the model, lstat: {other:?}")),
+            }
+        }
         for (name, st) in &self.model {
             let p = node.guard.join(name);
             let md = fs::symlink_metadata(&p).map_err(|e| format!("{l}: lstat {name}: {e}"))?;

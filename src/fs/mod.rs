@@ -19,7 +19,7 @@ pub use attr::{Attr, IdMap, Kind};
 /// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
 /// `xattr-`, so FUSE clients do not list it as a user xattr.
 pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
-pub use ops::{DirEntryOut, SetAttr, StatFs};
+pub use ops::{DirEntryOut, DirListing, SetAttr, StatFs};
 
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;
@@ -31,7 +31,7 @@ use inode::InodeTable;
 use meta::MetaCache;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Semaphore;
@@ -81,6 +81,54 @@ fn errno(e: i32, msg: impl Into<String>) -> FsError {
 pub trait Notifier: Send + Sync {
     fn inval_entry(&self, parent: u64, name: &str);
     fn inval_inode(&self, ino: u64);
+}
+
+/// The kernel notifier as the filesystem uses it: counts the calls in progress and passes
+/// none on once stopped (see [`Fs::stop_notifying`]).
+pub struct StoppableNotifier {
+    inner: Arc<dyn Notifier>,
+    stopped: AtomicBool,
+    running: AtomicUsize,
+}
+
+impl StoppableNotifier {
+    fn new(inner: Arc<dyn Notifier>) -> Self {
+        StoppableNotifier {
+            inner,
+            stopped: Default::default(),
+            running: Default::default(),
+        }
+    }
+
+    /// Runs `f` unless stopped. Counted first, checked second: `stop` sets the flag first
+    /// and then waits for the count, so a call either sees the flag or is waited for.
+    fn pass(&self, f: impl FnOnce(&dyn Notifier)) {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        if !self.stopped.load(Ordering::SeqCst) {
+            f(self.inner.as_ref());
+        }
+        self.running.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    pub fn inval_entry(&self, parent: u64, name: &str) {
+        self.pass(|n| n.inval_entry(parent, name));
+    }
+
+    pub fn inval_inode(&self, ino: u64) {
+        self.pass(|n| n.inval_inode(ino));
+    }
+
+    async fn stop(&self, limit: Duration) -> bool {
+        self.stopped.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.running.load(Ordering::SeqCst) > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
+    }
 }
 
 /// Settings of one filesystem instance (derived from [`MountOptions`]).
@@ -205,7 +253,10 @@ pub struct Fs {
     pub meta: MetaCache,
     files: Mutex<HashMap<u64, OpenEntry>>,
     handles: Mutex<HashMap<u64, Arc<Handle>>>,
-    dir_handles: Mutex<HashMap<u64, Arc<Vec<DirEntryOut>>>>,
+    dir_handles: Mutex<HashMap<u64, Arc<DirListing>>>,
+    /// Bumped whenever an event takes a name away (delete, rename, doubt): a listing taken
+    /// before may hand the kernel names that are gone (see [`Fs::gone_since`]).
+    names_gone: AtomicU64,
     next_fh: AtomicU64,
     upload_sem: Arc<Semaphore>,
     prefetch_sem: Arc<Semaphore>,
@@ -219,7 +270,7 @@ pub struct Fs {
     /// Bytes used in the quota'd volume, as last measured.
     used_bytes: AtomicU64,
     quota: AtomicU64,
-    notifier: parking_lot::RwLock<Option<Arc<dyn Notifier>>>,
+    notifier: parking_lot::RwLock<Option<Arc<StoppableNotifier>>>,
     healthy: AtomicBool,
     /// The kernel caches and enforces POSIX ACLs (FUSE_POSIX_ACL was negotiated): keep modes
     /// in sync with access ACLs and apply default-ACL inheritance.
@@ -272,6 +323,7 @@ impl Fs {
             files: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             dir_handles: Mutex::new(HashMap::new()),
+            names_gone: AtomicU64::new(0),
             next_fh: AtomicU64::new(start_fh),
             dir_locks: Mutex::new(HashMap::new()),
             dir_times: Mutex::new(HashMap::new()),
@@ -290,9 +342,21 @@ impl Fs {
     }
 
     pub fn set_notifier(&self, n: Arc<dyn Notifier>) {
-        *self.notifier.write() = Some(n);
+        *self.notifier.write() = Some(Arc::new(StoppableNotifier::new(n)));
     }
 
+    /// Stops kernel invalidations and waits (up to `limit`) for those in progress; false if
+    /// some were still running at the limit. Called before a hand-over closes the request
+    /// gate: an invalidation waits in the kernel for directory locks that requests left
+    /// unanswered may hold, and would keep this process from exiting (and the next one from
+    /// taking the session over).
+    pub async fn stop_notifying(&self, limit: Duration) -> bool {
+        let n = self.notifier.read().clone();
+        match n {
+            Some(n) => n.stop(limit).await,
+            None => true,
+        }
+    }
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -370,4 +434,54 @@ pub(crate) fn entry_with_name(e: &pb::Entry, name: &str) -> pb::Entry {
     let mut e = e.clone();
     e.name = name.to_string();
     e
+}
+
+#[cfg(test)]
+mod notifier_tests {
+    use super::*;
+
+    /// Records calls; the first one blocks until released (a kernel waiting for a lock).
+    struct Blocking {
+        calls: Mutex<Vec<String>>,
+        release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Notifier for Blocking {
+        fn inval_entry(&self, _parent: u64, name: &str) {
+            let first = {
+                let mut c = self.calls.lock();
+                c.push(name.to_string());
+                c.len() == 1
+            };
+            if first {
+                let _ = self.release.lock().unwrap().recv();
+            }
+        }
+        fn inval_inode(&self, ino: u64) {
+            self.calls.lock().push(format!("inode {ino}"));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stopping_waits_for_running_invalidations_and_passes_no_more() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let inner = Arc::new(Blocking {
+            calls: Mutex::new(Vec::new()),
+            release: std::sync::Mutex::new(rx),
+        });
+        let n = Arc::new(StoppableNotifier::new(inner.clone()));
+        let busy = n.clone();
+        let blocked = std::thread::spawn(move || busy.inval_entry(1, "a"));
+        while inner.calls.lock().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // one call is in the kernel: stopping waits for it
+        assert!(!n.stop(Duration::from_millis(100)).await);
+        n.inval_entry(1, "b");
+        n.inval_inode(7);
+        tx.send(()).unwrap();
+        blocked.join().unwrap();
+        assert!(n.stop(Duration::from_secs(5)).await);
+        assert_eq!(*inner.calls.lock(), vec!["a".to_string()]);
+    }
 }

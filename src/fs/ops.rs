@@ -23,6 +23,14 @@ pub struct DirEntryOut {
     pub attr: Option<Attr>,
 }
 
+/// The entries an open directory handle lists (a snapshot taken at opendir).
+#[derive(Debug, Default)]
+pub struct DirListing {
+    pub entries: Vec<DirEntryOut>,
+    /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
+    names_gone: u64,
+}
+
 /// A setattr request; `None` fields are unchanged.
 #[derive(Debug, Clone, Default)]
 pub struct SetAttr {
@@ -586,6 +594,7 @@ impl Fs {
             Ok(e) => Ok(e),
             Err(FilerError::NotFound(_)) => {
                 self.meta.remove(dir, name);
+                self.note_name_gone();
                 Err(errno(libc::ENOENT, format!("{dir}/{name}")))
             }
             Err(e) => Err(e.into()),
@@ -658,6 +667,7 @@ impl Fs {
             // (an O_CREAT open then creates a new file instead of failing).
             Err(e) if e.errno == libc::ENOENT => {
                 self.meta.remove(&dir, &name);
+                self.note_name_gone();
                 if let (Some(nt), Some(pino)) =
                     (self.notifier.read().clone(), self.inodes.ino_of(&dir))
                 {
@@ -1427,7 +1437,7 @@ impl Fs {
             return Ok(h.clone());
         }
         self.verifier.adopted_handle(fh, ino);
-        let of = self.open_inode(ino).await?;
+        let of = self.open_inode(ino, false).await?;
         let file = self.register_open(ino, of);
         let h = Arc::new(Handle {
             ino,
@@ -1457,13 +1467,32 @@ impl Fs {
         }
     }
 
-    async fn open_inode(&self, ino: u64) -> Result<Arc<OpenFile>> {
+    /// The open-file state of `ino`, loaded if it is not open. `by_name`: for a new open from
+    /// the kernel (which can look the name up again); a handle re-created after a takeover
+    /// cannot, and keeps using the file its name leads to.
+    async fn open_inode(&self, ino: u64, by_name: bool) -> Result<Arc<OpenFile>> {
         if let Some(of) = self.open_file(ino) {
             return Ok(of);
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        let e = self.entry_at(&dir, &name).await?;
+        let e = match self.entry_at(&dir, &name).await {
+            Ok(e) => e,
+            // The kernel opens a node it still has a name for, but the name is gone (deleted
+            // by another client; the kernel's entry outlived our invalidation). ESTALE makes
+            // it walk the path again: a plain open then fails with ENOENT, an O_CREAT open
+            // creates the file, instead of failing with ENOENT.
+            Err(err) if by_name && err.errno == libc::ENOENT => {
+                return Err(errno(libc::ESTALE, format!("{path}: {}", err.msg)))
+            }
+            Err(err) => return Err(err),
+        };
+        // the name leads to another file now (deleted and created again elsewhere): this node
+        // is not that file (entries without an inode attribute are known by path only)
+        let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
+        if by_name && numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
+            return Err(errno(libc::ESTALE, format!("{path} is another file now")));
+        }
         if e.is_directory {
             return Err(errno(libc::EISDIR, format!("{path} is a directory")));
         }
@@ -1536,7 +1565,7 @@ impl Fs {
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;
         }
-        let of = self.open_inode(ino).await?;
+        let of = self.open_inode(ino, true).await?;
         let fh = self.add_handle(ino, of, writable);
         let Some(of) = self.handles.lock().get(&fh).map(|h| h.file.clone()) else {
             return Err(errno(libc::EIO, "handle vanished while opening"));
@@ -1858,6 +1887,8 @@ impl Fs {
     // ---------- directories ----------
 
     pub async fn opendir(&self, ino: u64) -> Result<u64> {
+        // read first: a name an event takes away from here on is caught by `gone_since`
+        let names_gone = self.names_gone.load(Ordering::SeqCst);
         let dir = self.path_of(ino)?;
         if ino != ROOT_INO {
             let (pd, pn) = split(&dir);
@@ -1904,12 +1935,18 @@ impl Fs {
             });
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dir_handles.lock().insert(fh, Arc::new(out));
+        self.dir_handles.lock().insert(
+            fh,
+            Arc::new(DirListing {
+                entries: out,
+                names_gone,
+            }),
+        );
         Ok(fh)
     }
 
     /// Entries from `offset` on. With `plus`, each returned entry counts as a lookup.
-    pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<Vec<DirEntryOut>>> {
+    pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
         let existing = self.dir_handles.lock().get(&fh).cloned();
         let list = match existing {
             Some(l) => l,
@@ -1947,16 +1984,103 @@ impl Fs {
         }
     }
 
+    /// Of the entries `range` of `listing` (a snapshot of directory `dir_ino` that
+    /// readdirplus handed the kernel), the names an event may have taken away since the
+    /// snapshot was taken. The kernel keeps a readdirplus entry as a positive dentry for the
+    /// entry TTL, and a removal event's invalidation can reach the kernel before that reply
+    /// does: such a name would stay visible after it is gone. Costs nothing unless a name went
+    /// away somewhere while the listing was read; then each sent name is checked (a lookup
+    /// where the directory's listing is not cached).
+    pub async fn gone_since(
+        &self,
+        dir_ino: u64,
+        listing: &DirListing,
+        range: std::ops::Range<usize>,
+    ) -> Vec<String> {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+            return Vec::new();
+        }
+        let Some(dir) = self.inodes.path(dir_ino) else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for e in listing.entries.get(range).unwrap_or_default() {
+            if e.name == "." || e.name == ".." {
+                continue;
+            }
+            let path = join(&dir, &e.name);
+            let current = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) == e.ino,
+                Cached::Absent => false,
+                Cached::Unknown => match self.entry_at(&dir, &e.name).await {
+                    Ok(cur) => entry_inode(&path, &cur) == e.ino,
+                    // not sure: leave the kernel's entry (an open of it is ESTALE if stale)
+                    Err(err) => err.errno != libc::ENOENT,
+                },
+            };
+            if !current {
+                gone.push(e.name.clone());
+            }
+        }
+        gone
+    }
+
+    /// Invalidates, in the background, the kernel's entries for the names of `range` that
+    /// [`Self::gone_since`] finds gone. Called once the readdirplus reply is out: the kernel
+    /// takes the directory's lock for an invalidation, which the listing may still hold.
+    pub fn take_back_gone(
+        self: &Arc<Self>,
+        dir_ino: u64,
+        listing: Arc<DirListing>,
+        range: std::ops::Range<usize>,
+    ) {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+            return;
+        }
+        let (Some(nt), Ok(rt)) = (
+            self.notifier.read().clone(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let fs = self.clone();
+        rt.spawn(async move {
+            let gone = fs.gone_since(dir_ino, &listing, range).await;
+            if gone.is_empty() {
+                return;
+            }
+            tracing::debug!(dir_ino, ?gone, "names listed while an event took them away");
+            let _ = tokio::task::spawn_blocking(move || {
+                for name in &gone {
+                    nt.inval_entry(dir_ino, name);
+                }
+            })
+            .await;
+        });
+    }
+
+    /// An event took a name away (see [`Self::gone_since`]).
+    fn note_name_gone(&self) {
+        self.names_gone.fetch_add(1, Ordering::SeqCst);
+    }
+
     /// readdirplus registers the names it returns, as lookup would.
     pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
         if let Some(dir) = self.inodes.path(dir_ino) {
-            // a file with several links keeps its other names
+            let path = join(&dir, &e.name);
+            // a file with several links keeps its other names; a name an event took away
+            // since the snapshot (renamed, deleted) must not become the node's path again
             let linked = e
                 .attr
                 .as_ref()
                 .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
+            let stale = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) != e.ino,
+                Cached::Absent => true,
+                Cached::Unknown => false,
+            };
             self.inodes
-                .remember_as(e.ino, &join(&dir, &e.name), e.kind, true, linked);
+                .remember_as(e.ino, &path, e.kind, true, linked || stale);
         }
     }
 
@@ -2502,6 +2626,8 @@ impl Fs {
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
                 self.meta.remove(dir, &old.name);
+                // after the removal: a listing that missed this count cannot hold the name
+                self.note_name_gone();
                 let opath = join(dir, &old.name);
                 if old.is_directory {
                     self.meta.invalidate_dir(&opath, true);
@@ -2569,6 +2695,10 @@ impl Fs {
             self.meta.upsert(ndir, Arc::new(new.clone()));
             let npath = join(ndir, &new.name);
             let ino = entry_inode(&npath, new);
+            if self.inodes.ino_of(&npath).is_some_and(|known| known != ino) {
+                // the name leads to another file now (replaced by an upload)
+                self.note_name_gone();
+            }
             if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();
                 // A manifest entry needs its manifests fetched first: keep the old list
@@ -2736,7 +2866,7 @@ mod tests {
 
         let dh = fs.opendir(ROOT_INO).await.unwrap();
         let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
-        let e = list.iter().find(|e| e.name == "f").unwrap();
+        let e = list.entries.iter().find(|e| e.name == "f").unwrap();
         assert_eq!(e.attr.as_ref().unwrap().size, 5);
 
         // Written after the snapshot: open, then closed again.
@@ -2746,7 +2876,7 @@ mod tests {
         fs.release(fh, a.ino).await.unwrap();
         assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
         // "." and ".." carry no attributes.
-        assert!(fs.current_dir_attr(ROOT_INO, &list[0]).is_none());
+        assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
     }
 }
 
@@ -3121,6 +3251,76 @@ mod integrity_tests {
         }
     }
 
+    /// Deletes "/f" as another client would, and applies its event here.
+    async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
+        let e = filer.get("/f").unwrap();
+        filer
+            .other_client()
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.apply_event(&event(Some(e), None));
+    }
+
+    #[tokio::test]
+    async fn a_listing_read_across_a_delete_event_takes_the_name_back() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+        fs.release(fh, a.ino).await.unwrap();
+        let quiet = fs.opendir(ROOT_INO).await.unwrap();
+        let quiet = fs.readdir(ROOT_INO, quiet, 0).await.unwrap();
+        let all = 0..quiet.entries.len();
+        assert!(fs.gone_since(ROOT_INO, &quiet, all).await.is_empty());
+        let before = fs.opendir(ROOT_INO).await.unwrap();
+        let before = fs.readdir(ROOT_INO, before, 0).await.unwrap();
+        assert!(before.entries.iter().any(|e| e.name == "f"));
+        delete_f_elsewhere(&fs, &filer).await;
+        // the snapshot still has f: handed to the kernel after the event's invalidation, it
+        // would stay there as a live name
+        assert_eq!(
+            fs.gone_since(ROOT_INO, &before, 0..before.entries.len())
+                .await,
+            vec!["f".to_string()]
+        );
+        let after = fs.opendir(ROOT_INO).await.unwrap();
+        let after = fs.readdir(ROOT_INO, after, 0).await.unwrap();
+        assert!(after.entries.iter().all(|e| e.name != "f"));
+        let all = 0..after.entries.len();
+        assert!(fs.gone_since(ROOT_INO, &after, all).await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn opening_a_node_whose_name_was_deleted_elsewhere_is_estale() {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+        fs.release(fh, a.ino).await.unwrap();
+        let listed = DirEntryOut {
+            name: "f".into(),
+            ino: a.ino,
+            kind: Kind::File,
+            attr: Some(a.clone()),
+        };
+        delete_f_elsewhere(&fs, &filer).await;
+        // a listing read before the event registers the name again (as readdirplus does)
+        fs.remember_dir_entry(ROOT_INO, &listed);
+        // the kernel opens the node it still has a name for: ESTALE makes it look the name up
+        // again (an O_CREAT open then creates the file), where ENOENT failed the open
+        for flags in [libc::O_RDONLY, libc::O_WRONLY | libc::O_TRUNC] {
+            let err = fs.open(a.ino, flags).await.unwrap_err();
+            assert_eq!(err.errno, libc::ESTALE, "{err}");
+        }
+        let (b, fh) = create_f(&fs, libc::O_WRONLY).await;
+        assert_ne!(b.ino, a.ino);
+        fs.release(fh, b.ino).await.unwrap();
+        // the name leads to another file now: the old node must not open it
+        let err = fs.open(a.ino, libc::O_RDONLY).await.unwrap_err();
+        assert_eq!(err.errno, libc::ESTALE, "{err}");
+    }
+
     #[tokio::test]
     async fn an_older_update_does_not_roll_back_an_open_file_we_committed() {
         let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
@@ -3249,6 +3449,7 @@ mod integrity_tests {
             .readdir(ROOT_INO, dh, 0)
             .await
             .unwrap()
+            .entries
             .iter()
             .map(|e| e.name.clone())
             .collect();
@@ -3501,7 +3702,7 @@ mod integrity_tests {
         fs.release(fh, a.ino).await.unwrap();
         let e = filer.get("/f").unwrap();
         assert_eq!(crate::chunks::file_size(&e), (MIB + 14) as u64);
-        let of = fs.open_inode(a.ino).await.unwrap();
+        let of = fs.open_inode(a.ino, true).await.unwrap();
         let got = fs.read_range(&of, 0, (MIB + 14) as u64).await.unwrap();
         assert_eq!(&got[..MIB + 10], &data[..]);
         assert_eq!(&got[MIB + 10..], b"more");

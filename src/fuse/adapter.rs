@@ -600,7 +600,7 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| fs.readdir(ino.0, fh.0, offset).await,
             |list| {
-                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+                for (i, e) in list.entries.iter().enumerate().skip(offset as usize) {
                     if reply.add(INodeNo(e.ino), (i + 1) as u64, kind(e.kind), &e.name) {
                         break;
                     }
@@ -624,7 +624,9 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| fs.readdir(ino.0, fh.0, offset).await,
             |list| {
-                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+                let start = (offset as usize).min(list.entries.len());
+                let mut sent = start;
+                for (i, e) in list.entries.iter().enumerate().skip(start) {
                     let attr = dir_attr(&fs, ino.0, e);
                     if reply.add(
                         INodeNo(e.ino),
@@ -636,11 +638,15 @@ impl Filesystem for FuseAdapter {
                     ) {
                         break;
                     }
+                    sent = i + 1;
                     if e.attr.is_some() {
                         fs.remember_dir_entry(ino.0, e);
                     }
                 }
-                reply.ok()
+                reply.ok();
+                // after the reply: its entries may have reached the kernel after an event's
+                // invalidation of a name it took away
+                fs.take_back_gone(ino.0, list.clone(), start..sent);
             }
         );
     }

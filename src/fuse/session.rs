@@ -518,6 +518,10 @@ impl MountedVolume {
             init,
         } = *k;
         let started = std::time::Instant::now();
+        // before the gate closes: an invalidation in progress may need a request answered
+        if !self.fs.stop_notifying(Duration::from_secs(10)).await {
+            tracing::warn!(volume_id, "kernel invalidations still running at handover");
+        }
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
