@@ -772,7 +772,7 @@ mod tests {
             .readdir(ROOT_INO, dh, 0)
             .await
             .unwrap()
-            .iter()
+            .entries.iter()
             .map(|e| e.name.clone())
             .filter(|n| n != "." && n != "..")
             .collect();
