@@ -772,7 +772,8 @@ mod tests {
             .readdir(ROOT_INO, dh, 0)
             .await
             .unwrap()
-            .entries.iter()
+            .entries
+            .iter()
             .map(|e| e.name.clone())
             .filter(|n| n != "." && n != "..")
             .collect();
