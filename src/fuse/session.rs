@@ -581,8 +581,10 @@ impl MountedVolume {
             None => (None, None),
         };
         let conn = self.conn;
-        // whatever is at the path now is not ours to unmount (maybe a new mount there)
-        let ended = self.session_ended();
+        // whatever is at the path now is not ours to unmount (maybe a new mount there); but
+        // our own connection still mounted there is (fuser's session thread can end while the
+        // mount stays, as in a chroot without fusermount: the mount was left behind)
+        let ended = self.session_ended() && (conn.is_none() || connection_id(&mp) != conn);
         let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             let r = if ended {
                 Ok(())
@@ -603,7 +605,7 @@ impl MountedVolume {
         .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
         if let Err(e) = unmounted {
             // already gone (e.g. replaced by the node service): not an error for us
-            tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
+            tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e, "unmount failed");
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
