@@ -570,6 +570,9 @@ impl MountedVolume {
 
     /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
     pub async fn unmount(mut self) -> Result<(), MountError> {
+        // read before the flush, which can take seconds: a connection id is a device minor
+        // the kernel hands out again, so a mount made at the path meanwhile may reuse ours
+        let still_ours = self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
         let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
@@ -584,7 +587,7 @@ impl MountedVolume {
         // whatever is at the path now is not ours to unmount (maybe a new mount there); but
         // our own connection still mounted there is (fuser's session thread can end while the
         // mount stays, as in a chroot without fusermount: the mount was left behind)
-        let ended = self.session_ended() && (conn.is_none() || connection_id(&mp) != conn);
+        let ended = self.session_ended() && !still_ours;
         let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             let r = if ended {
                 Ok(())
