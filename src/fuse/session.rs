@@ -608,7 +608,11 @@ impl MountedVolume {
         .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
         if let Err(e) = unmounted {
             // already gone (e.g. replaced by the node service): not an error for us
-            tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e, "unmount failed");
+            if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) {
+                tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
+            } else {
+                tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e, "unmount failed");
+            }
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
