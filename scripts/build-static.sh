@@ -31,7 +31,11 @@ esac
 [ -n "$out" ] || { echo "usage: $0 --out FILE [--target-dir DIR]" >&2; exit 2; }
 case "$out" in /*) ;; *) out="$PWD/$out" ;; esac
 cd "$(dirname "$0")/.."
-RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
+# getrandom: call glibc's getrandom() directly. Its default looks the function up with dlsym,
+# which finds nothing in a static binary, and then reads /dev/urandom, which a scratch image
+# or a chroot need not have (the mount command died at start: "could not initialize
+# ThreadRng: No such file or directory").
+RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static --cfg getrandom_backend=\"linux_getrandom\"" \
   cargo build --release --locked --target "$triple" --target-dir "$target_dir" \
   --bin seaweedfs-csi-driver >&2
 

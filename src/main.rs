@@ -19,12 +19,5 @@ fn main() -> ExitCode {
         Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),
         None => seaweedfs_csi_driver::driver::run(cli.driver, None),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code(result)
 }

@@ -407,7 +407,7 @@ fn scratch_image_runs_and_mounts_slow() {
     };
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(status.success(), "mount exited with {status}:\n{log}");
-    assert!(!is_mounted(&mnt), "still mounted after exit");
+    assert!(!is_mounted(&mnt), "still mounted after exit:\n{log}");
     assert!(
         root.unexpected_files().is_empty(),
         "{:?}",

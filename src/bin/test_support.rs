@@ -71,12 +71,5 @@ fn main() -> ExitCode {
             seaweedfs_csi_driver::driver::run(cli.driver, fake)
         }
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code(result)
 }

@@ -567,6 +567,9 @@ impl MountedVolume {
 
     /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
     pub async fn unmount(mut self) -> Result<(), MountError> {
+        // read before the flush, which can take seconds: a connection id is a device minor
+        // the kernel hands out again, so a mount made at the path meanwhile may reuse ours
+        let still_ours = self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
         let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
@@ -578,8 +581,10 @@ impl MountedVolume {
             None => (None, None),
         };
         let conn = self.conn;
-        // whatever is at the path now is not ours to unmount (maybe a new mount there)
-        let ended = self.session_ended();
+        // whatever is at the path now is not ours to unmount (maybe a new mount there); but
+        // our own connection still mounted there is (fuser's session thread can end while the
+        // mount stays, as in a chroot without fusermount: the mount was left behind)
+        let ended = self.session_ended() && !still_ours;
         let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             let r = if ended {
                 Ok(())
@@ -600,7 +605,11 @@ impl MountedVolume {
         .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
         if let Err(e) = unmounted {
             // already gone (e.g. replaced by the node service): not an error for us
-            tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
+            if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) {
+                tracing::debug!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
+            } else {
+                tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e, "unmount failed");
+            }
         }
         tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
         flushed.map_err(MountError::Fs)
