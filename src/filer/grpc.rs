@@ -9,8 +9,8 @@
 //! but does not answer gives [`FilerError::Timeout`] after `call_timeout`; timed-out calls are
 //! not retried (they may have been applied) but the next call prefers another filer.
 //!
-//! Mutations go over one multiplexed `StreamMutateEntry` stream when the filer supports it
-//! (4.18+), falling back to the unary RPCs on `Unimplemented` or a broken stream. A mutation
+//! Mutations go over a multiplexed `StreamMutateEntry` stream when the filer supports it
+//! (4.18+), one per signature (so per volume on a connection the hub shares), falling back to the unary RPCs on `Unimplemented` or a broken stream. A mutation
 //! whose stream broke is re-sent as a unary call; create/update/delete are idempotent upserts,
 //! a repeated rename may report NotFound if the first attempt had already been applied.
 //!
@@ -43,6 +43,8 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// After the mutation stream broke, use unary calls for this long before reopening it.
 const STREAM_REOPEN_DELAY: Duration = Duration::from_secs(2);
+/// A mutation lane unused this long is closed when another lane opens.
+const LANE_IDLE: Duration = Duration::from_secs(300);
 
 /// How to reach the filers.
 #[derive(Debug, Clone)]
@@ -97,7 +99,9 @@ struct Inner {
     stream_enabled: AtomicBool,
     /// Set once a filer answered `Unimplemented` to StreamMutateEntry.
     stream_unsupported: AtomicBool,
-    mutate: Mutex<MutateSlot>,
+    /// One mutation stream per signature (per session view of a shared connection): a
+    /// volume's mutations keep their order and a hung stream stalls only that volume.
+    mutate: Mutex<HashMap<i32, MutateSlot>>,
     next_request_id: AtomicU64,
     stream_count: AtomicU64,
     unary_count: AtomicU64,
@@ -107,6 +111,7 @@ struct Inner {
 struct MutateSlot {
     conn: Option<Arc<MutateConn>>,
     retry_after: Option<Instant>,
+    last_used: Option<Instant>,
 }
 
 impl std::fmt::Debug for GrpcFiler {
@@ -172,7 +177,7 @@ impl GrpcFiler {
                 signature,
                 stream_enabled: AtomicBool::new(true),
                 stream_unsupported: AtomicBool::new(false),
-                mutate: Mutex::new(MutateSlot::default()),
+                mutate: Mutex::new(HashMap::new()),
                 next_request_id: AtomicU64::new(1),
                 stream_count: AtomicU64::new(0),
                 unary_count: AtomicU64::new(0),
@@ -184,7 +189,7 @@ impl GrpcFiler {
     pub fn set_stream_mutate(&self, enabled: bool) {
         self.inner.stream_enabled.store(enabled, Ordering::Relaxed);
         if !enabled {
-            self.inner.mutate.lock().conn = None;
+            self.inner.mutate.lock().clear();
         }
     }
 
@@ -276,7 +281,8 @@ impl GrpcFiler {
         {
             return Ok(None);
         }
-        let Some(conn) = self.mutate_conn() else {
+        let lane = lane_of(&req);
+        let Some(conn) = self.mutate_conn(lane) else {
             return Ok(None);
         };
         let id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
@@ -317,17 +323,17 @@ impl GrpcFiler {
             }
             Ok(Ok(Err(StreamFail::Broken(msg)))) => {
                 tracing::warn!(error = %msg, "mutation stream broke; retrying as unary call");
-                self.mark_stream_broken(&conn);
+                self.mark_stream_broken(lane, &conn);
                 Ok(None)
             }
             Ok(Err(_)) => {
-                self.mark_stream_broken(&conn);
+                self.mark_stream_broken(lane, &conn);
                 Ok(None)
             }
             Err(_) => {
                 conn.pending.lock().map.remove(&id);
                 // A hung stream must not hold every later mutation hostage.
-                self.mark_stream_broken(&conn);
+                self.mark_stream_broken(lane, &conn);
                 Err(FilerError::Timeout(format!(
                     "StreamMutateEntry after {:?}",
                     self.inner.call_timeout
@@ -336,25 +342,40 @@ impl GrpcFiler {
         }
     }
 
-    fn mark_stream_broken(&self, conn: &Arc<MutateConn>) {
-        let mut slot = self.inner.mutate.lock();
-        if slot.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
-            slot.conn = None;
-            slot.retry_after = Some(Instant::now() + STREAM_REOPEN_DELAY);
+    fn mark_stream_broken(&self, lane: i32, conn: &Arc<MutateConn>) {
+        let mut lanes = self.inner.mutate.lock();
+        if let Some(slot) = lanes.get_mut(&lane) {
+            if slot.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+                slot.conn = None;
+                slot.retry_after = Some(Instant::now() + STREAM_REOPEN_DELAY);
+            }
         }
     }
 
-    /// The open mutation stream to the current filer, opening one if needed.
-    fn mutate_conn(&self) -> Option<Arc<MutateConn>> {
+    /// The open mutation stream of `lane` to the current filer, opening one if needed.
+    fn mutate_conn(&self, lane: i32) -> Option<Arc<MutateConn>> {
         let idx = self.current();
-        let mut slot = self.inner.mutate.lock();
+        let now = Instant::now();
+        let mut lanes = self.inner.mutate.lock();
+        if !lanes.contains_key(&lane) {
+            // Lanes of sessions that went away: their streams are closed by dropping them.
+            lanes.retain(|_, s| {
+                s.last_used
+                    .is_some_and(|t| now.duration_since(t) < LANE_IDLE)
+                    || s.conn
+                        .as_ref()
+                        .is_some_and(|c| !c.pending.lock().map.is_empty())
+            });
+        }
+        let slot = lanes.entry(lane).or_default();
+        slot.last_used = Some(now);
         if let Some(c) = &slot.conn {
             if c.target == idx && !c.pending.lock().closed {
                 return Some(c.clone());
             }
             slot.conn = None;
         }
-        if slot.retry_after.is_some_and(|t| Instant::now() < t) {
+        if slot.retry_after.is_some_and(|t| now < t) {
             return None;
         }
         slot.retry_after = None;
@@ -362,6 +383,17 @@ impl GrpcFiler {
         slot.conn = Some(conn.clone());
         Some(conn)
     }
+}
+
+/// The lane of a mutation: the signature it carries (its session view's).
+fn lane_of(req: &MutReq) -> i32 {
+    let sigs = match req {
+        MutReq::CreateRequest(r) => &r.signatures,
+        MutReq::UpdateRequest(r) => &r.signatures,
+        MutReq::DeleteRequest(r) => &r.signatures,
+        MutReq::RenameRequest(r) => &r.signatures,
+    };
+    sigs.first().copied().unwrap_or(0)
 }
 
 // ---- the multiplexed StreamMutateEntry connection ----
@@ -1371,6 +1403,32 @@ mod tests {
             .as_ref()
             .unwrap()
             .name
+    }
+
+    /// Each signature (a session view of a shared connection) mutates over its own stream:
+    /// a stream stuck on one volume's request holds up no other volume's mutations.
+    #[tokio::test]
+    async fn each_signature_gets_its_own_mutation_stream() {
+        let fk = fake(Mode::Reverse); // answers only once a stream has two requests
+        let (f, _stop) = serve(fk.clone()).await;
+        let signed = |name: &str, sig: i32| {
+            let mut r = create_req(name);
+            r.signatures = vec![sig];
+            r
+        };
+        let lone = f.create_entry(signed("a1", 7));
+        let pair = async {
+            tokio::join!(
+                f.create_entry(signed("b1", 8)),
+                f.create_entry(signed("b2", 8))
+            )
+        };
+        let (lone, (b1, b2)) = tokio::join!(lone, pair);
+        assert_eq!(event_name(&b1.unwrap().unwrap()), "b1");
+        assert_eq!(event_name(&b2.unwrap().unwrap()), "b2");
+        // its stream never got a second request: only this volume's call timed out
+        assert!(matches!(lone, Err(FilerError::Timeout(_))), "{lone:?}");
+        assert_eq!(fk.stream_calls.load(Ordering::Relaxed), 2);
     }
 
     #[tokio::test]

@@ -73,6 +73,9 @@ static EVENTS_DROPPED: AtomicU64 = AtomicU64::new(0);
 struct HubKey {
     addresses: Vec<String>,
     security: SecurityConfig,
+    /// The gRPC TLS files' modification times: a volume staged after the certificates were
+    /// rotated gets a connection with the new ones (the old one lives on with its volumes).
+    tls_files: Vec<Option<std::time::SystemTime>>,
     call_timeout: Duration,
     connect_timeout: Duration,
 }
@@ -151,9 +154,18 @@ impl FilerHub {
             .iter()
             .map(|a| a.to_string())
             .collect();
+        let sec = &opts.security;
+        let tls_files = [&sec.grpc_ca, &sec.grpc_client_cert, &sec.grpc_client_key]
+            .into_iter()
+            .map(|p| {
+                p.as_ref()
+                    .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+            })
+            .collect();
         let key = HubKey {
             addresses,
             security: opts.security.clone(),
+            tls_files,
             call_timeout: opts.call_timeout,
             connect_timeout: opts.connect_timeout,
         };
@@ -1297,6 +1309,48 @@ mod tests {
         drop((v1, v2));
         assert_eq!(hub.connections(), 0, "the last holder closes it");
         assert!(hub.connect(opts("not an address")).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn rotated_tls_files_get_a_new_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, crt, key) = (
+            dir.path().join("ca.crt"),
+            dir.path().join("c.crt"),
+            dir.path().join("c.key"),
+        );
+        let write = |when: u64| {
+            let k = rcgen::KeyPair::generate().unwrap();
+            let c = rcgen::CertificateParams::new(vec!["filer.invalid".to_string()])
+                .unwrap()
+                .self_signed(&k)
+                .unwrap();
+            for (p, text) in [(&ca, c.pem()), (&crt, c.pem()), (&key, k.serialize_pem())] {
+                std::fs::write(p, text).unwrap();
+                let t = std::time::UNIX_EPOCH + Duration::from_secs(when);
+                let f = std::fs::File::options().write(true).open(p).unwrap();
+                f.set_modified(t).unwrap();
+            }
+        };
+        write(1_000_000);
+        let opts = || FilerClientOptions {
+            addresses: vec!["127.0.0.1:1".into()],
+            security: SecurityConfig {
+                grpc_ca: Some(ca.clone()),
+                grpc_client_cert: Some(crt.clone()),
+                grpc_client_key: Some(key.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let hub = FilerHub::new();
+        let a = hub.connect(opts()).await.unwrap();
+        let b = hub.connect(opts()).await.unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "same files: shared");
+        write(2_000_000); // cert-manager renewed them
+        let c = hub.connect(opts()).await.unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "renewed files: a new connection");
+        assert_eq!(hub.connections(), 2);
     }
 
     #[tokio::test]
