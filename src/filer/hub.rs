@@ -401,6 +401,12 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
+    /// Events stamped this long before the session began (its `since_ns` less
+    /// [`SEEN_WINDOW`]) predate its first look at the filer: a replay for another route's
+    /// sake must not apply them to it. Later ones may still be news (a stamp can precede
+    /// the store write by a slow store's latency), and the session doubts events about
+    /// names it changed within that window anyway.
+    floor_ns: i64,
 }
 
 impl Route {
@@ -420,6 +426,7 @@ impl Route {
             seen_set: HashSet::new(),
             forgot_ns: i64::MIN,
             owes_resync: false,
+            floor_ns: since_ns.saturating_sub(SEEN_WINDOW),
         };
         (r, rx)
     }
@@ -625,6 +632,7 @@ impl Router {
             }
             r.resume_ns = r.resume_ns.max(ev.ts_ns);
             if change
+                && ev.ts_ns >= r.floor_ns
                 && r.wants(&src, &dst, sigs)
                 && r.first_sight(*fp.get_or_insert_with(|| fingerprint(&ev)))
             {
@@ -1164,6 +1172,32 @@ mod tests {
         };
         assert_eq!(names(&mut ra), ["/a/x", "/a/y"]);
         assert_eq!(names(&mut rb), ["/b/early"]);
+    }
+
+    #[test]
+    fn a_replay_for_an_older_route_brings_a_new_one_nothing_older_than_itself() {
+        const S: i64 = 1_000_000_000;
+        let router = Router::default();
+        let (_, mut ra) = bare_route(&router, "/a/", 10 * S);
+        router.plan().unwrap();
+        // staged much later, while /a was quiet: the restart replays from a's position
+        let (_, mut rb) = bare_route(&router, "/b/", 200 * S);
+        assert_eq!(router.plan().unwrap().1, 8 * S);
+        for ev in [
+            created("/b", "ancient", 100 * S), // before b existed: its first listing has it
+            created("/b", "recent", 185 * S),  // may have been logged after b's start
+            created("/b", "new", 250 * S),
+            created("/a", "x", 260 * S),
+        ] {
+            router.dispatch(ev);
+        }
+        let names = |rx: &mut mpsc::Receiver<SubscriptionEvent>| {
+            std::iter::from_fn(|| rx.try_recv().ok())
+                .map(|e| what(&e))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&mut rb), ["/b/recent", "/b/new"]);
+        assert_eq!(names(&mut ra), ["/a/x"]);
     }
 
     #[test]
