@@ -134,7 +134,7 @@ async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
         format!("{root}/"),
         "nested root covered"
     );
-    assert_eq!(FilerHub::global().connections(), 1);
+    assert_eq!(FilerHub::global().connections_to(&w.filer_addr()), 1);
 
     // (c) filer restart (by pid): a file created before our stream is back shows in both
     w = blocking(move || {
@@ -166,7 +166,9 @@ async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
     b.unmount().await.unwrap();
     let mut gone = false;
     for _ in 0..50 {
-        if our_subscribers(&grpc).await.is_empty() && FilerHub::global().connections() == 0 {
+        if our_subscribers(&grpc).await.is_empty()
+            && FilerHub::global().connections_to(&w.filer_addr()) == 0
+        {
             gone = true;
             break;
         }
@@ -174,4 +176,72 @@ async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
     }
     assert!(gone, "stream and connection closed with the last volume");
     blocking(move || drop(w)).await;
+}
+
+/// Issue 16's fault case at its scale: 50 volumes (HUB_TEST_VOLUMES) of one filer staged in
+/// one process, the filer restarted; a file created through the HTTP API before our stream
+/// is back shows in every volume's cached listing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_one_of_fifty_volumes_resyncs_after_a_filer_restart() {
+    let n: usize = std::env::var("HUB_TEST_VOLUMES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let mut w = blocking(WeedServer::start).await;
+    let grpc = format!("127.0.0.1:{}", w.filer_port + 10000);
+    let base = unique_path("hub50");
+    let sec = SecurityConfig::default();
+    let (mut tmps, mut guards, mut vols, mut dirs) = (vec![], vec![], vec![], vec![]);
+    for i in 0..n {
+        let (tmp, dir) = mount_dir("hub50");
+        guards.push(Unmount(dir.clone()));
+        tmps.push(tmp);
+        let opts = MountOptions {
+            filers: vec![w.filer_addr()],
+            filer_path: format!("{base}/v{i}"),
+            cache_meta_ttl_sec: 3600, // only events (or a resync) can show changes
+            ..Default::default()
+        };
+        vols.push(MountedVolume::mount(&opts, &sec, &dir).await.unwrap());
+        dirs.push(dir);
+    }
+    let warm = dirs.clone();
+    blocking(move || warm.iter().all(|d| names(d).is_empty())).await;
+    assert_eq!(
+        our_subscribers(&grpc).await.len(),
+        1,
+        "{n} volumes, one stream"
+    );
+
+    w = blocking(move || {
+        w.stop_filer();
+        std::thread::sleep(Duration::from_secs(3));
+        w.start_filer();
+        w
+    })
+    .await;
+    for i in 0..n {
+        w.filer_put(&format!("{base}/v{i}/after-restart"), b"r", "");
+    }
+    let check = dirs.clone();
+    let missing = blocking(move || {
+        let missing = || -> Vec<usize> {
+            (0..check.len())
+                .filter(|&i| !names(&check[i]).contains(&"after-restart".to_string()))
+                .collect()
+        };
+        wait_until(Duration::from_secs(60), || missing().is_empty());
+        missing()
+    })
+    .await;
+    assert!(
+        missing.is_empty(),
+        "volumes that did not resync: {missing:?}"
+    );
+
+    for v in vols {
+        v.unmount().await.unwrap();
+    }
+    blocking(move || drop(w)).await;
+    drop(tmps);
 }

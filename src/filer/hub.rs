@@ -198,6 +198,15 @@ impl FilerHub {
             .and_then(|(_, w)| w.upgrade())
     }
 
+    /// Live shared connections that include the filer at `address` (tests, per filer).
+    pub fn connections_to(&self, address: &str) -> usize {
+        self.conns
+            .lock()
+            .iter()
+            .filter(|(k, w)| w.strong_count() > 0 && k.addresses.iter().any(|a| a == address))
+            .count()
+    }
+
     /// Live shared connections.
     pub fn connections(&self) -> usize {
         self.conns
