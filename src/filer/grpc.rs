@@ -357,7 +357,13 @@ impl GrpcFiler {
         let idx = self.current();
         let now = Instant::now();
         let mut lanes = self.inner.mutate.lock();
-        if !lanes.contains_key(&lane) {
+        let sweep = !lanes.contains_key(&lane)
+            || lanes
+                .values()
+                .filter_map(|s| s.last_used)
+                .min()
+                .is_some_and(|t| now.duration_since(t) >= LANE_IDLE);
+        if sweep {
             // Lanes of sessions that went away: their streams are closed by dropping them.
             lanes.retain(|_, s| {
                 s.last_used

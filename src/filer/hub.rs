@@ -61,6 +61,8 @@ const SEEN_MAX: usize = 4096;
 /// ...and only those seen within this much of its position (a replay starts
 /// [`RESUME_MARGIN`] before it).
 const SEEN_WINDOW: i64 = 30_000_000_000;
+/// A prefix-set change waits this long for more before the stream restarts.
+const REPLAN_SETTLE: Duration = Duration::from_millis(200);
 /// Shown by the filer in its subscriber list.
 const CLIENT_NAME: &str = "seaweedfs-csi";
 
@@ -410,12 +412,14 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
-    /// Events stamped this long before the session began (its `since_ns` less
-    /// [`SEEN_WINDOW`]) predate its first look at the filer: a replay for another route's
-    /// sake must not apply them to it. Later ones may still be news (a stamp can precede
-    /// the store write by a slow store's latency), and the session doubts events about
-    /// names it changed within that window anyway.
-    floor_ns: i64,
+    /// While the first replay has not reached the session's start (`since_ns`), events
+    /// stamped before this (`since_ns` less [`SEEN_WINDOW`]) predate its first look at the
+    /// filer: a replay for another route's sake must not apply them to it. Later ones may
+    /// still be news (a stamp can precede the store write by a slow store's latency), and
+    /// the session doubts events about names it changed within that window anyway. None
+    /// once caught up: a live event is never dropped for its stamp (a peer filer's clock).
+    floor_ns: Option<i64>,
+    start_ns: i64,
 }
 
 impl Route {
@@ -435,7 +439,8 @@ impl Route {
             seen_set: HashSet::new(),
             forgot_ns: i64::MIN,
             owes_resync: false,
-            floor_ns: since_ns.saturating_sub(SEEN_WINDOW),
+            floor_ns: Some(since_ns.saturating_sub(SEEN_WINDOW)),
+            start_ns: since_ns,
         };
         (r, rx)
     }
@@ -603,9 +608,14 @@ impl Router {
         let low = st.routes.values().map(|r| r.resume_ns).min().unwrap_or(0);
         let since = low.saturating_sub(RESUME_MARGIN);
         for r in st.routes.values_mut() {
-            // it forgot events the replay may repeat: a resync instead of a possible repeat
+            // It forgot events the replay may repeat: a resync, and then the whole replay in
+            // log order (skipping only the events it remembers could end it on an older
+            // state: an evicted create replayed, the remembered delete after it skipped).
             if r.forgot_ns >= since {
                 r.owes_resync = true;
+                r.seen.clear();
+                r.seen_set.clear();
+                r.forgot_ns = i64::MIN;
             }
             r.covered = true;
         }
@@ -640,8 +650,12 @@ impl Router {
                 continue;
             }
             r.resume_ns = r.resume_ns.max(ev.ts_ns);
+            let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
+            if ev.ts_ns >= r.start_ns {
+                r.floor_ns = None;
+            }
             if change
-                && ev.ts_ns >= r.floor_ns
+                && !predates
                 && r.wants(&src, &dst, sigs)
                 && r.first_sight(*fp.get_or_insert_with(|| fingerprint(&ev)))
             {
@@ -727,7 +741,11 @@ async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
             }
         };
         match ended {
-            Ended::Replan => continue,
+            Ended::Replan => {
+                // volumes are often staged in bursts: one restart for a burst
+                tokio::time::sleep(REPLAN_SETTLE).await;
+                continue;
+            }
             Ended::Done => continue, // plan() ends the task
             Ended::Lost => {
                 let pause = jittered(backoff);
@@ -1036,7 +1054,7 @@ mod tests {
         let mut sa = a.subscribe("/a/", t0);
         wait_for(|| shared.streams_opened() == 1, "first stream").await;
         // a steady writer in /a while volumes come and go
-        const N: usize = 120;
+        const N: usize = 240;
         let w = other.clone();
         let writer = tokio::spawn(async move {
             for i in 0..N {
@@ -1050,7 +1068,7 @@ mod tests {
             // one starts in the past: the stream replays from there, /a must not see twice
             let since = if i == 4 { t0 } else { now_ns() };
             let sub = s.subscribe(&format!("/b{i}/"), since);
-            tokio::time::sleep(Duration::from_millis(30)).await;
+            tokio::time::sleep(REPLAN_SETTLE + Duration::from_millis(30)).await;
             if i % 2 == 0 {
                 drop(sub); // unstaged again
             } else {
@@ -1077,6 +1095,24 @@ mod tests {
         assert!(seen
             .windows(2)
             .all(|w| w[1].client_epoch > w[0].client_epoch));
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_stages_shares_its_restarts() {
+        let m = MockFiler::new();
+        let shared = SharedFiler::new(Arc::new(m.clone()));
+        let a = shared.session();
+        let _sa = a.subscribe("/a/", now_ns());
+        wait_for(|| shared.streams_opened() == 1, "first stream").await;
+        let mut subs = Vec::new();
+        for i in 0..10 {
+            let v = shared.session();
+            subs.push((v.subscribe(&format!("/v{i}/"), now_ns()), v));
+            tokio::time::sleep(Duration::from_millis(15)).await;
+        }
+        tokio::time::sleep(REPLAN_SETTLE * 3).await;
+        let n = shared.streams_opened();
+        assert!(n <= 3, "ten stages within 150 ms: {n} streams");
     }
 
     #[tokio::test]
@@ -1197,6 +1233,8 @@ mod tests {
             created("/b", "recent", 185 * S),  // may have been logged after b's start
             created("/b", "new", 250 * S),
             created("/a", "x", 260 * S),
+            // caught up: live events count whatever their stamp (a peer filer's clock)
+            created("/b", "peer", 100 * S),
         ] {
             router.dispatch(ev);
         }
@@ -1205,7 +1243,7 @@ mod tests {
                 .map(|e| what(&e))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(names(&mut rb), ["/b/recent", "/b/new"]);
+        assert_eq!(names(&mut rb), ["/b/recent", "/b/new", "/b/peer"]);
         assert_eq!(names(&mut ra), ["/a/x"]);
     }
 
@@ -1239,6 +1277,41 @@ mod tests {
         router.plan().unwrap();
         router.retry_resyncs();
         assert_eq!(ra.try_recv().map(|e| what(&e)).unwrap(), "<resync>");
+    }
+
+    /// Found in review: a replay that only skipped the remembered events re-sent an evicted
+    /// create and skipped the remembered delete after it, ending the session on a file that
+    /// was gone.
+    #[test]
+    fn a_replay_past_forgotten_fingerprints_ends_on_the_current_state() {
+        const S: i64 = 1_000_000_000;
+        let router = Router::default();
+        let (_, mut ra) = bare_route(&router, "/a/", 100 * S);
+        router.plan().unwrap();
+        let deleted = pb::SubscribeMetadataResponse {
+            directory: "/a".into(),
+            ts_ns: 140 * S,
+            event_notification: Some(pb::EventNotification {
+                old_entry: mk("/a", "x").entry,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // x's fingerprint is out of the window by the time of the delete
+        let log = [created("/a", "x", 100 * S), deleted];
+        let play = |router: &Router, ra: &mut mpsc::Receiver<SubscriptionEvent>| {
+            for e in log.clone() {
+                router.dispatch(e);
+            }
+            std::iter::from_fn(|| ra.try_recv().ok())
+                .map(|e| what(&e))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(play(&router, &mut ra), ["/a/x", "-/a/x"]);
+        // a volume staged from before x: the replay starts before it
+        let (_, _rb) = bare_route(&router, "/b/", 99 * S);
+        assert!(router.plan().unwrap().1 < 100 * S);
+        assert_eq!(play(&router, &mut ra), ["<resync>", "/a/x", "-/a/x"]);
     }
 
     #[tokio::test]
