@@ -198,6 +198,39 @@ fn an_unmount_from_outside_ends_the_mount_command() {
     drop(m);
 }
 
+/// xfstests' cycle mounts: unmounted from outside and at once mounted again at the same
+/// path, where the new mount usually gets the old one's connection id (a device minor). The
+/// old mount command, exiting, must leave the new mount alone.
+#[test]
+fn a_new_mount_at_the_path_survives_the_old_mount_command_exiting() {
+    let w = shared_server();
+    let root = unique_path("remount");
+    let (_tmp, dir) = mount_dir("remount");
+    for round in 0..3 {
+        let mut old = spawn_ours(&w.filer_addr(), &root, &dir, &[]);
+        let mut old_child = old.take_child().unwrap();
+        let st = Command::new("umount").arg(&dir).status().unwrap();
+        assert!(st.success(), "umount {}", dir.display());
+        let new = spawn_ours(&w.filer_addr(), &root, &dir, &[]);
+        let exited = wait_until(Duration::from_secs(20), || {
+            matches!(old_child.try_wait(), Ok(Some(_)))
+        });
+        if !exited {
+            stop_child(&mut old_child, libc::SIGKILL, Duration::from_secs(1));
+        }
+        assert!(exited, "round {round}: the old mount command exits");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            is_mounted(&dir),
+            "round {round}: the new mount was taken down: {}",
+            old.log_text()
+        );
+        fs::write(new.join(&format!("r{round}")), b"x").unwrap();
+        drop(new);
+        drop(old);
+    }
+}
+
 #[test]
 fn sigkill_leaves_a_dead_mount_that_the_guard_removes() {
     let w = shared_server();

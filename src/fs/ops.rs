@@ -23,7 +23,7 @@ pub struct DirEntryOut {
     pub attr: Option<Attr>,
 }
 
-/// The entries an open directory handle lists (a snapshot taken at opendir).
+/// The entries an open directory handle lists (a snapshot taken when it is read from 0).
 #[derive(Debug, Default)]
 pub struct DirListing {
     pub entries: Vec<DirEntryOut>,
@@ -1886,9 +1886,8 @@ impl Fs {
 
     // ---------- directories ----------
 
+    /// Checks that `ino` is a directory; the listing is taken when it is read from its start.
     pub async fn opendir(&self, ino: u64) -> Result<u64> {
-        // read first: a name an event takes away from here on is caught by `gone_since`
-        let names_gone = self.names_gone.load(Ordering::SeqCst);
         let dir = self.path_of(ino)?;
         if ino != ROOT_INO {
             let (pd, pn) = split(&dir);
@@ -1896,6 +1895,18 @@ impl Fs {
                 return Err(errno(libc::ENOTDIR, format!("{dir} is not a directory")));
             }
         }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.dir_handles
+            .lock()
+            .insert(fh, Arc::new(DirListing::default()));
+        Ok(fh)
+    }
+
+    /// The directory's entries as of now, with "." and "..".
+    async fn dir_snapshot(&self, ino: u64) -> Result<DirListing> {
+        // read first: a name an event takes away from here on is caught by `gone_since`
+        let names_gone = self.names_gone.load(Ordering::SeqCst);
+        let dir = self.path_of(ino)?;
         let cached = if self.load_dir(&dir).await? {
             self.meta.listing(&dir)
         } else {
@@ -1934,32 +1945,27 @@ impl Fs {
                 attr: Some(a),
             });
         }
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dir_handles.lock().insert(
-            fh,
-            Arc::new(DirListing {
-                entries: out,
-                names_gone,
-            }),
-        );
-        Ok(fh)
+        Ok(DirListing {
+            entries: out,
+            names_gone,
+        })
     }
 
-    /// Entries from `offset` on. With `plus`, each returned entry counts as a lookup.
+    /// Entries from `offset` on. A read from offset 0 (the first one, or after a rewinddir)
+    /// takes the listing: POSIX wants names created since opendir listed after a rewind
+    /// (xfstests generic/471), and the kernel asks from 0 again once the directory changed.
+    /// Later offsets read that same listing, so a listing in pages stays consistent.
+    /// With `plus`, each returned entry counts as a lookup.
     pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
-        let existing = self.dir_handles.lock().get(&fh).cloned();
-        let list = match existing {
-            Some(l) => l,
-            None => {
-                // a handle from a previous process (takeover): rebuild it under the same number
-                let nfh = self.opendir(ino).await?;
-                let l = self.dir_handles.lock().remove(&nfh).unwrap_or_default();
-                self.dir_handles.lock().insert(fh, l.clone());
-                l
+        if offset != 0 {
+            if let Some(l) = self.dir_handles.lock().get(&fh).cloned() {
+                return Ok(l);
             }
-        };
-        let _ = offset;
-        Ok(list)
+            // a handle from a previous process (takeover): rebuilt under the same number
+        }
+        let l = Arc::new(self.dir_snapshot(ino).await?);
+        self.dir_handles.lock().insert(fh, l.clone());
+        Ok(l)
     }
 
     /// Attributes of a listed entry as of now. The listing is a snapshot from opendir; sending
@@ -2877,6 +2883,43 @@ mod tests {
         assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
         // "." and ".." carry no attributes.
         assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
+    }
+
+    /// POSIX: after rewinddir, names added since opendir are listed (xfstests generic/471).
+    #[tokio::test]
+    async fn rewinddir_lists_names_created_since_opendir() {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let names = |l: &DirListing| l.entries.iter().map(|e| e.name.clone()).collect::<Vec<_>>();
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, dh, 0).await.unwrap()),
+            [".", ".."]
+        );
+        // opened before the create, first read after it (glibc's opendir reads nothing)
+        let unread = fs.opendir(ROOT_INO).await.unwrap();
+        let (a, fh) = fs
+            .create(ROOT_INO, "new", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, unread, 0).await.unwrap()),
+            [".", "..", "new"]
+        );
+        fs.releasedir(unread);
+        // reading on from where it was: the snapshot
+        assert_eq!(fs.readdir(ROOT_INO, dh, 2).await.unwrap().entries.len(), 2);
+        // from the start again: a fresh one
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, dh, 0).await.unwrap()),
+            [".", "..", "new"]
+        );
+        fs.releasedir(dh);
     }
 }
 

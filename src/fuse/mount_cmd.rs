@@ -136,21 +136,27 @@ pub fn run(args: MountArgs) -> anyhow::Result<()> {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-        loop {
+        let unmounted_outside = loop {
             tokio::select! {
-                _ = int.recv() => break,
-                _ = term.recv() => break,
+                _ = int.recv() => break false,
+                _ = term.recv() => break false,
                 _ = tick.tick() => {
                     // unmounted from outside: nothing is left to serve, exit as weed mount does
                     if mounted.session_ended() {
                         tracing::info!(dir = %args.dir.display(), "the FUSE connection ended (unmounted); exiting");
-                        break;
+                        break true;
                     }
                 }
             }
+        };
+        if unmounted_outside {
+            // a mount at the path now is a new one (maybe with our reused connection id)
+            tracing::info!("stopping: flushing");
+            mounted.close_after_outside_unmount().await?;
+        } else {
+            tracing::info!("stopping: flushing and unmounting");
+            mounted.unmount().await?;
         }
-        tracing::info!("stopping: flushing and unmounting");
-        mounted.unmount().await?;
         Ok(())
     })
 }

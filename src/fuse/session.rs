@@ -566,10 +566,23 @@ impl MountedVolume {
     }
 
     /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
-    pub async fn unmount(mut self) -> Result<(), MountError> {
+    pub async fn unmount(self) -> Result<(), MountError> {
+        self.finish(true).await
+    }
+
+    /// After an unmount from outside ([`Self::session_ended`]): flushes what is dirty and
+    /// ends the session, but unmounts nothing. Whatever is at the path now is someone else's
+    /// mount, even with our connection id: ids are device minors the kernel hands out again
+    /// at once (xfstests' cycle mounts saw the old daemon take the new mount down).
+    pub async fn close_after_outside_unmount(self) -> Result<(), MountError> {
+        self.finish(false).await
+    }
+
+    async fn finish(mut self, may_unmount: bool) -> Result<(), MountError> {
         // read before the flush, which can take seconds: a connection id is a device minor
         // the kernel hands out again, so a mount made at the path meanwhile may reuse ours
-        let still_ours = self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
+        let still_ours =
+            may_unmount && self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
         let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
@@ -584,7 +597,7 @@ impl MountedVolume {
         // whatever is at the path now is not ours to unmount (maybe a new mount there); but
         // our own connection still mounted there is (fuser's session thread can end while the
         // mount stays, as in a chroot without fusermount: the mount was left behind)
-        let ended = self.session_ended() && !still_ours;
+        let ended = !may_unmount || (self.session_ended() && !still_ours);
         let unmounted = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             let r = if ended {
                 Ok(())
@@ -597,7 +610,18 @@ impl MountedVolume {
                 }
             }
             if let Some(bg) = bg {
-                join_or_abort(bg, conn);
+                if may_unmount {
+                    join_or_abort(bg, conn);
+                } else {
+                    let waited = std::time::Instant::now();
+                    while !bg.guard.is_finished() && waited.elapsed() < Duration::from_secs(3) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    // fuser 0.18 unmounts the path again when its session is dropped (its
+                    // "already unmounted?" poll test is inverted): that would take down the
+                    // new mount there. Its fd and thread are left to the exiting process.
+                    std::mem::forget(bg);
+                }
             }
             r
         })
