@@ -279,19 +279,18 @@ async fn bad_clients_do_not_hurt_the_server() {
     tokio::task::spawn_blocking(move || {
         assert_eq!(get(addr, "/nope").0, 404);
         assert_eq!(raw(addr, b"POST /metrics HTTP/1.1\r\n\r\n").0, 405);
-        assert_eq!(raw(addr, b"\r\n\r\n").0, 400);
+        assert_eq!(raw(addr, b"NOT A REQUEST\r\n\r\n").0, 400);
         let mut huge = b"GET /metrics HTTP/1.1\r\n".to_vec();
         huge.extend(std::iter::repeat_n(b'a', 20_000));
         assert_eq!(raw(addr, &huge).0, 431);
-        // Idle clients: more than the connection limit, holding their sockets open without
-        // sending anything. Scrapes still get through once their read timeout frees slots,
-        // and while they wait the server is not wedged for good.
+        // Idle clients holding their sockets open without sending anything: a scrape next to
+        // them is answered at once, not after their header timeout.
         let idle: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let started = std::time::Instant::now();
         let (s, body) = get(addr, "/metrics");
         assert_eq!(s, 200);
         assert!(body.contains("# TYPE seaweedfs_csi_staged_volumes gauge"));
-        assert!(started.elapsed() < Duration::from_secs(12));
+        assert!(started.elapsed() < Duration::from_secs(2));
         drop(idle);
         // Parallel scrapes all succeed.
         let hs: Vec<_> = (0..16)
