@@ -69,6 +69,20 @@ async fn our_subscribers(grpc: &str) -> Vec<pb::MetadataSubscriber> {
     }
 }
 
+/// Our subscribers once there is one (up to 10 s: a stage restarts the stream after a
+/// short settle, and the filer lists the old one until it notices it closed).
+async fn one_subscriber(grpc: &str) -> Vec<pb::MetadataSubscriber> {
+    let mut subs = Vec::new();
+    for _ in 0..50 {
+        subs = our_subscribers(grpc).await;
+        if subs.len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    subs
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.unwrap()
 }
@@ -127,7 +141,7 @@ async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
     assert!(both_list(dirs.clone(), "from-b", Duration::from_secs(15)).await);
 
     // (b) the filer lists ONE subscriber of ours for the two volumes; one shared connection
-    let subs = our_subscribers(&grpc).await;
+    let subs = one_subscriber(&grpc).await;
     assert_eq!(subs.len(), 1, "one subscription for two volumes: {subs:?}");
     assert_eq!(
         subs[0].path_prefix,
@@ -151,14 +165,7 @@ async fn volumes_share_one_subscription_and_resync_after_a_filer_restart() {
         both_list(dirs.clone(), "during-restart", Duration::from_secs(30)).await,
         "the file created around the restart shows in both listings"
     );
-    let mut after = Vec::new();
-    for _ in 0..50 {
-        after = our_subscribers(&grpc).await;
-        if after.len() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let after = one_subscriber(&grpc).await;
     assert_eq!(after.len(), 1, "one subscription again: {after:?}");
 
     // unstaging both closes the stream and the shared connection
@@ -207,11 +214,8 @@ async fn every_one_of_fifty_volumes_resyncs_after_a_filer_restart() {
     }
     let warm = dirs.clone();
     blocking(move || warm.iter().all(|d| names(d).is_empty())).await;
-    assert_eq!(
-        our_subscribers(&grpc).await.len(),
-        1,
-        "{n} volumes, one stream"
-    );
+    let subs = one_subscriber(&grpc).await;
+    assert_eq!(subs.len(), 1, "{n} volumes, one stream: {subs:?}");
 
     w = blocking(move || {
         w.stop_filer();
