@@ -225,7 +225,7 @@ fn a_new_mount_at_the_path_survives_the_old_mount_command_exiting() {
             "round {round}: the new mount was taken down: {}",
             old.log_text()
         );
-        fs::write(new.join(&format!("r{round}")), b"x").unwrap();
+        fs::write(new.join(format!("r{round}")), b"x").unwrap();
         drop(new);
         drop(old);
     }
