@@ -785,6 +785,8 @@ fn lseek_data_hole_and_fallocate() {
     assert_eq!(seek(0, libc::SEEK_HOLE), Ok(3));
     assert_eq!(seek(3, libc::SEEK_DATA), Err(libc::ENXIO));
     assert_eq!(seek(5, libc::SEEK_HOLE), Err(libc::ENXIO));
+    assert_eq!(seek(-1, libc::SEEK_DATA), Err(libc::ENXIO));
+    assert_eq!(seek(-1, libc::SEEK_HOLE), Err(libc::ENXIO));
     // a sparse file: data at 0 and at 5 MiB (dirty, then committed), a hole between
     let far = 5u64 << 20;
     f.write_all_at(b"far", far).unwrap();

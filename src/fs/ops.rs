@@ -2380,8 +2380,12 @@ impl Fs {
     pub async fn lseek(&self, fh: u64, ino: u64, offset: i64, whence: i32) -> Result<i64> {
         let h = self.handle(fh, ino).await?;
         let size = h.file.state.lock().size;
+        if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
+            return Err(errno(libc::EINVAL, "unsupported whence"));
+        }
         if offset < 0 {
-            return Err(errno(libc::EINVAL, "negative offset"));
+            // as the kernel's own filesystems answer (xfstests' seek_sanity_test)
+            return Err(errno(libc::ENXIO, "negative offset"));
         }
         let off = offset as u64;
         if off >= size && (whence == libc::SEEK_DATA || whence == libc::SEEK_HOLE) {
