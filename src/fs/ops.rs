@@ -1897,11 +1897,9 @@ impl Fs {
                 return Err(errno(libc::ENOTDIR, format!("{dir} is not a directory")));
             }
         }
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dir_handles
-            .lock()
-            .insert(fh, Arc::new(DirListing::default()));
-        Ok(fh)
+        // no listing yet: the first read takes it, from whatever offset (the kernel may
+        // answer offset 0 from its own cache and ask us from further on)
+        Ok(self.next_fh.fetch_add(1, Ordering::Relaxed))
     }
 
     /// The directory's entries as of now, with "." and "..".
@@ -1953,17 +1951,18 @@ impl Fs {
         })
     }
 
-    /// Entries from `offset` on. A read from offset 0 (the first one, or after a rewinddir)
-    /// takes the listing: POSIX wants names created since opendir listed after a rewind
-    /// (xfstests generic/471), and the kernel asks from 0 again once the directory changed.
-    /// Later offsets read that same listing, so a listing in pages stays consistent.
-    /// With `plus`, each returned entry counts as a lookup.
+    /// Entries from `offset` on. The first read of a handle, and every read from offset 0
+    /// (a rewinddir), takes the listing: POSIX wants names created since opendir listed
+    /// after a rewind (xfstests generic/471), and the kernel asks from 0 again once the
+    /// directory changed. Later offsets read that same listing, so a listing in pages stays
+    /// consistent. With `plus`, each returned entry counts as a lookup.
     pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
         if offset != 0 {
             if let Some(l) = self.dir_handles.lock().get(&fh).cloned() {
                 return Ok(l);
             }
-            // a handle from a previous process (takeover): rebuilt under the same number
+            // not read yet here (the kernel served offset 0 from its cache), or a handle
+            // from a previous process (takeover)
         }
         let l = Arc::new(self.dir_snapshot(ino).await?);
         self.dir_handles.lock().insert(fh, l.clone());
@@ -2934,6 +2933,13 @@ mod tests {
         fs.releasedir(unread);
         // reading on from where it was: the snapshot
         assert_eq!(fs.readdir(ROOT_INO, dh, 2).await.unwrap().entries.len(), 2);
+        // a handle first read past offset 0 (the kernel's cache answered 0): a real listing
+        let cached = fs.opendir(ROOT_INO).await.unwrap();
+        assert_eq!(
+            fs.readdir(ROOT_INO, cached, 2).await.unwrap().entries.len(),
+            3
+        );
+        fs.releasedir(cached);
         // from the start again: a fresh one
         assert_eq!(
             names(&fs.readdir(ROOT_INO, dh, 0).await.unwrap()),

@@ -155,7 +155,7 @@ pub fn run(args: MountArgs) -> anyhow::Result<()> {
             mounted.close_after_outside_unmount().await?;
         } else {
             tracing::info!("stopping: flushing and unmounting");
-            mounted.unmount().await?;
+            mounted.unmount_before_exit().await?;
         }
         Ok(())
     })

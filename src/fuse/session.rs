@@ -567,18 +567,28 @@ impl MountedVolume {
 
     /// Flushes everything dirty, then unmounts (and tells the keeper the session is over).
     pub async fn unmount(self) -> Result<(), MountError> {
-        self.finish(true).await
+        self.finish(true, false).await
     }
 
-    /// After an unmount from outside ([`Self::session_ended`]): flushes what is dirty and
-    /// ends the session, but unmounts nothing. Whatever is at the path now is someone else's
-    /// mount, even with our connection id: ids are device minors the kernel hands out again
-    /// at once (xfstests' cycle mounts saw the old daemon take the new mount down).
+    /// [`Self::unmount`] for a process about to exit: fuser's session is left to the exit
+    /// instead of dropped (see [`Self::close_after_outside_unmount`]).
+    pub async fn unmount_before_exit(self) -> Result<(), MountError> {
+        self.finish(true, true).await
+    }
+
+    /// After an unmount from outside ([`Self::session_ended`]), in a process about to exit:
+    /// flushes what is dirty and ends the session, but unmounts nothing. Whatever is at the
+    /// path now is someone else's mount, even with our connection id: ids are device minors
+    /// the kernel hands out again at once (xfstests' cycle mounts saw the old daemon take
+    /// the new mount down).
     pub async fn close_after_outside_unmount(self) -> Result<(), MountError> {
-        self.finish(false).await
+        self.finish(false, true).await
     }
 
-    async fn finish(mut self, may_unmount: bool) -> Result<(), MountError> {
+    /// `leave_session`: fuser 0.18 unmounts the path once more when its session is dropped
+    /// (its "already unmounted?" poll test is inverted), which would take down a new mount
+    /// there; an exiting process leaves it (an fd and a thread) to the exit instead.
+    async fn finish(mut self, may_unmount: bool, leave_session: bool) -> Result<(), MountError> {
         // read before the flush, which can take seconds: a connection id is a device minor
         // the kernel hands out again, so a mount made at the path meanwhile may reuse ours
         let still_ours =
@@ -610,17 +620,14 @@ impl MountedVolume {
                 }
             }
             if let Some(bg) = bg {
-                if may_unmount {
-                    join_or_abort(bg, conn);
-                } else {
+                if leave_session {
                     let waited = std::time::Instant::now();
                     while !bg.guard.is_finished() && waited.elapsed() < Duration::from_secs(3) {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    // fuser 0.18 unmounts the path again when its session is dropped (its
-                    // "already unmounted?" poll test is inverted): that would take down the
-                    // new mount there. Its fd and thread are left to the exiting process.
                     std::mem::forget(bg);
+                } else {
+                    join_or_abort(bg, conn);
                 }
             }
             r
