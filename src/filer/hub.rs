@@ -412,11 +412,12 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
-    /// While the first replay has not reached the session's start (`since_ns`), events
-    /// stamped before this (`since_ns` less [`SEEN_WINDOW`]) predate its first look at the
-    /// filer: a replay for another route's sake must not apply them to it. Later ones may
-    /// still be news (a stamp can precede the store write by a slow store's latency), and
-    /// the session doubts events about names it changed within that window anyway. None
+    /// Until a replay reaches `start_ns`, events stamped before this are dropped: they
+    /// predate what the session read from the filer itself. A new session starts at its
+    /// `since_ns` (a stream restarted for another route's sake replays older events, and
+    /// applied after the session's own fresh lookups they would bring back older states:
+    /// an older chunk list, a deleted name); a session resynced because it forgot what it
+    /// was sent starts at its position (the resync rereads everything up to there). None
     /// once caught up: a live event is never dropped for its stamp (a peer filer's clock).
     floor_ns: Option<i64>,
     start_ns: i64,
@@ -439,7 +440,7 @@ impl Route {
             seen_set: HashSet::new(),
             forgot_ns: i64::MIN,
             owes_resync: false,
-            floor_ns: Some(since_ns.saturating_sub(SEEN_WINDOW)),
+            floor_ns: Some(since_ns),
             start_ns: since_ns,
         };
         (r, rx)
@@ -608,14 +609,13 @@ impl Router {
         let low = st.routes.values().map(|r| r.resume_ns).min().unwrap_or(0);
         let since = low.saturating_sub(RESUME_MARGIN);
         for r in st.routes.values_mut() {
-            // It forgot events the replay may repeat: a resync, and then the whole replay in
-            // log order (skipping only the events it remembers could end it on an older
-            // state: an evicted create replayed, the remembered delete after it skipped).
+            // It forgot events the replay may repeat: a resync, and no replayed event from
+            // before its position (skipping only the events it remembers could end it on an
+            // older state: an evicted create replayed, the remembered delete after it skipped).
             if r.forgot_ns >= since {
                 r.owes_resync = true;
-                r.seen.clear();
-                r.seen_set.clear();
-                r.forgot_ns = i64::MIN;
+                r.floor_ns = Some(r.resume_ns);
+                r.start_ns = r.resume_ns;
             }
             r.covered = true;
         }
@@ -1025,9 +1025,7 @@ mod tests {
         a.create_entry(mk("/v/sub", "deep")).await.unwrap();
         twin.create_entry(mk("/v", "theirs")).await.unwrap();
         nested.create_entry(mk("/v/sub", "n")).await.unwrap();
-        // the resume margin replays the directory's creation (harmless: in log order)
-        assert_eq!(next(&mut sa).await, "/v/sub");
-        assert_eq!(next(&mut st).await, "/v/sub");
+        // the directory's creation, from before the sessions began, is not replayed to them
         // a's own changes are not sent back to a, but reach the others
         assert_eq!(next(&mut sa).await, "/v/theirs");
         assert_eq!(next(&mut sa).await, "/v/sub/n");
@@ -1230,7 +1228,7 @@ mod tests {
         assert_eq!(router.plan().unwrap().1, 8 * S);
         for ev in [
             created("/b", "ancient", 100 * S), // before b existed: its first listing has it
-            created("/b", "recent", 185 * S),  // may have been logged after b's start
+            created("/b", "recent", 199 * S),  // before b's start: its own lookups see it
             created("/b", "new", 250 * S),
             created("/a", "x", 260 * S),
             // caught up: live events count whatever their stamp (a peer filer's clock)
@@ -1243,7 +1241,7 @@ mod tests {
                 .map(|e| what(&e))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(names(&mut rb), ["/b/recent", "/b/new", "/b/peer"]);
+        assert_eq!(names(&mut rb), ["/b/new", "/b/peer"]);
         assert_eq!(names(&mut ra), ["/a/x"]);
     }
 
@@ -1311,7 +1309,8 @@ mod tests {
         // a volume staged from before x: the replay starts before it
         let (_, _rb) = bare_route(&router, "/b/", 99 * S);
         assert!(router.plan().unwrap().1 < 100 * S);
-        assert_eq!(play(&router, &mut ra), ["<resync>", "/a/x", "-/a/x"]);
+        // the resync rereads x's state; nothing older follows it
+        assert_eq!(play(&router, &mut ra), ["<resync>"]);
     }
 
     #[tokio::test]
