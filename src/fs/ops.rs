@@ -211,14 +211,7 @@ impl Fs {
     /// Attributes of an entry, with live size/times of an open file layered on top.
     fn attr_of(&self, ino: u64, path: &str, e: &pb::Entry) -> Attr {
         if let Some(of) = self.open_file(ino) {
-            let s = of.state.lock();
-            let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
-            a.size = s.size;
-            if s.unlinked {
-                // only open handles keep it alive (fstat after unlink shows 0 links)
-                a.nlink = 0;
-            }
-            return a;
+            return self.open_file_attr(ino, &of);
         }
         let mut a = entry_attr(ino, e, &self.cfg.ids);
         if a.kind == Kind::Dir {
@@ -227,6 +220,17 @@ impl Fs {
                 a.mtime = a.mtime.max(*t);
                 a.ctime = a.ctime.max(*t);
             }
+        }
+        a
+    }
+
+    fn open_file_attr(&self, ino: u64, of: &OpenFile) -> Attr {
+        let s = of.state.lock();
+        let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
+        a.size = s.size;
+        if s.unlinked {
+            // only open handles keep it alive (fstat after unlink shows 0 links)
+            a.nlink = 0;
         }
         a
     }
@@ -423,8 +427,9 @@ impl Fs {
         }
         let path = self.path_of(ino)?;
         if let Some(of) = self.open_file(ino) {
-            let e = of.state.lock().entry.clone();
-            return Ok(self.attr_of(ino, &path, &e));
+            // under the lock, no copy: an open file's entry holds its whole chunk list, and
+            // the kernel asks for attributes while a large file is being written
+            return Ok(self.open_file_attr(ino, &of));
         }
         let (dir, name) = split(&path);
         let e = self.entry_at(&dir, &name).await?;
@@ -2153,21 +2158,27 @@ impl Fs {
 
     // ---------- xattrs ----------
 
-    async fn entry_for_xattr(&self, ino: u64) -> Result<(String, pb::Entry)> {
+    /// Runs `f` on the xattrs (the entry's `extended` map) of `ino`, without copying the
+    /// entry: the kernel asks for `security.capability` on every write, and an open file's
+    /// entry holds its whole chunk list (a copy per write grew with the file's size).
+    async fn with_xattrs<R>(
+        &self,
+        ino: u64,
+        f: impl FnOnce(&std::collections::HashMap<String, Vec<u8>>) -> R,
+    ) -> Result<R> {
         let path = self.path_of(ino)?;
         if let Some(of) = self.open_file(ino) {
-            let s = of.state.lock();
-            return Ok((s.dir.clone(), s.entry.clone()));
+            return Ok(f(&of.state.lock().entry.extended));
         }
         if ino == ROOT_INO {
             let (d, n) = split(&self.cfg.root);
             if self.cfg.root == "/" {
                 return Err(errno(libc::ENOTSUP, "no xattrs on the filer root"));
             }
-            return Ok((d.clone(), (*self.entry_at(&d, &n).await?).clone()));
+            return Ok(f(&self.entry_at(&d, &n).await?.extended));
         }
         let (d, n) = split(&path);
-        Ok((d.clone(), (*self.entry_at(&d, &n).await?).clone()))
+        Ok(f(&self.entry_at(&d, &n).await?.extended))
     }
 
     pub async fn getxattr(&self, ino: u64, name: &str) -> Result<Vec<u8>> {
@@ -2175,9 +2186,9 @@ impl Fs {
             // the kernel takes any other error as a failed permission check
             return Err(errno(libc::ENODATA, "no ACL on the filer root"));
         }
-        let (_, e) = self.entry_for_xattr(ino).await?;
-        match e.extended.get(&format!("{XATTR_PREFIX}{name}")) {
-            Some(v) => Ok(v.clone()),
+        let key = format!("{XATTR_PREFIX}{name}");
+        match self.with_xattrs(ino, |x| x.get(&key).cloned()).await? {
+            Some(v) => Ok(v),
             None if name == SELINUX_XATTR && self.cfg.selinux_label_unsupported => Err(errno(
                 libc::EOPNOTSUPP,
                 "no SELinux label (SELinux is off on this node)",
@@ -2187,12 +2198,13 @@ impl Fs {
     }
 
     pub async fn listxattr(&self, ino: u64) -> Result<Vec<String>> {
-        let (_, e) = self.entry_for_xattr(ino).await?;
-        let mut v: Vec<String> = e
-            .extended
-            .keys()
-            .filter_map(|k| k.strip_prefix(XATTR_PREFIX).map(str::to_string))
-            .collect();
+        let mut v: Vec<String> = self
+            .with_xattrs(ino, |x| {
+                x.keys()
+                    .filter_map(|k| k.strip_prefix(XATTR_PREFIX).map(str::to_string))
+                    .collect()
+            })
+            .await?;
         v.sort();
         Ok(v)
     }
