@@ -61,6 +61,8 @@ const SEEN_MAX: usize = 4096;
 /// ...and only those seen within this much of its position (a replay starts
 /// [`RESUME_MARGIN`] before it).
 const SEEN_WINDOW: i64 = 30_000_000_000;
+/// How long a new session may drop replayed events from before its start.
+const FLOOR_FOR: Duration = Duration::from_secs(5);
 /// A prefix-set change waits this long for more before the stream restarts.
 const REPLAN_SETTLE: Duration = Duration::from_millis(200);
 /// Shown by the filer in its subscriber list.
@@ -412,15 +414,15 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
-    /// Until a replay reaches `start_ns`, events stamped before this are dropped: they
-    /// predate what the session read from the filer itself. A new session starts at its
-    /// `since_ns` (a stream restarted for another route's sake replays older events, and
-    /// applied after the session's own fresh lookups they would bring back older states:
-    /// an older chunk list, a deleted name); a session resynced because it forgot what it
-    /// was sent starts at its position (the resync rereads everything up to there). None
-    /// once caught up: a live event is never dropped for its stamp (a peer filer's clock).
+    /// A new session drops events stamped before its `since_ns` until a replay reaches it,
+    /// or for [`FLOOR_FOR`] at most: a stream restarted for another route's sake replays
+    /// older events, and applied after the session's own fresh lookups they would bring
+    /// back older states (an older chunk list after a remount). Bounded in time because a
+    /// stamp is the filer's clock (or a peer filer's) and `since_ns` the node's: after the
+    /// first replay, a live event is never dropped for its stamp.
     floor_ns: Option<i64>,
     start_ns: i64,
+    floor_until: std::time::Instant,
 }
 
 impl Route {
@@ -442,6 +444,7 @@ impl Route {
             owes_resync: false,
             floor_ns: Some(since_ns),
             start_ns: since_ns,
+            floor_until: std::time::Instant::now() + FLOOR_FOR,
         };
         (r, rx)
     }
@@ -609,13 +612,15 @@ impl Router {
         let low = st.routes.values().map(|r| r.resume_ns).min().unwrap_or(0);
         let since = low.saturating_sub(RESUME_MARGIN);
         for r in st.routes.values_mut() {
-            // It forgot events the replay may repeat: a resync, and no replayed event from
-            // before its position (skipping only the events it remembers could end it on an
-            // older state: an evicted create replayed, the remembered delete after it skipped).
+            // It forgot events the replay may repeat: a resync, and then the whole replay in
+            // log order (skipping only the events it remembers could end it on an older
+            // state: an evicted create replayed, the remembered delete after it skipped; and
+            // a resync does not reread open files, so none of it may be dropped).
             if r.forgot_ns >= since {
                 r.owes_resync = true;
-                r.floor_ns = Some(r.resume_ns);
-                r.start_ns = r.resume_ns;
+                r.seen.clear();
+                r.seen_set.clear();
+                r.forgot_ns = i64::MIN;
             }
             r.covered = true;
         }
@@ -650,10 +655,10 @@ impl Router {
                 continue;
             }
             r.resume_ns = r.resume_ns.max(ev.ts_ns);
-            let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
-            if ev.ts_ns >= r.start_ns {
+            if ev.ts_ns >= r.start_ns || std::time::Instant::now() >= r.floor_until {
                 r.floor_ns = None;
             }
+            let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
             if change
                 && !predates
                 && r.wants(&src, &dst, sigs)
@@ -1243,6 +1248,14 @@ mod tests {
         };
         assert_eq!(names(&mut rb), ["/b/new", "/b/peer"]);
         assert_eq!(names(&mut ra), ["/a/x"]);
+        // a route whose replay never reaches its start (a quiet prefix): the floor ends
+        // with its time
+        let (id, mut rc) = bare_route(&router, "/c/", 300 * S);
+        router.plan().unwrap();
+        router.dispatch(created("/c", "early", 250 * S));
+        router.state.lock().routes.get_mut(&id).unwrap().floor_until = std::time::Instant::now();
+        router.dispatch(created("/c", "late-peer", 260 * S));
+        assert_eq!(names(&mut rc), ["/c/late-peer"]);
     }
 
     #[test]
@@ -1309,8 +1322,7 @@ mod tests {
         // a volume staged from before x: the replay starts before it
         let (_, _rb) = bare_route(&router, "/b/", 99 * S);
         assert!(router.plan().unwrap().1 < 100 * S);
-        // the resync rereads x's state; nothing older follows it
-        assert_eq!(play(&router, &mut ra), ["<resync>"]);
+        assert_eq!(play(&router, &mut ra), ["<resync>", "/a/x", "-/a/x"]);
     }
 
     #[tokio::test]

@@ -258,6 +258,9 @@ pub struct Fs {
     /// before may hand the kernel names that are gone (see [`Fs::gone_since`]).
     names_gone: AtomicU64,
     next_fh: AtomicU64,
+    /// When this filesystem was built (ns since the epoch), before its first lookup: the
+    /// metadata subscription starts here.
+    pub created_ns: i64,
     upload_sem: Arc<Semaphore>,
     prefetch_sem: Arc<Semaphore>,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -325,6 +328,10 @@ impl Fs {
             dir_handles: Mutex::new(HashMap::new()),
             names_gone: AtomicU64::new(0),
             next_fh: AtomicU64::new(start_fh),
+            created_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as i64)
+                .unwrap_or(0),
             dir_locks: Mutex::new(HashMap::new()),
             dir_times: Mutex::new(HashMap::new()),
             content_gen: Mutex::new(HashMap::new()),

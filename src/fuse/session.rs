@@ -111,10 +111,8 @@ pub async fn build_fs(
 /// the node's one subscription to the filer (a route on `session`'s connection), which ends
 /// when the event task is aborted.
 pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task::JoinHandle<()>> {
-    let since_ns = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0);
+    // from before the filesystem's first lookup: what it read is no older than this
+    let since_ns = fs.created_ns;
     let prefix = if fs.cfg.root == "/" {
         "/".to_string()
     } else {
