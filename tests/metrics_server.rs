@@ -21,7 +21,12 @@ fn raw(addr: SocketAddr, request: &[u8]) -> (u16, String, String) {
     s.write_all(request).unwrap();
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).unwrap();
-    let text = String::from_utf8_lossy(&buf).to_string();
+    parse_response(&buf)
+}
+
+/// An HTTP/1 response -> (status, headers, body); status 0 if there is none.
+fn parse_response(buf: &[u8]) -> (u16, String, String) {
+    let text = String::from_utf8_lossy(buf).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
         .split_whitespace()
@@ -326,14 +331,8 @@ fn get_within(addr: SocketAddr, path: &str, limit: Duration) -> std::io::Result<
             n => buf.extend_from_slice(&chunk[..n]),
         }
     }
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, body.to_string()))
+    let (status, _, body) = parse_response(&buf);
+    Ok((status, body))
 }
 
 /// Issue 14: clients that send half a request head and stall must not delay the liveness probe
