@@ -1177,6 +1177,13 @@ mod tests {
         (id, rx)
     }
 
+    /// What a route's queue holds now, as `what` spells each event.
+    fn drained(rx: &mut mpsc::Receiver<SubscriptionEvent>) -> Vec<String> {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|e| what(&e))
+            .collect()
+    }
+
     fn created(dir: &str, name: &str, ts_ns: i64) -> pb::SubscribeMetadataResponse {
         pb::SubscribeMetadataResponse {
             directory: dir.into(),
@@ -1213,13 +1220,8 @@ mod tests {
         ] {
             router.dispatch(ev);
         }
-        let names = |rx: &mut mpsc::Receiver<SubscriptionEvent>| {
-            std::iter::from_fn(|| rx.try_recv().ok())
-                .map(|e| what(&e))
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&mut ra), ["/a/x", "/a/y"]);
-        assert_eq!(names(&mut rb), ["/b/early"]);
+        assert_eq!(drained(&mut ra), ["/a/x", "/a/y"]);
+        assert_eq!(drained(&mut rb), ["/b/early"]);
     }
 
     #[test]
@@ -1241,13 +1243,8 @@ mod tests {
         ] {
             router.dispatch(ev);
         }
-        let names = |rx: &mut mpsc::Receiver<SubscriptionEvent>| {
-            std::iter::from_fn(|| rx.try_recv().ok())
-                .map(|e| what(&e))
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&mut rb), ["/b/new", "/b/peer"]);
-        assert_eq!(names(&mut ra), ["/a/x"]);
+        assert_eq!(drained(&mut rb), ["/b/new", "/b/peer"]);
+        assert_eq!(drained(&mut ra), ["/a/x"]);
         // a route whose replay never reaches its start (a quiet prefix): the floor ends
         // with its time
         let (id, mut rc) = bare_route(&router, "/c/", 300 * S);
@@ -1255,7 +1252,7 @@ mod tests {
         router.dispatch(created("/c", "early", 250 * S));
         router.state.lock().routes.get_mut(&id).unwrap().floor_until = std::time::Instant::now();
         router.dispatch(created("/c", "late-peer", 260 * S));
-        assert_eq!(names(&mut rc), ["/c/late-peer"]);
+        assert_eq!(drained(&mut rc), ["/c/late-peer"]);
     }
 
     #[test]
@@ -1314,9 +1311,7 @@ mod tests {
             for e in log.clone() {
                 router.dispatch(e);
             }
-            std::iter::from_fn(|| ra.try_recv().ok())
-                .map(|e| what(&e))
-                .collect::<Vec<_>>()
+            drained(ra)
         };
         assert_eq!(play(&router, &mut ra), ["/a/x", "-/a/x"]);
         // a volume staged from before x: the replay starts before it
