@@ -4,6 +4,7 @@
 
 pub mod acl;
 pub mod attr;
+mod events;
 pub mod file;
 pub mod inode;
 pub mod journal;
