@@ -501,7 +501,7 @@ fn event_name(ev: &SubscriptionEvent) -> Option<String> {
                 .or(n.old_entry.as_ref())
                 .map(|x| x.name.clone())
         }
-        SubscriptionEvent::Resync => None,
+        SubscriptionEvent::Resync | SubscriptionEvent::Recheck(_) => None,
     }
 }
 

@@ -61,7 +61,7 @@ const SEEN_MAX: usize = 4096;
 /// ...and only those seen within this much of its position (a replay starts
 /// [`RESUME_MARGIN`] before it).
 const SEEN_WINDOW: i64 = 30_000_000_000;
-/// How long a new session may drop replayed events from before its start.
+/// How long a new session takes replayed events from before its start as rechecks.
 const FLOOR_FOR: Duration = Duration::from_secs(5);
 /// A prefix-set change waits this long for more before the stream restarts.
 const REPLAN_SETTLE: Duration = Duration::from_millis(200);
@@ -414,12 +414,12 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
-    /// A new session drops events stamped before its `since_ns` until a replay reaches it,
-    /// or for [`FLOOR_FOR`] at most: a stream restarted for another route's sake replays
-    /// older events, and applied after the session's own fresh lookups they would bring
-    /// back older states (an older chunk list after a remount). Bounded in time because a
-    /// stamp is the filer's clock (or a peer filer's) and `since_ns` the node's: after the
-    /// first replay, a live event is never dropped for its stamp.
+    /// A new session gets events stamped before its `since_ns` as rechecks until a replay
+    /// reaches it, or for [`FLOOR_FOR`] at most: a stream restarted for another route's sake
+    /// replays older events, and applied after the session's own fresh lookups they would
+    /// bring back older states (an older chunk list after a remount). Not dropped: a stamp is
+    /// the filer's clock (or a peer filer's) and `since_ns` the node's, so such an event may
+    /// be newer than the session's reads. After the first replay every event is applied.
     floor_ns: Option<i64>,
     start_ns: i64,
     floor_until: std::time::Instant,
@@ -660,11 +660,14 @@ impl Router {
             }
             let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
             if change
-                && !predates
                 && r.wants(&src, &dst, sigs)
                 && r.first_sight(*fp.get_or_insert_with(|| fingerprint(&ev)))
             {
-                r.deliver(Some(SubscriptionEvent::Event(ev.clone())));
+                r.deliver(Some(if predates {
+                    SubscriptionEvent::Recheck(ev.clone())
+                } else {
+                    SubscriptionEvent::Event(ev.clone())
+                }));
             } else if r.owes_resync {
                 r.deliver(None);
             }
@@ -848,6 +851,9 @@ mod tests {
     fn what(ev: &SubscriptionEvent) -> String {
         match ev {
             SubscriptionEvent::Resync => "<resync>".into(),
+            SubscriptionEvent::Recheck(e) => {
+                format!("recheck {}", what(&SubscriptionEvent::Event(e.clone())))
+            }
             SubscriptionEvent::Event(e) => {
                 let n = e.event_notification.as_ref().unwrap();
                 match (&n.old_entry, &n.new_entry) {
@@ -1030,11 +1036,13 @@ mod tests {
         a.create_entry(mk("/v/sub", "deep")).await.unwrap();
         twin.create_entry(mk("/v", "theirs")).await.unwrap();
         nested.create_entry(mk("/v/sub", "n")).await.unwrap();
-        // the directory's creation, from before the sessions began, is not replayed to them
+        // the directory's creation, from before the sessions began, comes as a recheck;
         // a's own changes are not sent back to a, but reach the others
+        assert_eq!(next(&mut sa).await, "recheck /v/sub");
         assert_eq!(next(&mut sa).await, "/v/theirs");
         assert_eq!(next(&mut sa).await, "/v/sub/n");
         quiet(&mut sa).await;
+        assert_eq!(next(&mut st).await, "recheck /v/sub");
         assert_eq!(next(&mut st).await, "/v/mine");
         assert_eq!(next(&mut st).await, "/v/sub/deep");
         assert_eq!(next(&mut st).await, "/v/sub/n");
@@ -1235,7 +1243,7 @@ mod tests {
         assert_eq!(router.plan().unwrap().1, 8 * S);
         for ev in [
             created("/b", "ancient", 100 * S), // before b existed: its first listing has it
-            created("/b", "recent", 199 * S),  // before b's start: its own lookups see it
+            created("/b", "recent", 199 * S),  // before b's start (by the node's clock)
             created("/b", "new", 250 * S),
             created("/a", "x", 260 * S),
             // caught up: live events count whatever their stamp (a peer filer's clock)
@@ -1243,7 +1251,16 @@ mod tests {
         ] {
             router.dispatch(ev);
         }
-        assert_eq!(drained(&mut rb), ["/b/new", "/b/peer"]);
+        // from before b's start: may be older than b's own lookups, so b rereads, not applies
+        assert_eq!(
+            drained(&mut rb),
+            [
+                "recheck /b/ancient",
+                "recheck /b/recent",
+                "/b/new",
+                "/b/peer"
+            ]
+        );
         assert_eq!(drained(&mut ra), ["/a/x"]);
         // a route whose replay never reaches its start (a quiet prefix): the floor ends
         // with its time
@@ -1252,7 +1269,7 @@ mod tests {
         router.dispatch(created("/c", "early", 250 * S));
         router.state.lock().routes.get_mut(&id).unwrap().floor_until = std::time::Instant::now();
         router.dispatch(created("/c", "late-peer", 260 * S));
-        assert_eq!(drained(&mut rc), ["/c/late-peer"]);
+        assert_eq!(drained(&mut rc), ["recheck /c/early", "/c/late-peer"]);
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub enum SubscriptionEvent {
     Event(pb::SubscribeMetadataResponse),
     /// Sent after every reconnect, before any event from the new stream: treat caches as stale.
     Resync,
+    /// An event that may be older than what the session has read since it started (a replay
+    /// reaching back before its start, or a filer's clock behind the node's): apply none of
+    /// it, read what it names from the filer again.
+    Recheck(pb::SubscribeMetadataResponse),
 }
 
 pub(crate) fn random_nonzero() -> i32 {
@@ -209,6 +213,7 @@ mod tests {
                 .name
                 .clone(),
             SubscriptionEvent::Resync => "<resync>".into(),
+            SubscriptionEvent::Recheck(_) => "<recheck>".into(),
         }
     }
 

@@ -3,7 +3,7 @@
 
 use super::attr::entry_inode;
 use super::file::{FileState, OpenFile};
-use super::inode::join;
+use super::inode::{join, split};
 use super::{errno, Fs, Result};
 use crate::filer::FilerError;
 use crate::pb::filer as pb;
@@ -42,12 +42,7 @@ impl Fs {
     /// read from the filer instead (in the background), which is never older than our change.
     pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
         for of in self.apply_event_now(ev) {
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    rt.spawn(self.clone().resync_open_file(of));
-                }
-                Err(_) => of.state.lock().resync = Default::default(),
-            }
+            self.spawn_resync(of);
         }
         let Some(n) = ev.event_notification.as_ref() else {
             return;
@@ -375,13 +370,323 @@ impl Fs {
         doubtful
     }
 
-    /// After a subscription gap: drop every cached listing and kernel attribute.
-    pub fn resync(&self) {
+    /// Starts [`Self::resync_open_file`] for `of`, whose `want_resync` said none runs.
+    fn spawn_resync(self: &Arc<Self>, of: Arc<OpenFile>) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(self.clone().resync_open_file(of));
+            }
+            Err(_) => of.state.lock().resync = Default::default(),
+        }
+    }
+
+    /// After a subscription gap: drop every cached listing and kernel attribute, and read
+    /// the entry of every open file again (an open file's entry is not dropped with the
+    /// caches, and its change in the gap would otherwise stay unseen until it is closed).
+    pub fn resync(self: &Arc<Self>) {
         self.meta.invalidate_all();
         if let Some(nt) = self.notifier.read().clone() {
             for rec in self.inodes.snapshot() {
                 nt.inval_inode(rec.ino);
             }
         }
+        let open: Vec<Arc<OpenFile>> = self.files.lock().values().map(|o| o.file.clone()).collect();
+        for of in open {
+            if of.state.lock().want_resync(false) {
+                self.spawn_resync(of);
+            }
+        }
+    }
+
+    /// Takes an event that may be older than what this filesystem has read since it started
+    /// (see [`crate::filer::subscribe::SubscriptionEvent::Recheck`]): nothing of it is
+    /// applied, since its entries may be older states. What it names is asked of the filer
+    /// again instead: the cached listings and the kernel's entries are dropped, open files
+    /// read their entry again, and a move is followed once the filer shows it.
+    pub fn recheck_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
+        let Some(n) = ev.event_notification.as_ref() else {
+            return;
+        };
+        let dir = ev.directory.as_str();
+        let ndir = if n.new_parent_path.is_empty() {
+            dir
+        } else {
+            n.new_parent_path.as_str()
+        };
+        let opath = n.old_entry.as_ref().map(|o| join(dir, &o.name));
+        let npath = n.new_entry.as_ref().map(|e| join(ndir, &e.name));
+        let moved = opath.is_some() && npath.is_some() && opath != npath;
+        let notifier = self.notifier.read().clone();
+        // (inode, whether the event says it is gone from the filer)
+        let mut inos: Vec<(u64, bool)> = Vec::new();
+        let sides = n
+            .old_entry
+            .iter()
+            .zip(opath.iter())
+            .map(|(e, p)| (dir, e, p));
+        let sides = sides.chain(
+            n.new_entry
+                .iter()
+                .zip(npath.iter())
+                .map(|(e, p)| (ndir, e, p)),
+        );
+        for (d, e, path) in sides {
+            self.meta.invalidate_dir(d, false);
+            if e.is_directory {
+                self.meta.invalidate_dir(path, true);
+            }
+            if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(d)) {
+                nt.inval_entry(pino, &e.name);
+                nt.inval_inode(pino);
+            }
+            let ino = entry_inode(path, e);
+            // a removal (not a move) says the file is gone; so does a move onto another file
+            let removed = n.new_entry.is_none();
+            inos.push((ino, removed));
+            if let Some(here) = self.inodes.ino_of(path).filter(|&h| h != ino) {
+                inos.push((here, moved && Some(path) == npath.as_ref()));
+            }
+        }
+        for (ino, gone) in inos {
+            self.bump_content_gen(ino);
+            if let Some(nt) = &notifier {
+                nt.inval_inode(ino);
+            }
+            if let Some(of) = self.open_file(ino) {
+                // believed only if the filer no longer has the file under its name
+                if of.state.lock().want_resync(gone) {
+                    self.spawn_resync(of);
+                }
+            }
+        }
+        if let (true, Some(o), Some(np)) = (moved, opath, npath) {
+            // only a name this node knows can be left behind (a replay may hold many moves)
+            if self.inodes.ino_of(&o).is_some() || self.open_at(&o).is_some() {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(self.clone().follow_move(o, np));
+                }
+            }
+        }
+    }
+
+    /// The open file whose name here is `path`.
+    fn open_at(&self, path: &str) -> Option<Arc<OpenFile>> {
+        let files = self.files.lock();
+        let mut open = files.values().map(|o| &o.file);
+        open.find(|of| {
+            let s = of.state.lock();
+            join(&s.dir, &s.entry.name) == path
+        })
+        .cloned()
+    }
+
+    /// Follows a move reported by a recheck if the filer shows it: the file (its inode, or
+    /// its creation time where the filer keeps no inode) is at `npath` and no longer at
+    /// `opath`, while this node still has it at `opath`.
+    async fn follow_move(self: Arc<Self>, opath: String, npath: String) {
+        let (odir, oname) = split(&opath);
+        let (ndir, nname) = split(&npath);
+        let Ok(e) = self.filer.lookup_entry(&ndir, &nname).await else {
+            return;
+        };
+        let ino = entry_inode(&opath, &e);
+        match self.filer.lookup_entry(&odir, &oname).await {
+            Err(FilerError::NotFound(_)) => {}
+            Ok(o) if entry_inode(&opath, &o) != ino => {}
+            _ => return,
+        }
+        let here = self.inodes.ino_of(&opath) == Some(ino)
+            || self.open_at(&opath).is_some_and(|of| of.ino == ino);
+        if here {
+            self.moved(&opath, &npath);
+            if let Some(nt) = self.notifier.read().clone() {
+                for (d, name) in [(&odir, &oname), (&ndir, &nname)] {
+                    if let Some(pino) = self.inodes.ino_of(d) {
+                        nt.inval_entry(pino, name);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::filer::FilerApi;
+    use crate::fs::inode::ROOT_INO;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+    use std::time::Duration;
+
+    fn fs() -> (Arc<Fs>, MockFiler) {
+        let filer = MockFiler::new();
+        let other = filer.other_client();
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(filer),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        (fs, other)
+    }
+
+    fn file(name: &str, content: &[u8]) -> pb::Entry {
+        pb::Entry {
+            name: name.into(),
+            content: content.to_vec(),
+            attributes: Some(pb::FuseAttributes {
+                file_mode: 0o644,
+                file_size: content.len() as u64,
+                inode: 4242,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Another client writes `/name` with `content`; returns its event.
+    async fn put(other: &MockFiler, name: &str, content: &[u8]) -> pb::SubscribeMetadataResponse {
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(file(name, content)),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .expect("the mock logs an event")
+    }
+
+    /// Opens `/name` read-only here: (ino, fh).
+    async fn open(fs: &Arc<Fs>, name: &str) -> (u64, u64) {
+        let ino = fs.lookup(ROOT_INO, name).await.unwrap().ino;
+        (ino, fs.open(ino, libc::O_RDONLY).await.unwrap())
+    }
+
+    async fn read_all(fs: &Arc<Fs>, (ino, fh): (u64, u64)) -> Vec<u8> {
+        fs.read(fh, ino, 0, 64).await.unwrap().to_vec()
+    }
+
+    /// Background re-reads have run.
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// An event stamped before the session's start may still be newer than what it read
+    /// (the filer's clock behind the node's, or a peer filer's event): dropping it left an
+    /// open file on the old bytes until it was closed.
+    #[tokio::test]
+    async fn a_recheck_brings_an_open_file_the_filers_current_entry() {
+        let (fs, other) = fs();
+        put(&other, "f", b"old").await;
+        let h = open(&fs, "f").await;
+        assert_eq!(read_all(&fs, h).await, b"old");
+        let ev = put(&other, "f", b"newer").await;
+        fs.recheck_event(&ev);
+        settle().await;
+        assert_eq!(read_all(&fs, h).await, b"newer");
+    }
+
+    /// ...and an event older than what the session read must not bring an older state back
+    /// (applied, it would: the file was not changed here).
+    #[tokio::test]
+    async fn a_recheck_never_brings_back_an_older_state() {
+        let (fs, other) = fs();
+        let old = put(&other, "f", b"old").await;
+        put(&other, "f", b"newer").await;
+        let h = open(&fs, "f").await;
+        fs.recheck_event(&old);
+        settle().await;
+        assert_eq!(read_all(&fs, h).await, b"newer");
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().size, 5);
+        // a name it lists as gone is asked for again, not taken away
+        let del = pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: Some(file("f", b"old")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        fs.recheck_event(&del);
+        settle().await;
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().size, 5);
+        let of = fs.open_file(h.0).unwrap();
+        assert!(!of.state.lock().unlinked, "the filer still has it");
+        // once the filer agrees, the removal holds
+        let gone = other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        fs.recheck_event(&gone);
+        settle().await;
+        assert!(of.state.lock().unlinked);
+        assert_eq!(
+            fs.lookup(ROOT_INO, "f").await.unwrap_err().errno,
+            libc::ENOENT
+        );
+    }
+
+    /// A move another client made is followed by an open file once the filer shows it.
+    #[tokio::test]
+    async fn a_recheck_follows_a_move_the_filer_shows() {
+        let (fs, other) = fs();
+        put(&other, "f", b"data").await;
+        let h = open(&fs, "f").await;
+        let mv = pb::SubscribeMetadataResponse {
+            directory: "/".into(),
+            event_notification: Some(pb::EventNotification {
+                old_entry: Some(file("f", b"data")),
+                new_entry: Some(file("g", b"data")),
+                new_parent_path: "/".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // not done at the filer (an old event): nothing moves
+        fs.recheck_event(&mv);
+        settle().await;
+        let of = fs.open_file(h.0).unwrap();
+        assert_eq!(of.state.lock().entry.name, "f");
+        other
+            .rename_entry(pb::StreamRenameEntryRequest {
+                old_directory: "/".into(),
+                old_name: "f".into(),
+                new_directory: "/".into(),
+                new_name: "g".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.recheck_event(&mv);
+        settle().await;
+        assert_eq!(of.state.lock().entry.name, "g");
+        assert!(!of.state.lock().unlinked);
+        assert_eq!(fs.lookup(ROOT_INO, "g").await.unwrap().ino, h.0);
+    }
+
+    /// After a subscription gap an open file's change in the gap is seen (its entry is not
+    /// among the caches a resync drops).
+    #[tokio::test]
+    async fn a_resync_rereads_open_files() {
+        let (fs, other) = fs();
+        put(&other, "f", b"old").await;
+        let h = open(&fs, "f").await;
+        put(&other, "f", b"in the gap").await;
+        fs.resync();
+        settle().await;
+        assert_eq!(read_all(&fs, h).await, b"in the gap");
     }
 }

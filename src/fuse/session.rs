@@ -125,6 +125,7 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
             match ev {
                 SubscriptionEvent::Event(e) => f.apply_event(&e),
                 SubscriptionEvent::Resync => f.resync(),
+                SubscriptionEvent::Recheck(e) => f.recheck_event(&e),
             }
         }
     });
