@@ -1,0 +1,348 @@
+//! Tests of the keeper as a whole: a real [`KeeperServer`] on a temporary socket, driven by
+//! [`KeeperClient`]s and by hand-made connections.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use nix::sys::socket::{connect, socket, AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
+
+use super::protocol::{recv_msg, send_msg, ErrKind, Response, MAX_ID_LEN, MAX_MSG};
+use super::{KeeperClient, KeeperError, KeeperServer, RECONNECT_BUDGET};
+
+struct Running {
+    dir: tempfile::TempDir,
+    stop_w: Option<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<io::Result<()>>>,
+}
+
+impl Running {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let server = KeeperServer::bind(&dir.path().join("k.sock")).unwrap();
+        let (stop_r, stop_w) = nix::unistd::pipe().unwrap();
+        let thread = std::thread::spawn(move || server.serve(stop_r.as_fd()));
+        Self {
+            dir,
+            stop_w: Some(stop_w),
+            thread: Some(thread),
+        }
+    }
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("k.sock")
+    }
+    fn client(&self) -> KeeperClient {
+        KeeperClient::connect(&self.path()).unwrap()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // Empty the keeper so that it exits, then ask it to stop.
+        if let Ok(c) = KeeperClient::connect(&self.path()) {
+            for id in c.list().unwrap_or_default() {
+                let _ = c.drop_entry(&id);
+            }
+        }
+        drop(self.stop_w.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+    let (sa, sb) = (
+        nix::sys::stat::fstat(a).unwrap(),
+        nix::sys::stat::fstat(b).unwrap(),
+    );
+    (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+}
+
+#[test]
+fn client_reconnects_after_a_keeper_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("k.sock");
+    let serve = |path: &Path| {
+        let server = KeeperServer::bind(path).unwrap();
+        let (stop_r, stop_w) = nix::unistd::pipe().unwrap();
+        (
+            stop_w,
+            std::thread::spawn(move || server.serve(stop_r.as_fd())),
+        )
+    };
+    let (stop, t) = serve(&path);
+    let c = KeeperClient::connect(&path).unwrap();
+    assert!(c.list().unwrap().is_empty());
+    drop(stop);
+    t.join().unwrap().unwrap();
+    // Nobody listens: bounded retries, then an I/O error (not a hang).
+    let t0 = Instant::now();
+    assert!(matches!(c.list(), Err(KeeperError::Io(_))));
+    assert!(t0.elapsed() < RECONNECT_BUDGET + Duration::from_millis(500));
+    // A new keeper on the same path: the same client works again.
+    let (stop, t) = serve(&path);
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    c.put("v", b"x", &[w.as_fd()]).unwrap();
+    assert_eq!(c.list().unwrap(), vec!["v".to_string()]);
+    c.drop_entry("v").unwrap();
+    drop(stop);
+    t.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_timeout_does_not_give_up_what_the_connection_owns() {
+    let k = Running::start();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    let other = k.client();
+    other.put("b", b"x", &[w.as_fd()]).unwrap();
+    let c = k.client();
+    c.put("a", b"x", &[w.as_fd()]).unwrap();
+    assert!(matches!(
+        c.claim("b", Duration::from_millis(100)),
+        Err(KeeperError::Timeout)
+    ));
+    // A new connection serves the next call; the timed-out one still owns "a".
+    assert_eq!(c.list().unwrap().len(), 2);
+    let successor = k.client();
+    assert!(matches!(
+        successor.claim("a", Duration::from_millis(300)),
+        Err(KeeperError::Timeout)
+    ));
+    // Once the client is gone (with its pending claim gone too), "a" can be claimed.
+    drop(successor);
+    drop(c);
+    let successor = k.client();
+    assert!(successor.claim("a", Duration::from_secs(5)).is_ok());
+}
+
+#[test]
+fn put_get_passes_the_same_open_file() {
+    let k = Running::start();
+    let c = k.client();
+    let (r, w) = nix::unistd::pipe().unwrap();
+    c.put("vol1", b"{\"hello\":1}", &[w.as_fd()]).unwrap();
+    drop(w);
+    let e = k.client().get("vol1").unwrap();
+    assert_eq!(e.blob, b"{\"hello\":1}");
+    assert_eq!(e.fds.len(), 1);
+    assert!(e.owner_alive);
+    // A pipe's two ends share one inode.
+    assert!(same_file(e.fds[0].as_fd(), r.as_fd()));
+    // Writing through the fd we got back reaches the original pipe.
+    nix::unistd::write(&e.fds[0], b"ping").unwrap();
+    let mut got = [0u8; 4];
+    File::from(r).read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"ping");
+    assert_eq!(c.list().unwrap(), vec!["vol1".to_string()]);
+}
+
+#[test]
+fn update_blob_and_drop_closes_fds() {
+    let k = Running::start();
+    let c = k.client();
+    let (r, w) = nix::unistd::pipe().unwrap();
+    c.put("a", b"v1", &[w.as_fd()]).unwrap();
+    drop(w);
+    c.update_blob("a", b"v2").unwrap();
+    assert_eq!(c.get("a").unwrap().blob, b"v2");
+    c.drop_entry("a").unwrap();
+    // The keeper closed its write end and we hold none: the pipe reports EOF.
+    let mut buf = Vec::new();
+    File::from(r).read_to_end(&mut buf).unwrap();
+    assert!(buf.is_empty());
+    assert!(matches!(c.get("a"), Err(KeeperError::NotFound(_))));
+    assert!(matches!(c.drop_entry("a"), Err(KeeperError::NotFound(_))));
+    assert!(matches!(
+        c.update_blob("a", b"x"),
+        Err(KeeperError::NotFound(_))
+    ));
+}
+
+#[test]
+fn big_blob_roundtrips() {
+    let k = Running::start();
+    let c = k.client();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    let blob: Vec<u8> = (0..3 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    c.put("big", &blob, &[w.as_fd()]).unwrap();
+    assert_eq!(k.client().get("big").unwrap().blob, blob);
+}
+
+#[test]
+fn claim_waits_for_the_owner_to_disconnect() {
+    let k = Running::start();
+    let owner = k.client();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    owner.put("v", b"state-1", &[w.as_fd()]).unwrap();
+
+    // Another connection cannot take over or write while the owner lives.
+    let other = k.client();
+    assert!(matches!(
+        other.put("v", b"x", &[w.as_fd()]),
+        Err(KeeperError::Busy(_))
+    ));
+    assert!(matches!(
+        other.update_blob("v", b"x"),
+        Err(KeeperError::Busy(_))
+    ));
+    let short = k.client();
+    assert!(matches!(
+        short.claim("v", Duration::from_millis(200)),
+        Err(KeeperError::Timeout)
+    ));
+    // The next call works on a new connection; dropping the client closes the timed-out
+    // one too, which withdraws its pending claim.
+    assert_eq!(short.list().unwrap(), vec!["v".to_string()]);
+    drop(short);
+
+    let path = k.path();
+    let waiter = std::thread::spawn(move || {
+        let c = KeeperClient::connect(&path).unwrap();
+        let t0 = Instant::now();
+        let e = c.claim("v", Duration::from_secs(10)).unwrap();
+        (e.blob, t0.elapsed(), c)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    owner.update_blob("v", b"state-final").unwrap();
+    drop(owner); // the old daemon exits
+    let (blob, waited, new_owner) = waiter.join().unwrap();
+    assert_eq!(blob, b"state-final");
+    assert!(
+        waited >= Duration::from_millis(250),
+        "claim returned early: {waited:?}"
+    );
+    // Now the new owner may write, and others are refused again.
+    new_owner.update_blob("v", b"state-2").unwrap();
+    assert!(matches!(
+        other.update_blob("v", b"x"),
+        Err(KeeperError::Busy(_))
+    ));
+    assert_eq!(other.get("v").unwrap().blob, b"state-2");
+}
+
+#[test]
+fn claim_of_unknown_and_dropped_entries() {
+    let k = Running::start();
+    let c = k.client();
+    assert!(matches!(
+        c.claim("nope", Duration::from_secs(1)),
+        Err(KeeperError::NotFound(_))
+    ));
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    c.put("v", b"s", &[w.as_fd()]).unwrap();
+    let path = k.path();
+    let waiter = std::thread::spawn(move || {
+        KeeperClient::connect(&path)
+            .unwrap()
+            .claim("v", Duration::from_secs(10))
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    c.drop_entry("v").unwrap();
+    assert!(matches!(
+        waiter.join().unwrap(),
+        Err(KeeperError::NotFound(_))
+    ));
+}
+
+#[test]
+fn bad_requests_are_rejected_and_keeper_survives() {
+    let k = Running::start();
+    let c = k.client();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    // No fds at all.
+    assert!(matches!(
+        c.put("v", b"s", &[]),
+        Err(KeeperError::Rejected(_))
+    ));
+    assert!(matches!(
+        c.put("", b"s", &[w.as_fd()]),
+        Err(KeeperError::Rejected(_))
+    ));
+    let long = "x".repeat(MAX_ID_LEN + 1);
+    assert!(matches!(c.get(&long), Err(KeeperError::Rejected(_))));
+
+    // Raw garbage and an unsealed blob from a hand-made connection.
+    let raw = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    connect(raw.as_raw_fd(), &UnixAddr::new(&k.path()).unwrap()).unwrap();
+    send_msg(raw.as_fd(), b"not json", &[], MsgFlags::empty()).unwrap();
+    let mut buf = vec![0u8; MAX_MSG];
+    let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty())
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        serde_json::from_slice(&buf[..n]).unwrap(),
+        Response::Err {
+            kind: ErrKind::Invalid,
+            ..
+        }
+    ));
+    let unsealed = memfd_create(c"x", MFdFlags::MFD_CLOEXEC).unwrap();
+    send_msg(
+        raw.as_fd(),
+        br#"{"op":"put","id":"v"}"#,
+        &[unsealed.as_raw_fd(), w.as_raw_fd()],
+        MsgFlags::empty(),
+    )
+    .unwrap();
+    let (n, _) = recv_msg(raw.as_fd(), &mut buf, MsgFlags::empty())
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        serde_json::from_slice(&buf[..n]).unwrap(),
+        Response::Err {
+            kind: ErrKind::Invalid,
+            ..
+        }
+    ));
+    // A client that crashes mid-protocol (sends and vanishes) does not hurt the keeper.
+    send_msg(raw.as_fd(), br#"{"op":"list"}"#, &[], MsgFlags::empty()).unwrap();
+    drop(raw);
+    c.put("v", b"ok", &[w.as_fd()]).unwrap();
+    assert_eq!(c.list().unwrap(), vec!["v".to_string()]);
+}
+
+#[test]
+fn second_keeper_on_same_socket_is_refused() {
+    let k = Running::start();
+    let e = KeeperServer::bind(&k.path()).err().expect("must refuse");
+    assert_eq!(e.kind(), io::ErrorKind::AddrInUse);
+    // A stale socket file (no listener) is replaced.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("stale.sock");
+    drop(KeeperServer::bind(&p).unwrap());
+    assert!(p.exists());
+    KeeperServer::bind(&p).unwrap();
+}
+
+#[test]
+fn keeper_exits_on_stop_only_when_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("k.sock");
+    let server = KeeperServer::bind(&path).unwrap();
+    let (stop_r, stop_w) = nix::unistd::pipe().unwrap();
+    let t = std::thread::spawn(move || server.serve(stop_r.as_fd()));
+    let c = KeeperClient::connect(&path).unwrap();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    c.put("v", b"s", &[w.as_fd()]).unwrap();
+    drop(stop_w);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!t.is_finished(), "keeper must not exit while holding fds");
+    assert_eq!(c.get("v").unwrap().blob, b"s");
+    c.drop_entry("v").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !t.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(t.is_finished());
+    t.join().unwrap().unwrap();
+}
