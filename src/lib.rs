@@ -22,5 +22,6 @@ pub mod keeper;
 pub mod metrics;
 pub mod metrics_server;
 pub mod pb;
+pub mod retry;
 pub mod security;
 pub mod volume;

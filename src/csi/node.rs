@@ -398,9 +398,10 @@ impl NodeService {
     }
 
     async fn recover_with_retry(&self, volume_id: &str) {
-        let mut delay = Duration::from_secs(1);
+        let mut pauses = crate::retry::REPAIR.pauses();
         let mut restaged = false;
         for attempt in 0.. {
+            let delay = pauses.next_pause();
             match self.recover_volume(volume_id, &mut restaged).await {
                 Ok(Recovery::Done) => return,
                 Ok(Recovery::Later) => {}
@@ -410,7 +411,6 @@ impl NodeService {
                 }
             }
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(30));
         }
     }
 

@@ -42,9 +42,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use super::grpc::{FilerClientOptions, GrpcFiler};
-use super::subscribe::{
-    flatten, has_change, jittered, random_nonzero, SubscriptionEvent, BACKOFF_MAX, BACKOFF_MIN,
-};
+use super::subscribe::{flatten, has_change, random_nonzero, SubscriptionEvent};
 use super::{pb, FilerApi, MetadataStream, Result};
 use crate::security::SecurityConfig;
 
@@ -704,7 +702,7 @@ enum Ended {
 async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
     let client_id = random_nonzero();
     let mut epoch: i32 = 0;
-    let mut backoff = BACKOFF_MIN;
+    let mut pauses = crate::retry::RECONNECT.pauses();
     let mut had_stream = false;
     let mut gap = false;
     while let Some((prefixes, since_ns)) = router.plan() {
@@ -728,7 +726,7 @@ async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
         };
         let ended = match opened {
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "metadata subscription failed to open");
+                tracing::warn!(error = %e, "metadata subscription failed to open");
                 gap |= had_stream;
                 Ended::Lost
             }
@@ -741,7 +739,7 @@ async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
                     gap = false;
                 }
                 had_stream = true;
-                let ended = pump(&router, stream, &prefixes, &mut backoff).await;
+                let ended = pump(&router, stream, &prefixes, &mut pauses).await;
                 if matches!(ended, Ended::Lost) {
                     gap = true;
                 }
@@ -756,9 +754,7 @@ async fn run(inner: Arc<dyn FilerApi>, router: Arc<Router>) {
             }
             Ended::Done => continue, // plan() ends the task
             Ended::Lost => {
-                let pause = jittered(backoff);
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                let sleep = tokio::time::sleep(pause);
+                let sleep = tokio::time::sleep(pauses.next_pause());
                 tokio::pin!(sleep);
                 loop {
                     tokio::select! {
@@ -780,7 +776,7 @@ async fn pump(
     router: &Router,
     mut stream: MetadataStream,
     prefixes: &[String],
-    backoff: &mut Duration,
+    pauses: &mut crate::retry::Pauses,
 ) -> Ended {
     let mut tick = tokio::time::interval(RESYNC_RETRY);
     loop {
@@ -796,7 +792,7 @@ async fn pump(
             _ = tick.tick() => router.retry_resyncs(),
             item = stream.next() => match item {
                 Some(Ok(msg)) => {
-                    *backoff = BACKOFF_MIN;
+                    *pauses = crate::retry::RECONNECT.pauses();
                     for ev in flatten(msg) {
                         router.dispatch(ev);
                     }

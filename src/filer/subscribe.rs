@@ -12,7 +12,6 @@
 //! filer per node instead: see [`super::hub`].
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -20,9 +19,6 @@ use tokio::task::JoinHandle;
 
 use super::{pb, FilerApi};
 
-/// First and maximum pause between reconnect attempts.
-pub const BACKOFF_MIN: Duration = Duration::from_millis(200);
-pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Capacity of the event channel; a slow consumer back-pressures the stream.
 const CHANNEL_CAPACITY: usize = 1024;
 
@@ -60,12 +56,6 @@ pub(crate) fn random_nonzero() -> i32 {
             return v;
         }
     }
-}
-
-/// A pause of between a quarter of `backoff` and all of it: nodes that lost the filer at the
-/// same moment (a filer restart) spread their reconnects instead of arriving in lockstep.
-pub(crate) fn jittered(backoff: Duration) -> Duration {
-    backoff.mul_f64(0.25 + 0.75 * rand::random::<f64>())
 }
 
 /// An event that carries an entry change (not an empty progress marker).
@@ -109,7 +99,7 @@ async fn run(
     let client_id = random_nonzero();
     let mut epoch: i32 = 0;
     let mut since_ns = opts.since_ns;
-    let mut backoff = BACKOFF_MIN;
+    let mut pauses = crate::retry::RECONNECT.pauses();
     let mut had_stream = false;
     loop {
         // The filer refuses a second stream of the same client_id with an epoch <= the active one.
@@ -130,7 +120,7 @@ async fn run(
         };
         match opened {
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, prefix = %opts.path_prefix, "metadata subscription failed to open");
+                tracing::warn!(error = %e, prefix = %opts.path_prefix, "metadata subscription failed to open");
             }
             Ok(mut stream) => {
                 if had_stream {
@@ -147,7 +137,7 @@ async fn run(
                     };
                     match item {
                         Some(Ok(msg)) => {
-                            backoff = BACKOFF_MIN;
+                            pauses = crate::retry::RECONNECT.pauses();
                             for ev in flatten(msg) {
                                 // Progress markers only move the resume point.
                                 since_ns = since_ns.max(ev.ts_ns);
@@ -172,9 +162,8 @@ async fn run(
         }
         tokio::select! {
             _ = tx.closed() => return,
-            _ = tokio::time::sleep(jittered(backoff)) => {}
+            _ = tokio::time::sleep(pauses.next_pause()) => {}
         }
-        backoff = (backoff * 2).min(BACKOFF_MAX);
     }
 }
 
@@ -182,6 +171,7 @@ async fn run(
 mod tests {
     use super::*;
     use crate::filer::mock::MockFiler;
+    use std::time::Duration;
 
     fn create(dir: &str, name: &str) -> pb::CreateEntryRequest {
         pb::CreateEntryRequest {
@@ -215,15 +205,6 @@ mod tests {
             SubscriptionEvent::Resync => "<resync>".into(),
             SubscriptionEvent::Recheck(_) => "<recheck>".into(),
         }
-    }
-
-    #[test]
-    fn backoff_is_jittered_within_bounds() {
-        let b = Duration::from_secs(4);
-        let v: Vec<Duration> = (0..200).map(|_| jittered(b)).collect();
-        assert!(v.iter().all(|d| *d >= b / 4 && *d <= b));
-        let (lo, hi) = (v.iter().min().unwrap(), v.iter().max().unwrap());
-        assert!(*hi - *lo > Duration::from_secs(1), "spread: {lo:?}..{hi:?}");
     }
 
     #[test]

@@ -131,6 +131,7 @@ impl Fs {
         }
         let mut running = Running(Some(of.clone()));
         let mut attempt = 0;
+        let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             // the files lock is never taken under a file's state lock (the other order is used)
             let open = self.open_file(of.ino).is_some_and(|o| Arc::ptr_eq(&o, &of));
@@ -150,7 +151,7 @@ impl Fs {
                 }
             };
             if name.is_empty() {
-                tokio::time::sleep(super::backoff(0)).await;
+                tokio::time::sleep(crate::retry::STORAGE.first).await;
                 continue;
             }
             let path = join(&dir, &name);
@@ -186,6 +187,7 @@ impl Fs {
             match outcome {
                 Ok(replaced) => {
                     attempt = 0;
+                    pauses = crate::retry::STORAGE.pauses();
                     if replaced {
                         self.bump_content_gen(of.ino);
                         if let Some(nt) = self.notifier.read().clone() {
@@ -203,7 +205,7 @@ impl Fs {
                         tracing::warn!(path, error = %e, attempt, "re-reading an open file's entry after an event failed; retrying");
                     }
                     // a pause before asking again, also when the file moved on meanwhile
-                    tokio::time::sleep(super::backoff(attempt)).await;
+                    tokio::time::sleep(pauses.next_pause()).await;
                     attempt = (attempt + 1).min(5);
                 }
             }

@@ -416,15 +416,6 @@ impl Fs {
     }
 }
 
-/// Delay before retry `attempt` (0-based): doubling from 0.5 s up to 8 s, with jitter
-/// (0.5x-1.5x) so that many writers do not retry in lockstep.
-pub(crate) fn backoff(attempt: u32) -> Duration {
-    let step = Duration::from_millis(500)
-        .saturating_mul(1 << attempt.min(5))
-        .min(Duration::from_secs(8));
-    step.mul_f64(0.5 + rand::random::<f64>())
-}
-
 pub(crate) fn now_parts() -> (i64, i32) {
     attr::split_ts(SystemTime::now())
 }

@@ -1706,6 +1706,7 @@ impl Fs {
         self.manifestize(of, &mut snap).await;
         let start = Instant::now();
         let mut attempt = 0;
+        let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             if attempt > 0 && of.state.lock().unlinked {
                 // removed while we retried: committing now would bring it back
@@ -1714,7 +1715,7 @@ impl Fs {
             match self.create_on_filer(&dir, &snap.entry, false).await {
                 Ok(()) => break,
                 Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
-                    let wait = super::backoff(attempt);
+                    let wait = pauses.next_pause();
                     attempt += 1;
                     tracing::warn!(path = %of.path(), error = %e, attempt, "commit failed, retrying");
                     tokio::time::sleep(wait).await;
@@ -2453,6 +2454,7 @@ async fn upload_with_retry(
 ) -> std::result::Result<pb::FileChunk, VolumeError> {
     let start = Instant::now();
     let mut attempt = 0;
+    let mut pauses = crate::retry::STORAGE.pauses();
     loop {
         match store.upload(data.clone(), opts).await {
             Ok(c) => return Ok(c),
@@ -2464,7 +2466,7 @@ async fn upload_with_retry(
                         | VolumeError::Config(_)
                         | VolumeError::InvalidFileId(_)
                 );
-                let wait = super::backoff(attempt);
+                let wait = pauses.next_pause();
                 if permanent || start.elapsed() + wait > retry_for {
                     return Err(e);
                 }

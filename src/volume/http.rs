@@ -397,7 +397,7 @@ impl VolumeClient {
         let fid = chunk_fid(chunk)?;
         let fid_str = fid.to_string();
         let start = Instant::now();
-        let mut wait = Duration::from_secs(1);
+        let mut pauses = crate::retry::STORAGE.pauses();
         let mut relooked = false;
         loop {
             // Minted per round so a short `expires_after_seconds` cannot expire during retries.
@@ -456,13 +456,13 @@ impl VolumeClient {
                 self.locations.invalidate(fid.volume_id).await;
                 continue;
             }
+            let wait = pauses.next_pause();
             if start.elapsed() + wait > self.opts.read_retry {
                 tracing::warn!(fid = %fid_str, error = %err, elapsed_ms = start.elapsed().as_millis() as u64, "chunk read failed");
                 return Err(err);
             }
             tracing::debug!(fid = %fid_str, error = %err, wait_ms = wait.as_millis() as u64, "chunk read: retrying");
             tokio::time::sleep(wait).await;
-            wait = wait.mul_f64(1.5);
         }
     }
 
@@ -587,6 +587,7 @@ impl VolumeClient {
         boundary: &str,
     ) -> std::result::Result<UploadReply, Failure> {
         let mut attempt = 0u32;
+        let mut pauses = crate::retry::UPLOAD_ATTEMPT.pauses();
         loop {
             match self.post_once(url, auth, &body, boundary).await {
                 Ok(r) => return Ok(r),
@@ -598,7 +599,7 @@ impl VolumeClient {
                         return Err(f);
                     }
                     tracing::debug!(url, failure = ?f, attempt, "chunk upload attempt failed");
-                    tokio::time::sleep(Duration::from_millis(237 * u64::from(attempt))).await;
+                    tokio::time::sleep(pauses.next_pause()).await;
                 }
             }
         }
@@ -771,7 +772,7 @@ impl ChunkStore for VolumeClient {
         let boundary = format!("{:032x}", rand::random::<u128>());
 
         let start = Instant::now();
-        let mut backoff = Duration::from_secs(1);
+        let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             let (err, retryable) = match self.assign(opts, clear_len).await {
                 Err(e) => e,
@@ -809,13 +810,13 @@ impl ChunkStore for VolumeClient {
                     }
                 }
             };
+            let backoff = pauses.next_pause();
             if !retryable || start.elapsed() + backoff > self.opts.read_retry {
                 tracing::warn!(path = %opts.path, error = %err, "chunk upload failed");
                 return Err(err);
             }
             tracing::debug!(path = %opts.path, error = %err, "chunk upload: re-assigning");
             tokio::time::sleep(backoff).await;
-            backoff = backoff.mul_f64(1.5);
         }
     }
 

@@ -95,6 +95,7 @@ impl GrpcFiler {
         let n = self.inner.targets.len();
         let attempts = n + 1;
         let mut last = FilerError::Unavailable(format!("{op}: no filer configured"));
+        let mut pauses = crate::retry::RECONNECT.pauses();
         for attempt in 0..attempts {
             let idx = self.current();
             let target = &self.inner.targets[idx];
@@ -119,7 +120,7 @@ impl GrpcFiler {
                     last = FilerError::Unavailable(format!("{op} on filer {}: {msg}", target.addr));
                     if (attempt + 1) % n == 0 && attempt + 1 < attempts {
                         // Went round every filer: pause briefly before trying them again.
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        tokio::time::sleep(pauses.next_pause()).await;
                     }
                 }
                 Err(FilerError::Timeout(msg)) => {
