@@ -59,8 +59,6 @@ const SEEN_MAX: usize = 4096;
 /// ...and only those seen within this much of its position (a replay starts
 /// [`RESUME_MARGIN`] before it).
 const SEEN_WINDOW: i64 = 30_000_000_000;
-/// How long a new session takes replayed events from before its start as rechecks.
-const FLOOR_FOR: Duration = Duration::from_secs(5);
 /// A prefix-set change waits this long for more before the stream restarts.
 const REPLAN_SETTLE: Duration = Duration::from_millis(200);
 /// Shown by the filer in its subscriber list.
@@ -412,15 +410,14 @@ struct Route {
     forgot_ns: i64,
     /// Events were dropped (full queue) or may be lost (reconnect): owes a Resync.
     owes_resync: bool,
-    /// A new session gets events stamped before its `since_ns` as rechecks until a replay
-    /// reaches it, or for [`FLOOR_FOR`] at most: a stream restarted for another route's sake
-    /// replays older events, and applied after the session's own fresh lookups they would
-    /// bring back older states (an older chunk list after a remount). Not dropped: a stamp is
-    /// the filer's clock (or a peer filer's) and `since_ns` the node's, so such an event may
-    /// be newer than the session's reads. After the first replay every event is applied.
+    /// A new session gets events stamped before its `since_ns` as rechecks until an event
+    /// stamped after it arrives: a stream restarted for another route's sake replays older
+    /// events, and applied after the session's own fresh lookups they would bring back older
+    /// states (an older chunk list after a remount). Not dropped: a stamp is the filer's
+    /// clock (or a peer filer's) and `since_ns` the node's, so such an event may be newer
+    /// than the session's reads. No time limit: a recheck loses nothing, it only costs a
+    /// lookup, while a replay may take long or interleave a peer filer's older stamps.
     floor_ns: Option<i64>,
-    start_ns: i64,
-    floor_until: std::time::Instant,
 }
 
 impl Route {
@@ -441,8 +438,6 @@ impl Route {
             forgot_ns: i64::MIN,
             owes_resync: false,
             floor_ns: Some(since_ns),
-            start_ns: since_ns,
-            floor_until: std::time::Instant::now() + FLOOR_FOR,
         };
         (r, rx)
     }
@@ -653,10 +648,10 @@ impl Router {
                 continue;
             }
             r.resume_ns = r.resume_ns.max(ev.ts_ns);
-            if ev.ts_ns >= r.start_ns || std::time::Instant::now() >= r.floor_until {
+            let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
+            if !predates {
                 r.floor_ns = None;
             }
-            let predates = r.floor_ns.is_some_and(|f| ev.ts_ns < f);
             if change
                 && r.wants(&src, &dst, sigs)
                 && r.first_sight(*fp.get_or_insert_with(|| fingerprint(&ev)))
@@ -1258,14 +1253,26 @@ mod tests {
             ]
         );
         assert_eq!(drained(&mut ra), ["/a/x"]);
-        // a route whose replay never reaches its start (a quiet prefix): the floor ends
-        // with its time
-        let (id, mut rc) = bare_route(&router, "/c/", 300 * S);
+        // a route whose replay never reaches its start (a quiet prefix): rechecks until an
+        // event from after its start comes, however long that takes
+        let (_, mut rc) = bare_route(&router, "/c/", 300 * S);
         router.plan().unwrap();
         router.dispatch(created("/c", "early", 250 * S));
-        router.state.lock().routes.get_mut(&id).unwrap().floor_until = std::time::Instant::now();
+        // (the floor once ended after 5 s, and an older state applied after that could
+        // stand for good in an open file)
+        std::thread::sleep(Duration::from_millis(5200));
         router.dispatch(created("/c", "late-peer", 260 * S));
-        assert_eq!(drained(&mut rc), ["recheck /c/early", "/c/late-peer"]);
+        router.dispatch(created("/c", "live", 301 * S));
+        router.dispatch(created("/c", "later-peer", 270 * S));
+        assert_eq!(
+            drained(&mut rc),
+            [
+                "recheck /c/early",
+                "recheck /c/late-peer",
+                "/c/live",
+                "/c/later-peer"
+            ]
+        );
     }
 
     #[test]

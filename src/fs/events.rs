@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 /// How long another client's event about a name we changed makes us re-read its directory
 /// (far beyond the subscription's delivery delay; a longer window costs only listings).
 const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
+/// How long an open file's entry is asked for again while the filer fails.
+const REREAD_FOR: Duration = Duration::from_secs(600);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
@@ -132,6 +134,7 @@ impl Fs {
         let mut running = Running(Some(of.clone()));
         let mut attempt = 0;
         let mut pauses = crate::retry::STORAGE.pauses();
+        let mut failing_since: Option<Instant> = None;
         loop {
             // the files lock is never taken under a file's state lock (the other order is used)
             let open = self.open_file(of.ino).is_some_and(|o| Arc::ptr_eq(&o, &of));
@@ -155,7 +158,10 @@ impl Fs {
                 continue;
             }
             let path = join(&dir, &name);
-            let answer = self.look_again(&path, &dir, &name, of.ino).await;
+            let answer = match self.reread_sem.acquire().await {
+                Ok(_permit) => self.look_again(&path, &dir, &name, of.ino).await,
+                Err(_) => return,
+            };
             // Ok(true): the entry was replaced; Err: ask again
             let outcome: std::result::Result<bool, Option<super::FsError>> = {
                 let mut s = of.state.lock();
@@ -175,8 +181,11 @@ impl Fs {
                         }
                     }
                     Ok(None) => {
-                        // a file whose create is still deferred was never the filer's to remove
-                        if deleted && !s.pending_create {
+                        // A file whose create is still deferred was never the filer's to
+                        // remove; one with data to commit keeps it (its commit wins, as the
+                        // last writer does): the name may be gone from this identity check
+                        // only (a path-derived inode after a rename).
+                        if deleted && !s.pending_create && s.is_clean() {
                             s.unlinked = true;
                             s.epoch += 1;
                         }
@@ -187,6 +196,7 @@ impl Fs {
             match outcome {
                 Ok(replaced) => {
                     attempt = 0;
+                    failing_since = None;
                     pauses = crate::retry::STORAGE.pauses();
                     if replaced {
                         self.bump_content_gen(of.ino);
@@ -202,6 +212,12 @@ impl Fs {
                         s.resync.deleted |= deleted;
                     }
                     if let Some(e) = &failed {
+                        if failing_since.get_or_insert_with(Instant::now).elapsed() > REREAD_FOR {
+                            // the filer is away for long (or the volume is gone): a later
+                            // event or resync starts again
+                            tracing::error!(path, error = %e, attempt, "re-reading an open file's entry keeps failing; giving up for now");
+                            return;
+                        }
                         tracing::warn!(path, error = %e, attempt, "re-reading an open file's entry after an event failed; retrying");
                     }
                     // a pause before asking again, also when the file moved on meanwhile
@@ -401,10 +417,12 @@ impl Fs {
     }
 
     /// Takes an event that may be older than what this filesystem has read since it started
-    /// (see [`crate::filer::subscribe::SubscriptionEvent::Recheck`]): nothing of it is
-    /// applied, since its entries may be older states. What it names is asked of the filer
-    /// again instead: the cached listings and the kernel's entries are dropped, open files
-    /// read their entry again, and a move is followed once the filer shows it.
+    /// (see [`crate::filer::subscribe::SubscriptionEvent::Recheck`]): none of its entries is
+    /// applied, since they may be older states. What it names is asked of the filer again:
+    /// the cached listings and the kernel's entries are dropped and open files read their
+    /// entry again. A move is applied only to the very file it moved (same identity at the
+    /// old name here): taken in event order like any event, a replayed chain of moves ends
+    /// where the filer's did, and a name that another file holds by now is left alone.
     pub fn recheck_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
         let Some(n) = ev.event_notification.as_ref() else {
             return;
@@ -419,8 +437,47 @@ impl Fs {
         let npath = n.new_entry.as_ref().map(|e| join(ndir, &e.name));
         let moved = opath.is_some() && npath.is_some() && opath != npath;
         let notifier = self.notifier.read().clone();
+        // what this node holds at the target before the move: replaced by it
+        let replaced = npath.as_ref().and_then(|p| self.inodes.ino_of(p));
+        let mover = n
+            .old_entry
+            .iter()
+            .zip(opath.iter())
+            .map(|(e, p)| entry_inode(p, e))
+            .next();
+        if let (true, Some(o), Some(np), Some(mover)) = (moved, &opath, &npath, mover) {
+            if self.inodes.ino_of(o) == Some(mover) {
+                if replaced.is_some_and(|r| r != mover) {
+                    self.inodes.unlink_path(np);
+                }
+                self.moved(o, np);
+            }
+        }
+        if let (Some(o), Some(op), None) = (&n.old_entry, &opath, &n.new_entry) {
+            let ino = entry_inode(op, o);
+            if !o.hard_link_id.is_empty() && self.inodes.ino_of(op) == Some(ino) {
+                // A name of a hard-linked file: the file lives on under the others, so an
+                // open file at this name follows one it is known by (any is the same file).
+                self.inodes.unlink_path(op);
+                self.meta.forget_link(&o.hard_link_id);
+                let other = self.inodes.aliases(ino).into_iter().next();
+                if let (Some(of), Some(other)) = (self.open_file(ino), other) {
+                    let mut s = of.state.lock();
+                    if join(&s.dir, &s.entry.name) == *op {
+                        (s.dir, s.entry.name) = split(&other);
+                    }
+                }
+            }
+        }
+        if n.new_entry.is_none() || moved {
+            // a listing being handed out may hold the name
+            self.note_name_gone();
+        }
         // (inode, whether the event says it is gone from the filer)
         let mut inos: Vec<(u64, bool)> = Vec::new();
+        if let Some(r) = replaced {
+            inos.push((r, moved && Some(r) != mover));
+        }
         let sides = n
             .old_entry
             .iter()
@@ -441,12 +498,11 @@ impl Fs {
                 nt.inval_entry(pino, &e.name);
                 nt.inval_inode(pino);
             }
-            let ino = entry_inode(path, e);
-            // a removal (not a move) says the file is gone; so does a move onto another file
-            let removed = n.new_entry.is_none();
-            inos.push((ino, removed));
-            if let Some(here) = self.inodes.ino_of(path).filter(|&h| h != ino) {
-                inos.push((here, moved && Some(path) == npath.as_ref()));
+            // a removed name of a file with other names (a hard link) is not the file gone
+            let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+            inos.push((entry_inode(path, e), n.new_entry.is_none() && !linked));
+            if let Some(here) = self.inodes.ino_of(path) {
+                inos.push((here, false));
             }
         }
         for (ino, gone) in inos {
@@ -458,54 +514,6 @@ impl Fs {
                 // believed only if the filer no longer has the file under its name
                 if of.state.lock().want_resync(gone) {
                     self.spawn_resync(of);
-                }
-            }
-        }
-        if let (true, Some(o), Some(np)) = (moved, opath, npath) {
-            // only a name this node knows can be left behind (a replay may hold many moves)
-            if self.inodes.ino_of(&o).is_some() || self.open_at(&o).is_some() {
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(self.clone().follow_move(o, np));
-                }
-            }
-        }
-    }
-
-    /// The open file whose name here is `path`.
-    fn open_at(&self, path: &str) -> Option<Arc<OpenFile>> {
-        let files = self.files.lock();
-        let mut open = files.values().map(|o| &o.file);
-        open.find(|of| {
-            let s = of.state.lock();
-            join(&s.dir, &s.entry.name) == path
-        })
-        .cloned()
-    }
-
-    /// Follows a move reported by a recheck if the filer shows it: the file (its inode, or
-    /// its creation time where the filer keeps no inode) is at `npath` and no longer at
-    /// `opath`, while this node still has it at `opath`.
-    async fn follow_move(self: Arc<Self>, opath: String, npath: String) {
-        let (odir, oname) = split(&opath);
-        let (ndir, nname) = split(&npath);
-        let Ok(e) = self.filer.lookup_entry(&ndir, &nname).await else {
-            return;
-        };
-        let ino = entry_inode(&opath, &e);
-        match self.filer.lookup_entry(&odir, &oname).await {
-            Err(FilerError::NotFound(_)) => {}
-            Ok(o) if entry_inode(&opath, &o) != ino => {}
-            _ => return,
-        }
-        let here = self.inodes.ino_of(&opath) == Some(ino)
-            || self.open_at(&opath).is_some_and(|of| of.ino == ino);
-        if here {
-            self.moved(&opath, &npath);
-            if let Some(nt) = self.notifier.read().clone() {
-                for (d, name) in [(&odir, &oname), (&ndir, &nname)] {
-                    if let Some(pino) = self.inodes.ino_of(d) {
-                        nt.inval_entry(pino, name);
-                    }
                 }
             }
         }
@@ -641,42 +649,124 @@ mod tests {
         );
     }
 
-    /// A move another client made is followed by an open file once the filer shows it.
-    #[tokio::test]
-    async fn a_recheck_follows_a_move_the_filer_shows() {
-        let (fs, other) = fs();
-        put(&other, "f", b"data").await;
-        let h = open(&fs, "f").await;
-        let mv = pb::SubscribeMetadataResponse {
+    fn mv(from: &str, to: &str) -> pb::SubscribeMetadataResponse {
+        pb::SubscribeMetadataResponse {
             directory: "/".into(),
             event_notification: Some(pb::EventNotification {
-                old_entry: Some(file("f", b"data")),
-                new_entry: Some(file("g", b"data")),
+                old_entry: Some(file(from, b"data")),
+                new_entry: Some(file(to, b"data")),
                 new_parent_path: "/".into(),
                 ..Default::default()
             }),
             ..Default::default()
-        };
-        // not done at the filer (an old event): nothing moves
-        fs.recheck_event(&mv);
-        settle().await;
-        let of = fs.open_file(h.0).unwrap();
-        assert_eq!(of.state.lock().entry.name, "f");
+        }
+    }
+
+    async fn rename_elsewhere(other: &MockFiler, from: &str, to: &str) {
         other
             .rename_entry(pb::StreamRenameEntryRequest {
                 old_directory: "/".into(),
-                old_name: "f".into(),
+                old_name: from.into(),
                 new_directory: "/".into(),
-                new_name: "g".into(),
+                new_name: to.into(),
                 ..Default::default()
             })
             .await
             .unwrap();
-        fs.recheck_event(&mv);
+    }
+
+    /// Found in review: a move followed only once two filer lookups confirmed it was lost
+    /// for good on a transient error or in a chain (f -> g -> h), and the open file's next
+    /// commit brought the old name back (two entries sharing chunks). Taken in order and
+    /// only for the file it moved, a chain ends where the filer's did, with no lookup.
+    #[tokio::test]
+    async fn a_recheck_moves_the_file_it_moved_and_chains_end_where_the_filers_did() {
+        let (fs, other) = fs();
+        put(&other, "f", b"data").await;
+        let (ino, _) = open(&fs, "f").await;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        rename_elsewhere(&other, "f", "g").await;
+        rename_elsewhere(&other, "g", "h").await;
+        other.fail_next(3); // no lookup is needed to follow
+        fs.recheck_event(&mv("f", "g"));
+        fs.recheck_event(&mv("g", "h"));
+        let of = fs.open_file(ino).unwrap();
+        assert_eq!(of.state.lock().entry.name, "h");
         settle().await;
-        assert_eq!(of.state.lock().entry.name, "g");
+        fs.write(fh, ino, 0, b"DATA").await.unwrap();
+        fs.flush(fh, ino).await.unwrap();
+        assert_eq!(other.paths(), ["/h"], "no old name brought back");
+        assert!(
+            !other.get("/h").unwrap().chunks.is_empty(),
+            "the write went to /h"
+        );
+    }
+
+    /// ...and a name that another file holds by now (a new file made at the old name after
+    /// the move) is left alone: the event is not about it.
+    #[tokio::test]
+    async fn a_recheck_never_moves_another_file_that_took_the_name() {
+        let (fs, other) = fs();
+        let mut newer = file("f", b"new file");
+        newer.attributes.as_mut().unwrap().inode = 777;
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(newer),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let (ino, _fh) = open(&fs, "f").await;
+        fs.recheck_event(&mv("f", "g")); // moved the file with inode 4242, long ago
+        settle().await;
+        let of = fs.open_file(ino).unwrap();
+        assert_eq!(of.state.lock().entry.name, "f");
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
+    }
+
+    /// Found in review: a recheck of one name's removal unlinked an open hard-linked file
+    /// that lives on under another name, and its writes were never committed.
+    #[tokio::test]
+    async fn a_recheck_of_one_hard_link_removal_keeps_the_file() {
+        let (fs, other) = fs();
+        for n in ["l", "f"] {
+            let mut e = file(n, b"data");
+            e.hard_link_id = vec![7; 17];
+            e.hard_link_counter = 2;
+            other
+                .create_entry(pb::CreateEntryRequest {
+                    directory: "/".into(),
+                    entry: Some(e),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+        let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"DATA-MORE").await.unwrap();
+        let gone = other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "l".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        fs.recheck_event(&gone);
+        settle().await;
+        let of = fs.open_file(ino).unwrap();
         assert!(!of.state.lock().unlinked);
-        assert_eq!(fs.lookup(ROOT_INO, "g").await.unwrap().ino, h.0);
+        assert_eq!(of.state.lock().entry.name, "f");
+        fs.flush(fh, ino).await.unwrap();
+        assert_eq!(crate::chunks::file_size(&other.get("/f").unwrap()), 9);
+        assert!(
+            other.get("/l").is_none(),
+            "the removed name is not brought back"
+        );
     }
 
     /// After a subscription gap an open file's change in the gap is seen (its entry is not

@@ -264,6 +264,8 @@ pub struct Fs {
     pub created_ns: i64,
     upload_sem: Arc<Semaphore>,
     prefetch_sem: Arc<Semaphore>,
+    /// Bounds the filer lookups of open files re-read after events (a resync asks for all).
+    reread_sem: Semaphore,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Pending parent-directory time updates (written back in the background).
     dir_times: Mutex<HashMap<String, SystemTime>>,
@@ -319,6 +321,7 @@ impl Fs {
             meta: MetaCache::new(cfg.meta_ttl),
             upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
             prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
+            reread_sem: Semaphore::new(8),
             quota: AtomicU64::new(cfg.quota_bytes),
             cfg,
             filer,
