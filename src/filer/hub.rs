@@ -68,14 +68,24 @@ const CLIENT_NAME: &str = "seaweedfs-csi";
 static STREAMS_OPENED: AtomicU64 = AtomicU64::new(0);
 static EVENTS_DROPPED: AtomicU64 = AtomicU64::new(0);
 
+/// A fingerprint of a (small) file's contents; None if it cannot be read.
+fn file_fingerprint(path: &std::path::Path) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let bytes = std::fs::read(path).ok()?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    Some(h.finish())
+}
+
 /// What makes two volumes share a connection.
 #[derive(Clone, PartialEq, Eq)]
 struct HubKey {
     addresses: Vec<String>,
     security: SecurityConfig,
-    /// The gRPC TLS files' modification times: a volume staged after the certificates were
-    /// rotated gets a connection with the new ones (the old one lives on with its volumes).
-    tls_files: Vec<Option<std::time::SystemTime>>,
+    /// Fingerprints of the gRPC TLS files' contents: a volume staged after the certificates
+    /// were rotated gets a connection with the new ones (the old one lives on with its
+    /// volumes). Contents, not times: a copy that keeps times (`cp -p`, an image) is new too.
+    tls_files: Vec<Option<u64>>,
     call_timeout: Duration,
     connect_timeout: Duration,
 }
@@ -157,10 +167,7 @@ impl FilerHub {
         let sec = &opts.security;
         let tls_files = [&sec.grpc_ca, &sec.grpc_client_cert, &sec.grpc_client_key]
             .into_iter()
-            .map(|p| {
-                p.as_ref()
-                    .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
-            })
+            .map(|p| p.as_ref().and_then(|p| file_fingerprint(p)))
             .collect();
         let key = HubKey {
             addresses,
@@ -1489,7 +1496,8 @@ mod tests {
         let a = hub.connect(opts()).await.unwrap();
         let b = hub.connect(opts()).await.unwrap();
         assert!(Arc::ptr_eq(&a, &b), "same files: shared");
-        write(2_000_000); // cert-manager renewed them
+        // cert-manager renewed them; copied with their times kept
+        write(1_000_000);
         let c = hub.connect(opts()).await.unwrap();
         assert!(!Arc::ptr_eq(&a, &c), "renewed files: a new connection");
         assert_eq!(hub.connections(), 2);
