@@ -238,6 +238,12 @@ pub struct VolumeState {
     pub inodes: Vec<crate::fs::inode::NodeRecord>,
     /// True when the previous process flushed everything and stopped serving on purpose.
     pub graceful: bool,
+    /// Names the session at the keeper across adoptions (see [`KeeperClient::put_session`]);
+    /// absent in blobs of older versions.
+    ///
+    /// [`KeeperClient::put_session`]: crate::keeper::KeeperClient::put_session
+    #[serde(default)]
+    pub token: Option<u64>,
 }
 
 type Blob = super::takeover::Handover<VolumeState>;
@@ -258,6 +264,7 @@ struct KeptSession {
     volume_id: String,
     opts: MountOptions,
     init: super::takeover::InitParams,
+    token: Option<u64>,
 }
 
 /// One mounted volume served by this process.
@@ -370,11 +377,13 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
+        let token = Some(rand::random::<u64>());
         let state = VolumeState {
             volume_id: volume_id.to_string(),
             opts: opts.clone(),
             inodes: Vec::new(),
             graceful: false,
+            token,
         };
         let blob = Blob::new(mountpoint.to_path_buf(), mounted.init.clone(), state)
             .to_bytes()
@@ -388,7 +397,7 @@ impl MountedVolume {
             .map_err(|e| mount_err(mountpoint, e))?;
         let put = tokio::task::spawn_blocking(move || {
             use std::os::fd::AsFd;
-            k.put(&id, &blob, &[fd.as_fd(), jfd.as_fd(), dfd.as_fd()])
+            k.put_session(&id, token, &blob, &[fd.as_fd(), jfd.as_fd(), dfd.as_fd()])
         })
         .await
         .map_err(|e| mount_err(mountpoint, e.to_string()))?;
@@ -408,6 +417,7 @@ impl MountedVolume {
             volume_id: volume_id.to_string(),
             opts: opts.clone(),
             init: mounted.init,
+            token,
         }));
         Ok(Self::started(fs, &session, mountpoint, serving))
     }
@@ -436,14 +446,13 @@ impl MountedVolume {
         let dirty_fd = fds.next();
         let state = blob.state;
         // The kernel queues requests meanwhile; keep trying while the filer is unreachable.
-        let mut delay = Duration::from_millis(200);
+        let mut pauses = crate::retry::RECONNECT.pauses();
         let (fs, filer) = loop {
             match build_fs(&state.opts, security).await {
                 Ok(built) => break built,
                 Err(e) => {
                     tracing::warn!(volume_id = %state.volume_id, error = %e, "adopt: filer not ready, retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    tokio::time::sleep(pauses.next_pause()).await;
                 }
             }
         };
@@ -498,6 +507,7 @@ impl MountedVolume {
             volume_id: state.volume_id.clone(),
             opts: state.opts.clone(),
             init,
+            token: state.token,
         }));
         Ok(Self::started(fs, &filer, &mountpoint, serving))
     }
@@ -515,6 +525,7 @@ impl MountedVolume {
             volume_id,
             opts,
             init,
+            token,
         } = *k;
         let started = std::time::Instant::now();
         // before the gate closes: an invalidation in progress may need a request answered
@@ -533,6 +544,7 @@ impl MountedVolume {
             opts,
             inodes: self.fs.inodes.snapshot(),
             graceful: true,
+            token,
         };
         let blob = Blob::new(self.mountpoint.clone(), init, state)
             .to_bytes()
@@ -599,7 +611,7 @@ impl MountedVolume {
         let mp = self.mountpoint.clone();
         let (bg, keeper) = match self.serving.take() {
             Some(Serving::Plain(bg)) => (Some(bg), None),
-            Some(Serving::Kept(k)) => (k.bg, Some((k.keeper, k.volume_id))),
+            Some(Serving::Kept(k)) => (k.bg, Some((k.keeper, k.volume_id, k.token))),
             None => (None, None),
         };
         let conn = self.conn;
@@ -613,8 +625,10 @@ impl MountedVolume {
             } else {
                 super::takeover::unmount(&mp)
             };
-            if let Some((keeper, volume_id)) = keeper {
-                if let Err(e) = keeper.drop_entry(&volume_id) {
+            if let Some((keeper, volume_id, token)) = keeper {
+                // by token: this may run late (a timed-out unstage), after a new stage of the
+                // volume put its own session there
+                if let Err(e) = keeper.drop_session(&volume_id, token) {
                     tracing::warn!(volume_id, error = %e, "fd-keeper drop failed");
                 }
             }

@@ -264,11 +264,27 @@ impl KeeperClient {
     /// Stores (replacing) `id` with its blob and fds; this connection becomes the owner.
     /// Fails with `Busy` if another live connection owns `id`.
     pub fn put(&self, id: &str, blob: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), KeeperError> {
+        self.put_session(id, None, blob, fds)
+    }
+
+    /// [`Self::put`] for the session named `token`: only a drop with that token (or none)
+    /// removes the entry (see [`Self::drop_session`]).
+    pub fn put_session(
+        &self,
+        id: &str,
+        token: Option<u64>,
+        blob: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(), KeeperError> {
         let memfd = blob_to_memfd(blob)?;
         let raw: Vec<RawFd> = std::iter::once(memfd.as_raw_fd())
             .chain(fds.iter().map(|f| f.as_raw_fd()))
             .collect();
-        let (resp, _) = self.call(&Request::Put { id: id.into() }, &raw, self.timeout)?;
+        let req = Request::Put {
+            id: id.into(),
+            token,
+        };
+        let (resp, _) = self.call(&req, &raw, self.timeout)?;
         Self::expect_ok(resp)
     }
 
@@ -305,7 +321,17 @@ impl KeeperClient {
 
     /// Forgets `id` and closes the keeper's fds: the session is really over.
     pub fn drop_entry(&self, id: &str) -> Result<(), KeeperError> {
-        let (resp, _) = self.call(&Request::Drop { id: id.into() }, &[], self.timeout)?;
+        self.drop_session(id, None)
+    }
+
+    /// Forgets `id` if it is still the session named `token` (a late drop of an earlier
+    /// session of the volume leaves a newer one alone).
+    pub fn drop_session(&self, id: &str, token: Option<u64>) -> Result<(), KeeperError> {
+        let req = Request::Drop {
+            id: id.into(),
+            token,
+        };
+        let (resp, _) = self.call(&req, &[], self.timeout)?;
         Self::expect_ok(resp)
     }
 }

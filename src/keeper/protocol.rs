@@ -24,12 +24,28 @@ pub(super) const MAX_MSG: usize = 64 * 1024;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(super) enum Request {
-    Put { id: String },
-    UpdateBlob { id: String },
-    Get { id: String },
-    Claim { id: String },
+    /// `token` names the session (kept across adoptions in its blob): a drop that carries
+    /// another session's token leaves the entry (absent in older clients: no check).
+    Put {
+        id: String,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    UpdateBlob {
+        id: String,
+    },
+    Get {
+        id: String,
+    },
+    Claim {
+        id: String,
+    },
     List,
-    Drop { id: String },
+    Drop {
+        id: String,
+        #[serde(default)]
+        token: Option<u64>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

@@ -27,6 +27,8 @@ struct Entry {
     blob: OwnedFd,
     fds: Vec<OwnedFd>,
     owner: Option<ConnId>,
+    /// The session's token (see [`Request::Put`]).
+    token: Option<u64>,
     /// Connections waiting in `claim`, oldest first.
     waiters: VecDeque<ConnId>,
 }
@@ -210,17 +212,17 @@ impl KeeperServer {
         tracing::debug!(conn = cid, ?req, nfds = fds.len(), "keeper request");
         let id_ok = match &req {
             Request::List => Ok(()),
-            Request::Put { id }
+            Request::Put { id, .. }
             | Request::UpdateBlob { id }
             | Request::Get { id }
             | Request::Claim { id }
-            | Request::Drop { id } => validate_id(id),
+            | Request::Drop { id, .. } => validate_id(id),
         };
         if let Err(m) = id_ok {
             return self.reply_err(cid, ErrKind::Invalid, m);
         }
         match req {
-            Request::Put { id } => {
+            Request::Put { id, token } => {
                 if fds.len() < 2 || fds.len() > MAX_FDS_PER_ENTRY + 1 {
                     return self.reply_err(
                         cid,
@@ -253,6 +255,7 @@ impl KeeperServer {
                         blob,
                         fds,
                         owner: Some(cid),
+                        token,
                         waiters,
                     },
                 );
@@ -312,7 +315,18 @@ impl KeeperServer {
                 ids.sort();
                 self.reply(cid, &Response::Ids { ids }, &[]);
             }
-            Request::Drop { id } => match self.entries.remove(&id) {
+            Request::Drop { id, token: Some(t) }
+                if self
+                    .entries
+                    .get(&id)
+                    .is_some_and(|e| e.token.is_some_and(|et| et != t)) =>
+            {
+                // a late drop of an earlier session (its unmount outlived a timeout, and the
+                // volume was staged again meanwhile): the entry is another session's now
+                tracing::info!(id = %id, conn = cid, "keeper: drop for an earlier session ignored");
+                self.reply(cid, &Response::Ok, &[]);
+            }
+            Request::Drop { id, .. } => match self.entries.remove(&id) {
                 None => self.reply_err(cid, ErrKind::NotFound, id),
                 Some(e) => {
                     tracing::info!(id = %id, conn = cid, "keeper: drop (fds closed)");

@@ -346,3 +346,24 @@ fn keeper_exits_on_stop_only_when_empty() {
     assert!(t.is_finished());
     t.join().unwrap().unwrap();
 }
+
+/// Found in review: an unstage that outlived its timeout dropped the entry after the volume
+/// was staged again (same connection, same id), so the next plugin restart could not adopt
+/// the new session. A drop names its session now.
+#[test]
+fn a_late_drop_of_an_earlier_session_leaves_the_new_one() {
+    let k = Running::start();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    let c = k.client();
+    c.put_session("v", Some(1), b"first", &[w.as_fd()]).unwrap();
+    c.put_session("v", Some(2), b"second", &[w.as_fd()])
+        .unwrap();
+    c.drop_session("v", Some(1)).unwrap();
+    assert_eq!(c.get("v").unwrap().blob, b"second");
+    c.drop_session("v", Some(2)).unwrap();
+    assert!(c.list().unwrap().is_empty());
+    // a client without tokens (an older version) drops as before
+    c.put("u", b"x", &[w.as_fd()]).unwrap();
+    c.drop_session("u", Some(9)).unwrap();
+    assert!(c.list().unwrap().is_empty());
+}
