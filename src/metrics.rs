@@ -433,3 +433,101 @@ pub(crate) fn render_collector(c: Box<dyn Collector>) -> String {
     prometheus_text::encode(&mut out, &r).unwrap();
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Label values are escaped as the text format requires: `\` -> `\\`, `"` -> `\"` and a
+    /// newline -> `\n` (the hand-written encoder missed the newline, which ended the sample
+    /// line in the middle of the label).
+    #[test]
+    fn label_values_are_escaped() {
+        let t = fuse_op("lookup", "/esc\\a\"b\nc".into());
+        t.failed();
+        drop(t);
+        let text = global().render();
+        let want = r#"seaweedfs_csi_fuse_op_errors_total{op="lookup",volume="/esc\\a\"b\nc"} 1"#;
+        assert!(text.lines().any(|l| l == want), "{text}");
+    }
+
+    /// One FUSE op observed through a session's handles gives exactly the usual histogram
+    /// lines: cumulative buckets with Go-style bounds, `+Inf`, `_sum` and `_count`, and the
+    /// error counter.
+    #[test]
+    fn fuse_op_histogram_lines() {
+        let m = Metrics::new();
+        let ops = m.fuse_ops("/buckets/v".into());
+        ops.series(fuse_op_index("read"))
+            .observe(Duration::from_millis(3), false);
+        ops.series(fuse_op_index("read"))
+            .observe(Duration::from_secs(20), true);
+        let text = m.render();
+        let l = r#"op="read",volume="/buckets/v""#;
+        let mut want = vec![
+            "# HELP seaweedfs_csi_fuse_op_seconds Latency of FUSE operations.".to_string(),
+            "# TYPE seaweedfs_csi_fuse_op_seconds histogram".to_string(),
+        ];
+        for (le, n) in [
+            ("0.0001", 0),
+            ("0.00025", 0),
+            ("0.0005", 0),
+            ("0.001", 0),
+            ("0.0025", 0),
+            ("0.005", 1),
+            ("0.01", 1),
+            ("0.025", 1),
+            ("0.1", 1),
+            ("0.5", 1),
+            ("2", 1),
+            ("10", 1),
+            ("+Inf", 2),
+        ] {
+            want.push(format!(
+                "seaweedfs_csi_fuse_op_seconds_bucket{{{l},le=\"{le}\"}} {n}"
+            ));
+        }
+        want.extend([
+            format!("seaweedfs_csi_fuse_op_seconds_sum{{{l}}} 20.003"),
+            format!("seaweedfs_csi_fuse_op_seconds_count{{{l}}} 2"),
+            "# HELP seaweedfs_csi_fuse_op_errors_total Failed FUSE operations.".to_string(),
+            "# TYPE seaweedfs_csi_fuse_op_errors_total counter".to_string(),
+            format!("seaweedfs_csi_fuse_op_errors_total{{{l}}} 1"),
+        ]);
+        let got: Vec<&str> = text.lines().take(want.len()).collect();
+        assert_eq!(got, want, "{text}");
+
+        // the hot path: a timer on the cached handle lands in the same series
+        drop(ops.start(fuse_op_index("read")));
+        assert!(m
+            .render()
+            .contains(&format!("seaweedfs_csi_fuse_op_seconds_count{{{l}}} 3\n")));
+    }
+
+    /// Families are listed before anything is observed, unlabelled samples carry no `{}`.
+    #[test]
+    fn empty_registry_lists_every_family() {
+        let text = Metrics::new().render();
+        for f in [
+            "seaweedfs_csi_fuse_op_seconds histogram",
+            "seaweedfs_csi_fuse_op_errors_total counter",
+            "seaweedfs_csi_filer_rpc_seconds histogram",
+            "seaweedfs_csi_volume_request_errors_total counter",
+            "seaweedfs_csi_uploads_total counter",
+            "seaweedfs_csi_staged_volumes gauge",
+        ] {
+            assert!(text.contains(&format!("# TYPE {f}\n")), "{f}:\n{text}");
+        }
+        assert!(
+            text.contains("\nseaweedfs_csi_upload_errors_total 0\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn every_fuse_op_has_an_index() {
+        for (i, op) in FUSE_OPS.iter().enumerate() {
+            assert_eq!(fuse_op_index(op), i);
+        }
+    }
+}

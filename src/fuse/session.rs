@@ -837,6 +837,48 @@ mod tests {
         names
     }
 
+    /// The collector exports every live session's numbers, one series per volume: sessions
+    /// of one filer path are summed (two lines with the same labels would be invalid), and a
+    /// dropped session leaves.
+    #[tokio::test]
+    async fn session_collector_sums_per_volume() {
+        let fs_at = |root: &str| {
+            let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+            cfg.root = root.into();
+            Fs::new(
+                cfg,
+                Arc::new(MockFiler::new()),
+                Arc::new(MockChunkStore::new()),
+                ChunkCache::new(1 << 20),
+            )
+        };
+        let (a, b) = (fs_at("/collect/x"), fs_at("/collect/x"));
+        let c = fs_at("/collect/\"y\"");
+        a.cache.stats.hits.fetch_add(2, Relaxed);
+        b.cache.stats.hits.fetch_add(3, Relaxed);
+        c.cache.stats.hits.fetch_add(7, Relaxed);
+        for f in [&a, &b, &c] {
+            register_metrics(f);
+        }
+        let text = crate::metrics::render_collector(Box::new(SessionCollector));
+        let hits: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("seaweedfs_csi_cache_hits_total{volume=\"/collect/"))
+            .collect();
+        assert_eq!(
+            hits,
+            [
+                r#"seaweedfs_csi_cache_hits_total{volume="/collect/\"y\""} 7"#,
+                r#"seaweedfs_csi_cache_hits_total{volume="/collect/x"} 5"#,
+            ],
+            "{text}"
+        );
+        assert!(text.contains("# TYPE seaweedfs_csi_cache_size_bytes gauge\n"));
+        drop(c);
+        let text = crate::metrics::render_collector(Box::new(SessionCollector));
+        assert!(!text.contains(r#"volume="/collect/\"y\"""#), "{text}");
+    }
+
     /// Two sessions on one shared connection, the same filer path: each one's cached
     /// listing follows the other's changes through the node's one subscription, for as
     /// long as its background tasks run.
