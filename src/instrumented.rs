@@ -8,14 +8,24 @@ use crate::volume::{ChunkStore, Result as VolumeResult, UploadOptions};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-async fn timed<T, E>(
-    family: &'static str,
-    label: &'static str,
+/// Awaits `$fut` timed into the global series `$family($label)` (a [`metrics::Metrics`]
+/// method). Each call site finds its series once and keeps it in a static, so a call costs a
+/// few atomic adds and no lock.
+macro_rules! timed {
+    ($family:ident, $label:literal, $fut:expr $(,)?) => {{
+        static SERIES: OnceLock<metrics::Series> = OnceLock::new();
+        let series = SERIES.get_or_init(|| metrics::global().$family($label));
+        record(series, $fut).await
+    }};
+}
+
+async fn record<T, E>(
+    series: &metrics::Series,
     f: impl Future<Output = Result<T, E>>,
 ) -> Result<T, E> {
-    let t = metrics::timer(family, label);
+    let t = series.start();
     let r = f.await;
     if r.is_err() {
         t.failed();
@@ -23,21 +33,17 @@ async fn timed<T, E>(
     r
 }
 
-const FILER: &str = "seaweedfs_csi_filer_rpc";
-const VOLUME: &str = "seaweedfs_csi_volume_request";
-
 /// A [`FilerApi`] whose calls are recorded as `seaweedfs_csi_filer_rpc_seconds{method}`.
 pub struct InstrumentedFiler(pub Arc<dyn FilerApi>);
 
 #[async_trait]
 impl FilerApi for InstrumentedFiler {
     async fn lookup_entry(&self, dir: &str, name: &str) -> FilerResult<pb::Entry> {
-        timed(
-            FILER,
+        timed!(
+            filer_rpc,
             "LookupDirectoryEntry",
             self.0.lookup_entry(dir, name),
         )
-        .await
     }
     async fn list_page(
         &self,
@@ -46,57 +52,56 @@ impl FilerApi for InstrumentedFiler {
         inclusive: bool,
         limit: u32,
     ) -> FilerResult<Vec<pb::Entry>> {
-        timed(
-            FILER,
+        timed!(
+            filer_rpc,
             "ListEntries",
             self.0.list_page(dir, start_from, inclusive, limit),
         )
-        .await
     }
     async fn create_entry(
         &self,
         req: pb::CreateEntryRequest,
     ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
-        timed(FILER, "CreateEntry", self.0.create_entry(req)).await
+        timed!(filer_rpc, "CreateEntry", self.0.create_entry(req))
     }
     async fn update_entry(
         &self,
         req: pb::UpdateEntryRequest,
     ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
-        timed(FILER, "UpdateEntry", self.0.update_entry(req)).await
+        timed!(filer_rpc, "UpdateEntry", self.0.update_entry(req))
     }
     async fn delete_entry(
         &self,
         req: pb::DeleteEntryRequest,
     ) -> FilerResult<Option<pb::SubscribeMetadataResponse>> {
-        timed(FILER, "DeleteEntry", self.0.delete_entry(req)).await
+        timed!(filer_rpc, "DeleteEntry", self.0.delete_entry(req))
     }
     async fn rename_entry(
         &self,
         req: pb::StreamRenameEntryRequest,
     ) -> FilerResult<Vec<pb::StreamRenameEntryResponse>> {
-        timed(FILER, "StreamRenameEntry", self.0.rename_entry(req)).await
+        timed!(filer_rpc, "StreamRenameEntry", self.0.rename_entry(req))
     }
     async fn assign_volume(
         &self,
         req: pb::AssignVolumeRequest,
     ) -> FilerResult<pb::AssignVolumeResponse> {
-        timed(FILER, "AssignVolume", self.0.assign_volume(req)).await
+        timed!(filer_rpc, "AssignVolume", self.0.assign_volume(req))
     }
     async fn lookup_volume(&self, volume_id: u32) -> FilerResult<Vec<pb::Location>> {
-        timed(FILER, "LookupVolume", self.0.lookup_volume(volume_id)).await
+        timed!(filer_rpc, "LookupVolume", self.0.lookup_volume(volume_id))
     }
     async fn statistics(&self, req: pb::StatisticsRequest) -> FilerResult<pb::StatisticsResponse> {
-        timed(FILER, "Statistics", self.0.statistics(req)).await
+        timed!(filer_rpc, "Statistics", self.0.statistics(req))
     }
     async fn configuration(&self) -> FilerResult<pb::GetFilerConfigurationResponse> {
-        timed(FILER, "GetFilerConfiguration", self.0.configuration()).await
+        timed!(filer_rpc, "GetFilerConfiguration", self.0.configuration())
     }
     async fn subscribe_once(
         &self,
         req: pb::SubscribeMetadataRequest,
     ) -> FilerResult<MetadataStream> {
-        timed(FILER, "SubscribeMetadata", self.0.subscribe_once(req)).await
+        timed!(filer_rpc, "SubscribeMetadata", self.0.subscribe_once(req))
     }
     fn http_address(&self) -> String {
         self.0.http_address()
@@ -112,10 +117,10 @@ pub struct InstrumentedStore(pub Arc<dyn ChunkStore>);
 #[async_trait]
 impl ChunkStore for InstrumentedStore {
     async fn upload(&self, data: Bytes, opts: &UploadOptions) -> VolumeResult<pb::FileChunk> {
-        timed(VOLUME, "upload", self.0.upload(data, opts)).await
+        timed!(volume_request, "upload", self.0.upload(data, opts))
     }
     async fn fetch_chunk(&self, chunk: &pb::FileChunk) -> VolumeResult<Bytes> {
-        timed(VOLUME, "read_chunk", self.0.fetch_chunk(chunk)).await
+        timed!(volume_request, "read_chunk", self.0.fetch_chunk(chunk))
     }
     async fn fetch_range(
         &self,
@@ -123,10 +128,14 @@ impl ChunkStore for InstrumentedStore {
         offset: u64,
         len: u64,
     ) -> VolumeResult<Bytes> {
-        timed(VOLUME, "read_range", self.0.fetch_range(chunk, offset, len)).await
+        timed!(
+            volume_request,
+            "read_range",
+            self.0.fetch_range(chunk, offset, len)
+        )
     }
     async fn delete_chunks(&self, file_ids: &[String]) -> VolumeResult<()> {
-        timed(VOLUME, "delete", self.0.delete_chunks(file_ids)).await
+        timed!(volume_request, "delete", self.0.delete_chunks(file_ids))
     }
 }
 

@@ -193,10 +193,7 @@ fn router(checks: Checks) -> Router {
 
 async fn metrics() -> impl IntoResponse {
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         crate::metrics::global().render(),
     )
 }

@@ -1064,7 +1064,5 @@ impl Node for NodeService {
 /// Keeps `seaweedfs_csi_published_targets` equal to the publications this process knows.
 fn set_published_gauge(vols: &HashMap<String, StagedVolume>) {
     let n: usize = vols.values().map(|v| v.publications.len()).sum();
-    crate::metrics::global()
-        .published_targets
-        .store(n as u64, std::sync::atomic::Ordering::Relaxed);
+    crate::metrics::global().published_targets.set(n as i64);
 }

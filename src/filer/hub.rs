@@ -39,6 +39,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::MetricType;
 use tokio::sync::{mpsc, Notify};
 
 use super::grpc::{FilerClientOptions, GrpcFiler};
@@ -96,6 +99,21 @@ pub struct FilerHub {
     conns: Mutex<Vec<(HubKey, Weak<SharedFiler>)>>,
 }
 
+/// Exports a hub's state at scrape time.
+struct HubCollector(&'static FilerHub);
+
+impl std::fmt::Debug for HubCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HubCollector")
+    }
+}
+
+impl Collector for HubCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        self.0.encode_metrics(&mut encoder)
+    }
+}
+
 impl FilerHub {
     pub fn new() -> Self {
         Self::default()
@@ -105,16 +123,19 @@ impl FilerHub {
     /// Its state is exported with the process's metrics.
     pub fn global() -> &'static FilerHub {
         static HUB: OnceLock<FilerHub> = OnceLock::new();
-        HUB.get_or_init(|| {
-            crate::metrics::global()
-                .add_collector(Box::new(|out| FilerHub::global().render_metrics(out)));
+        let mut created = false;
+        let hub = HUB.get_or_init(|| {
+            created = true;
             FilerHub::new()
-        })
+        });
+        if created {
+            crate::metrics::global().add_collector(Box::new(HubCollector(hub)));
+        }
+        hub
     }
 
-    /// Appends the hub's gauges and the process-wide stream counters (Prometheus text).
-    pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write as _;
+    /// Writes the hub's gauges and the process-wide stream counters.
+    fn encode_metrics(&self, encoder: &mut DescriptorEncoder) -> std::fmt::Result {
         let live: Vec<Arc<SharedFiler>> = self
             .conns
             .lock()
@@ -122,38 +143,38 @@ impl FilerHub {
             .filter_map(|(_, w)| w.upgrade())
             .collect();
         let streaming = live.iter().filter(|s| s.routes() > 0).count();
-        let rows: [(&str, &str, &str, u64); 4] = [
+        // counters without `_total`: the encoder adds it
+        let rows: [(&str, MetricType, &str, u64); 4] = [
             (
                 "seaweedfs_csi_filer_connections",
-                "gauge",
+                MetricType::Gauge,
                 "Filer connections shared by this process's volumes (one per filer).",
                 live.len() as u64,
             ),
             (
                 "seaweedfs_csi_metadata_subscriptions",
-                "gauge",
+                MetricType::Gauge,
                 "Filers this process holds a SubscribeMetadata stream on (one stream each).",
                 streaming as u64,
             ),
             (
-                "seaweedfs_csi_metadata_streams_opened_total",
-                "counter",
+                "seaweedfs_csi_metadata_streams_opened",
+                MetricType::Counter,
                 "SubscribeMetadata streams opened (prefix-set changes and reconnects).",
                 STREAMS_OPENED.load(Ordering::Relaxed),
             ),
             (
-                "seaweedfs_csi_metadata_events_dropped_total",
-                "counter",
+                "seaweedfs_csi_metadata_events_dropped",
+                MetricType::Counter,
                 "Events not queued for a volume whose queue was full (it gets a resync).",
                 EVENTS_DROPPED.load(Ordering::Relaxed),
             ),
         ];
         for (name, kind, help, v) in rows {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-            );
+            let no_labels: [(&str, &str); 0] = [];
+            crate::metrics::encode_values(encoder, name, help, kind, [(no_labels, v)])?;
         }
+        Ok(())
     }
 
     /// The shared connection for `opts`, created on first use. It lives as long as someone
@@ -1526,7 +1547,9 @@ mod tests {
 
     #[tokio::test]
     async fn metrics_show_connections_streams_and_drops() {
-        let hub = FilerHub::new();
+        // the collector exports a hub for as long as the process runs
+        let hub: &'static FilerHub = Box::leak(Box::new(FilerHub::new()));
+        let render = || crate::metrics::render_collector(Box::new(HubCollector(hub)));
         let x = hub
             .connect(FilerClientOptions {
                 addresses: vec!["127.0.0.1:1".into()],
@@ -1534,8 +1557,7 @@ mod tests {
             })
             .await
             .unwrap();
-        let mut out = String::new();
-        hub.render_metrics(&mut out);
+        let out = render();
         assert!(
             out.contains("\nseaweedfs_csi_filer_connections 1\n"),
             "{out}"
@@ -1546,8 +1568,7 @@ mod tests {
         );
         assert!(out.contains("# TYPE seaweedfs_csi_metadata_events_dropped_total counter"));
         drop(x);
-        let mut out = String::new();
-        hub.render_metrics(&mut out);
+        let out = render();
         assert!(
             out.contains("\nseaweedfs_csi_filer_connections 0\n"),
             "{out}"

@@ -24,8 +24,9 @@ pub struct FuseAdapter {
     rt: tokio::runtime::Handle,
     init_hook: Option<InitHook>,
     gate: Arc<Gate>,
-    /// The volume label of this session's FUSE op metrics (the filer path).
-    volume: Arc<str>,
+    /// This session's FUSE op series (`volume` = the filer path), resolved once each so that a
+    /// request only adds to atomics.
+    ops: Arc<crate::metrics::FuseOps>,
 }
 
 /// Lets a handover stop answering new requests: once closed, requests are left unanswered
@@ -68,7 +69,7 @@ impl Gate {
 impl FuseAdapter {
     pub fn new(fs: Arc<Fs>, rt: tokio::runtime::Handle, init_hook: Option<InitHook>) -> Self {
         FuseAdapter {
-            volume: fs.cfg.root.as_str().into(),
+            ops: Arc::new(crate::metrics::global().fuse_ops(fs.cfg.root.as_str().into())),
             fs,
             rt,
             init_hook,
@@ -179,9 +180,9 @@ macro_rules! run {
         }
         let $fs = $self.fs.clone();
         let gate = $self.gate.clone();
-        let volume = $self.volume.clone();
+        let ops = $self.ops.clone();
         $self.dispatch(async move {
-            let _timer = crate::metrics::fuse_op($op, volume);
+            let _timer = ops.start(const { crate::metrics::fuse_op_index($op) });
             match $body {
                 Ok($v) => $ok,
                 Err(e) => {

@@ -11,7 +11,11 @@ use crate::fs::{Fs, FsConfig, FsError};
 use crate::security::SecurityConfig;
 use crate::volume::http::{VolumeClient, VolumeClientOptions};
 use crate::volume::VolumeError;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::MetricType;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -736,78 +740,91 @@ pub fn abort_connection(id: u32) -> std::io::Result<()> {
 static LIVE: parking_lot::Mutex<Vec<(String, std::sync::Weak<Fs>)>> =
     parking_lot::Mutex::new(Vec::new());
 
-/// Registers a session for the per-volume metrics (one collector renders every session).
+/// Registers a session for the per-volume metrics (one collector exports every session).
 fn register_metrics(fs: &Arc<Fs>) {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| crate::metrics::global().add_collector(Box::new(render_session_metrics)));
+    ONCE.call_once(|| crate::metrics::global().add_collector(Box::new(SessionCollector)));
     let mut live = LIVE.lock();
     live.retain(|(_, w)| w.strong_count() > 0);
     live.push((fs.cfg.root.clone(), Arc::downgrade(fs)));
 }
 
-fn render_session_metrics(out: &mut String) {
-    use std::fmt::Write as _;
-    use std::sync::atomic::Ordering::Relaxed;
-    let live: Vec<(String, Arc<Fs>)> = LIVE
-        .lock()
-        .iter()
-        .filter_map(|(v, w)| w.upgrade().map(|f| (v.clone(), f)))
-        .collect();
-    type Get = fn(&Fs) -> u64;
-    let families: [(&str, &str, &str, Get); 7] = [
-        (
-            "seaweedfs_csi_cache_hits_total",
-            "counter",
-            "Chunk reads served from the session cache.",
-            |f| f.cache.stats.hits.load(Relaxed),
-        ),
-        (
-            "seaweedfs_csi_cache_misses_total",
-            "counter",
-            "Chunk reads that fetched from volume servers.",
-            |f| f.cache.stats.misses.load(Relaxed),
-        ),
-        (
-            "seaweedfs_csi_cache_evictions_total",
-            "counter",
-            "Chunks evicted from the session cache.",
-            |f| f.cache.stats.evictions.load(Relaxed),
-        ),
-        (
-            "seaweedfs_csi_cache_served_bytes_total",
-            "counter",
-            "Bytes served from the session cache.",
-            |f| f.cache.stats.bytes_from_cache.load(Relaxed),
-        ),
-        (
-            "seaweedfs_csi_cache_fetched_bytes_total",
-            "counter",
-            "Bytes fetched from volume servers.",
-            |f| f.cache.stats.bytes_fetched.load(Relaxed),
-        ),
-        (
-            "seaweedfs_csi_cache_size_bytes",
-            "gauge",
-            "Bytes held by the session cache.",
-            |f| f.cache.weighted_size(),
-        ),
-        (
-            "seaweedfs_csi_upload_queue_depth",
-            "gauge",
-            "Chunk uploads in flight.",
-            |f| f.uploads_in_flight(),
-        ),
-    ];
-    for (name, kind, help, get) in families {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+type SessionValue = fn(&Fs) -> u64;
+
+/// The families of [`SessionCollector`]: name (a counter's without `_total`), type, help and
+/// the value of one session.
+const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 7] = [
+    (
+        "seaweedfs_csi_cache_hits",
+        MetricType::Counter,
+        "Chunk reads served from the session cache.",
+        |f| f.cache.stats.hits.load(Relaxed),
+    ),
+    (
+        "seaweedfs_csi_cache_misses",
+        MetricType::Counter,
+        "Chunk reads that fetched from volume servers.",
+        |f| f.cache.stats.misses.load(Relaxed),
+    ),
+    (
+        "seaweedfs_csi_cache_evictions",
+        MetricType::Counter,
+        "Chunks evicted from the session cache.",
+        |f| f.cache.stats.evictions.load(Relaxed),
+    ),
+    (
+        "seaweedfs_csi_cache_served_bytes",
+        MetricType::Counter,
+        "Bytes served from the session cache.",
+        |f| f.cache.stats.bytes_from_cache.load(Relaxed),
+    ),
+    (
+        "seaweedfs_csi_cache_fetched_bytes",
+        MetricType::Counter,
+        "Bytes fetched from volume servers.",
+        |f| f.cache.stats.bytes_fetched.load(Relaxed),
+    ),
+    (
+        "seaweedfs_csi_cache_size_bytes",
+        MetricType::Gauge,
+        "Bytes held by the session cache.",
+        |f| f.cache.weighted_size(),
+    ),
+    (
+        "seaweedfs_csi_upload_queue_depth",
+        MetricType::Gauge,
+        "Chunk uploads in flight.",
+        |f| f.uploads_in_flight(),
+    ),
+];
+
+/// Reads the live sessions' cache and upload numbers at scrape time, summed per volume: two
+/// sessions of one filer path must not give two series with the same labels.
+#[derive(Debug)]
+struct SessionCollector;
+
+impl Collector for SessionCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let live: Vec<(String, Arc<Fs>)> = LIVE
+            .lock()
+            .iter()
+            .filter_map(|(v, w)| w.upgrade().map(|f| (v.clone(), f)))
+            .collect();
+        let mut per_volume =
+            std::collections::BTreeMap::<String, [u64; SESSION_FAMILIES.len()]>::new();
         for (vol, f) in &live {
-            let _ = writeln!(
-                out,
-                "{name}{{volume=\"{}\"}} {}",
-                vol.replace('\\', "\\\\").replace('"', "\\\""),
-                get(f)
-            );
+            let row = per_volume.entry(vol.clone()).or_default();
+            for (sum, (.., get)) in row.iter_mut().zip(&SESSION_FAMILIES) {
+                *sum += get(f);
+            }
         }
+        for (i, (name, kind, help, _)) in SESSION_FAMILIES.iter().enumerate() {
+            let samples = per_volume
+                .iter()
+                .map(|(vol, row)| ([("volume", vol.as_str())], row[i]));
+            crate::metrics::encode_values(&mut encoder, name, help, *kind, samples)?;
+        }
+        Ok(())
     }
 }
 
@@ -832,6 +849,48 @@ mod tests {
             .collect();
         fs.releasedir(dh);
         names
+    }
+
+    /// The collector exports every live session's numbers, one series per volume: sessions
+    /// of one filer path are summed (two lines with the same labels would be invalid), and a
+    /// dropped session leaves.
+    #[tokio::test]
+    async fn session_collector_sums_per_volume() {
+        let fs_at = |root: &str| {
+            let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+            cfg.root = root.into();
+            Fs::new(
+                cfg,
+                Arc::new(MockFiler::new()),
+                Arc::new(MockChunkStore::new()),
+                ChunkCache::new(1 << 20),
+            )
+        };
+        let (a, b) = (fs_at("/collect/x"), fs_at("/collect/x"));
+        let c = fs_at("/collect/\"y\"");
+        a.cache.stats.hits.fetch_add(2, Relaxed);
+        b.cache.stats.hits.fetch_add(3, Relaxed);
+        c.cache.stats.hits.fetch_add(7, Relaxed);
+        for f in [&a, &b, &c] {
+            register_metrics(f);
+        }
+        let text = crate::metrics::render_collector(Box::new(SessionCollector));
+        let hits: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("seaweedfs_csi_cache_hits_total{volume=\"/collect/"))
+            .collect();
+        assert_eq!(
+            hits,
+            [
+                r#"seaweedfs_csi_cache_hits_total{volume="/collect/\"y\""} 7"#,
+                r#"seaweedfs_csi_cache_hits_total{volume="/collect/x"} 5"#,
+            ],
+            "{text}"
+        );
+        assert!(text.contains("# TYPE seaweedfs_csi_cache_size_bytes gauge\n"));
+        drop(c);
+        let text = crate::metrics::render_collector(Box::new(SessionCollector));
+        assert!(!text.contains(r#"volume="/collect/\"y\"""#), "{text}");
     }
 
     /// Two sessions on one shared connection, the same filer path: each one's cached

@@ -10,7 +10,6 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,9 +103,7 @@ impl FuseStager {
                         tracing::info!(volume_id = %vid,
                             claim_waited_ms = (granted - started).as_millis() as u64,
                             took_ms = granted.elapsed().as_millis() as u64, "session adopted");
-                        crate::metrics::global()
-                            .staged_volumes
-                            .fetch_add(1, Ordering::Relaxed);
+                        crate::metrics::global().staged_volumes.inc();
                         me.sessions.lock().insert(vid, m);
                     }
                     Err(e) => {
@@ -213,9 +210,7 @@ impl Stager for FuseStager {
         // when nothing alive is mounted): end it before mounting again.
         let stale = self.sessions.lock().remove(volume_id);
         if let Some(old) = stale {
-            crate::metrics::global()
-                .staged_volumes
-                .fetch_sub(1, Ordering::Relaxed);
+            crate::metrics::global().staged_volumes.dec();
             tracing::warn!(volume_id, "replacing a session whose mount is gone");
             match tokio::time::timeout(Duration::from_secs(30), old.unmount()).await {
                 Ok(Ok(())) => {}
@@ -232,9 +227,7 @@ impl Stager for FuseStager {
         }
         .map_err(stage_error)?;
         self.sessions.lock().insert(volume_id.to_string(), mounted);
-        crate::metrics::global()
-            .staged_volumes
-            .fetch_add(1, Ordering::Relaxed);
+        crate::metrics::global().staged_volumes.inc();
         Ok(())
     }
 
@@ -244,9 +237,7 @@ impl Stager for FuseStager {
         let Some(mounted) = self.sessions.lock().remove(volume_id) else {
             return Ok(());
         };
-        crate::metrics::global()
-            .staged_volumes
-            .fetch_sub(1, Ordering::Relaxed);
+        crate::metrics::global().staged_volumes.dec();
         mounted
             .unmount()
             .await
