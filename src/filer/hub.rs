@@ -71,10 +71,11 @@ const CLIENT_NAME: &str = "seaweedfs-csi";
 static STREAMS_OPENED: AtomicU64 = AtomicU64::new(0);
 static EVENTS_DROPPED: AtomicU64 = AtomicU64::new(0);
 
-/// A fingerprint of a (small) file's contents; None if it cannot be read.
-fn file_fingerprint(path: &std::path::Path) -> Option<u64> {
+/// A fingerprint of a (small) file's contents; None if it cannot be read. Read off the
+/// runtime's threads (a path on a hung network mount must not stall a worker).
+async fn file_fingerprint(path: &std::path::Path) -> Option<u64> {
     use std::hash::{Hash, Hasher};
-    let bytes = std::fs::read(path).ok()?;
+    let bytes = tokio::fs::read(path).await.ok()?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     bytes.hash(&mut h);
     Some(h.finish())
@@ -186,10 +187,13 @@ impl FilerHub {
             .map(|a| a.to_string())
             .collect();
         let sec = &opts.security;
-        let tls_files = [&sec.grpc_ca, &sec.grpc_client_cert, &sec.grpc_client_key]
-            .into_iter()
-            .map(|p| p.as_ref().and_then(|p| file_fingerprint(p)))
-            .collect();
+        let mut tls_files = Vec::new();
+        for p in [&sec.grpc_ca, &sec.grpc_client_cert, &sec.grpc_client_key] {
+            tls_files.push(match p {
+                Some(p) => file_fingerprint(p).await,
+                None => None,
+            });
+        }
         let key = HubKey {
             addresses,
             security: opts.security.clone(),

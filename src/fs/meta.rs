@@ -107,11 +107,6 @@ impl MetaCache {
     }
 
     /// One name of a hard-link group was removed: the others have one link less.
-    /// Drops the cached shared entry of a hard-linked file (read again when next asked for).
-    pub fn forget_link(&self, hard_link_id: &[u8]) {
-        self.inner.lock().links.remove(hard_link_id);
-    }
-
     pub fn link_removed(&self, e: &pb::Entry) {
         if e.hard_link_id.is_empty() {
             return;

@@ -264,8 +264,8 @@ pub struct Fs {
     pub created_ns: i64,
     upload_sem: Arc<Semaphore>,
     prefetch_sem: Arc<Semaphore>,
-    /// Bounds the filer lookups of open files re-read after events (a resync asks for all).
-    reread_sem: Semaphore,
+    /// The volume was unmounted or handed over: background re-reads end.
+    closed: AtomicBool,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Pending parent-directory time updates (written back in the background).
     dir_times: Mutex<HashMap<String, SystemTime>>,
@@ -321,7 +321,7 @@ impl Fs {
             meta: MetaCache::new(cfg.meta_ttl),
             upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
             prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
-            reread_sem: Semaphore::new(8),
+            closed: AtomicBool::new(false),
             quota: AtomicU64::new(cfg.quota_bytes),
             cfg,
             filer,
@@ -361,6 +361,12 @@ impl Fs {
     /// gate: an invalidation waits in the kernel for directory locks that requests left
     /// unanswered may hold, and would keep this process from exiting (and the next one from
     /// taking the session over).
+    /// The volume is being unmounted or handed over: background work of its own (re-reads
+    /// of open files after events) ends.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+
     pub async fn stop_notifying(&self, limit: Duration) -> bool {
         let n = self.notifier.read().clone();
         match n {

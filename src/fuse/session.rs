@@ -540,6 +540,7 @@ impl MountedVolume {
             tracing::warn!(volume_id, "requests still running at handover");
         }
         let flushed = self.fs.flush_all().await;
+        self.fs.close();
         for t in self.tasks.drain(..) {
             t.abort();
         }
@@ -609,6 +610,7 @@ impl MountedVolume {
         let still_ours =
             may_unmount && self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
         let flushed = self.fs.flush_all().await;
+        self.fs.close();
         for t in self.tasks.drain(..) {
             t.abort();
         }
