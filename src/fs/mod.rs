@@ -4,15 +4,24 @@
 
 pub mod acl;
 pub mod attr;
+mod dirs;
+mod entries;
 mod events;
 pub mod file;
+mod handles;
 pub mod inode;
+#[cfg(test)]
+mod integrity_tests;
 pub mod journal;
 pub mod meta;
-mod ops;
+mod namespace;
 mod read;
 mod resent;
+mod setattr;
+mod space;
 pub mod verifier;
+mod write;
+mod xattr;
 
 pub use attr::{Attr, IdMap, Kind};
 
@@ -20,7 +29,9 @@ pub use attr::{Attr, IdMap, Kind};
 /// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
 /// `xattr-`, so FUSE clients do not list it as a user xattr.
 pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
-pub use ops::{DirEntryOut, DirListing, SetAttr, StatFs};
+pub use dirs::{DirEntryOut, DirListing};
+pub use setattr::SetAttr;
+pub use space::StatFs;
 
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;

@@ -1,0 +1,361 @@
+//! Directories of [`Fs`]: handles and listings (readdir(plus), the names an event took away
+//! meanwhile), and directory times written back to the filer.
+
+use super::attr::{self, entry_attr, entry_inode, Attr, Kind};
+use super::inode::{join, split, ROOT_INO};
+use super::meta::Cached;
+use super::{errno, Fs, Result};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// One directory entry returned by readdir(plus).
+#[derive(Debug, Clone)]
+pub struct DirEntryOut {
+    pub name: String,
+    pub ino: u64,
+    pub kind: Kind,
+    /// Full attributes (None for "." and "..").
+    pub attr: Option<Attr>,
+}
+
+/// The entries an open directory handle lists (a snapshot taken when it is read from 0).
+#[derive(Debug, Default)]
+pub struct DirListing {
+    pub entries: Vec<DirEntryOut>,
+    /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
+    names_gone: u64,
+}
+
+impl Fs {
+    /// Records a change of `dir`'s contents: mtime/ctime now, written back in the background.
+    pub(super) fn touch_dir(&self, dir: &str) {
+        self.dir_times
+            .lock()
+            .insert(dir.to_string(), SystemTime::now());
+    }
+
+    /// Writes pending directory times to the filer (called periodically).
+    pub async fn flush_dir_times(&self) {
+        let pending: Vec<(String, SystemTime)> = self.dir_times.lock().drain().collect();
+        for (path, t) in pending {
+            if path == "/" {
+                continue;
+            }
+            let (dir, name) = split(&path);
+            let e = match self.filer.lookup_entry(&dir, &name).await {
+                Ok(e) => e,
+                Err(_) => continue,
+            };
+            let mut e = e;
+            let a = e.attributes.get_or_insert_with(Default::default);
+            let (s, ns) = attr::split_ts(t);
+            if (a.mtime, a.mtime_ns) >= (s, ns) {
+                continue;
+            }
+            a.mtime = s;
+            a.mtime_ns = ns;
+            a.ctime = s;
+            a.ctime_ns = ns;
+            if let Err(err) = self.update_entry(&dir, e).await {
+                tracing::debug!(path, error = %err, "directory time write-back failed");
+            }
+            if path == self.cfg.root {
+                let mut r = self.root_attr.lock();
+                r.mtime = r.mtime.max(t);
+                r.ctime = r.ctime.max(t);
+            }
+        }
+    }
+
+    /// Checks that `ino` is a directory; the listing is taken when it is read from its start.
+    pub async fn opendir(&self, ino: u64) -> Result<u64> {
+        let dir = self.path_of(ino)?;
+        if ino != ROOT_INO {
+            let (pd, pn) = split(&dir);
+            if !self.entry_at(&pd, &pn).await?.is_directory {
+                return Err(errno(libc::ENOTDIR, format!("{dir} is not a directory")));
+            }
+        }
+        // no listing yet: the first read takes it, from whatever offset (the kernel may
+        // answer offset 0 from its own cache and ask us from further on)
+        Ok(self.next_fh.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The directory's entries as of now, with "." and "..".
+    async fn dir_snapshot(&self, ino: u64) -> Result<DirListing> {
+        // read first: a name an event takes away from here on is caught by `gone_since`
+        let names_gone = self.names_gone.load(Ordering::SeqCst);
+        let dir = self.path_of(ino)?;
+        let cached = if self.load_dir(&dir).await? {
+            self.meta.listing(&dir)
+        } else {
+            None
+        };
+        let entries = match cached {
+            Some(l) => l,
+            None => self.list_uncached(&dir).await?,
+        };
+        let parent_ino = if ino == ROOT_INO {
+            ROOT_INO
+        } else {
+            self.inodes.ino_of(&split(&dir).0).unwrap_or(ROOT_INO)
+        };
+        let mut out = Vec::with_capacity(entries.len() + 2);
+        out.push(DirEntryOut {
+            name: ".".into(),
+            ino,
+            kind: Kind::Dir,
+            attr: None,
+        });
+        out.push(DirEntryOut {
+            name: "..".into(),
+            ino: parent_ino,
+            kind: Kind::Dir,
+            attr: None,
+        });
+        for e in entries {
+            let path = join(&dir, &e.name);
+            let eino = entry_inode(&path, &e);
+            let a = self.attr_of(eino, &path, &e);
+            out.push(DirEntryOut {
+                name: e.name.clone(),
+                ino: eino,
+                kind: a.kind,
+                attr: Some(a),
+            });
+        }
+        Ok(DirListing {
+            entries: out,
+            names_gone,
+        })
+    }
+
+    /// Entries from `offset` on. The first read of a handle, and every read from offset 0
+    /// (a rewinddir), takes the listing: POSIX wants names created since opendir listed
+    /// after a rewind (xfstests generic/471), and the kernel asks from 0 again once the
+    /// directory changed. Later offsets read that same listing, so a listing in pages stays
+    /// consistent. With `plus`, each returned entry counts as a lookup.
+    pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
+        if offset != 0 {
+            if let Some(l) = self.dir_handles.lock().get(&fh).cloned() {
+                return Ok(l);
+            }
+            // not read yet here (the kernel served offset 0 from its cache), or a handle
+            // from a previous process (takeover)
+        }
+        let l = Arc::new(self.dir_snapshot(ino).await?);
+        self.dir_handles.lock().insert(fh, l.clone());
+        Ok(l)
+    }
+
+    /// Attributes of a listed entry as of now. The listing is a snapshot from opendir; sending
+    /// its attributes later would overwrite the kernel's newer view (a file written since would
+    /// appear truncated), so open files and cached entries win over the snapshot.
+    pub fn current_dir_attr(&self, dir_ino: u64, e: &DirEntryOut) -> Option<Attr> {
+        let snap = e.attr.as_ref()?;
+        let dir = self.inodes.path(dir_ino)?;
+        let path = join(&dir, &e.name);
+        if let Some(of) = self.open_file(e.ino) {
+            // from this handle, not looked up again: it may be closed meanwhile
+            let s = of.state.lock();
+            let mut a = entry_attr(e.ino, &s.entry, &self.cfg.ids);
+            a.size = s.size;
+            return Some(a);
+        }
+        match self.meta.lookup(&dir, &e.name) {
+            Cached::Found(cur) if entry_inode(&path, &cur) == e.ino => {
+                Some(self.attr_of(e.ino, &path, &cur))
+            }
+            _ => Some(snap.clone()),
+        }
+    }
+
+    /// Of the entries `range` of `listing` (a snapshot of directory `dir_ino` that
+    /// readdirplus handed the kernel), the names an event may have taken away since the
+    /// snapshot was taken. The kernel keeps a readdirplus entry as a positive dentry for the
+    /// entry TTL, and a removal event's invalidation can reach the kernel before that reply
+    /// does: such a name would stay visible after it is gone. Costs nothing unless a name went
+    /// away somewhere while the listing was read; then each sent name is checked (a lookup
+    /// where the directory's listing is not cached).
+    pub async fn gone_since(
+        &self,
+        dir_ino: u64,
+        listing: &DirListing,
+        range: std::ops::Range<usize>,
+    ) -> Vec<String> {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+            return Vec::new();
+        }
+        let Some(dir) = self.inodes.path(dir_ino) else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for e in listing.entries.get(range).unwrap_or_default() {
+            if e.name == "." || e.name == ".." {
+                continue;
+            }
+            let path = join(&dir, &e.name);
+            let current = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) == e.ino,
+                Cached::Absent => false,
+                Cached::Unknown => match self.entry_at(&dir, &e.name).await {
+                    Ok(cur) => entry_inode(&path, &cur) == e.ino,
+                    // not sure: leave the kernel's entry (an open of it is ESTALE if stale)
+                    Err(err) => err.errno != libc::ENOENT,
+                },
+            };
+            if !current {
+                gone.push(e.name.clone());
+            }
+        }
+        gone
+    }
+
+    /// Invalidates, in the background, the kernel's entries for the names of `range` that
+    /// [`Self::gone_since`] finds gone. Called once the readdirplus reply is out: the kernel
+    /// takes the directory's lock for an invalidation, which the listing may still hold.
+    pub fn take_back_gone(
+        self: &Arc<Self>,
+        dir_ino: u64,
+        listing: Arc<DirListing>,
+        range: std::ops::Range<usize>,
+    ) {
+        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+            return;
+        }
+        let (Some(nt), Ok(rt)) = (
+            self.notifier.read().clone(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let fs = self.clone();
+        rt.spawn(async move {
+            let gone = fs.gone_since(dir_ino, &listing, range).await;
+            if gone.is_empty() {
+                return;
+            }
+            tracing::debug!(dir_ino, ?gone, "names listed while an event took them away");
+            let _ = tokio::task::spawn_blocking(move || {
+                for name in &gone {
+                    nt.inval_entry(dir_ino, name);
+                }
+            })
+            .await;
+        });
+    }
+
+    /// An event took a name away (see [`Self::gone_since`]).
+    pub(super) fn note_name_gone(&self) {
+        self.names_gone.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// readdirplus registers the names it returns, as lookup would.
+    pub fn remember_dir_entry(&self, dir_ino: u64, e: &DirEntryOut) {
+        if let Some(dir) = self.inodes.path(dir_ino) {
+            let path = join(&dir, &e.name);
+            // a file with several links keeps its other names; a name an event took away
+            // since the snapshot (renamed, deleted) must not become the node's path again
+            let linked = e
+                .attr
+                .as_ref()
+                .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
+            let stale = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => entry_inode(&path, &cur) != e.ino,
+                Cached::Absent => true,
+                Cached::Unknown => false,
+            };
+            self.inodes
+                .remember_as(e.ino, &path, e.kind, true, linked || stale);
+        }
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dir_handles.lock().remove(&fh);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    #[tokio::test]
+    async fn readdirplus_attrs_are_current_not_from_the_opendir_snapshot() {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"12345").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        let e = list.entries.iter().find(|e| e.name == "f").unwrap();
+        assert_eq!(e.attr.as_ref().unwrap().size, 5);
+
+        // Written after the snapshot: open, then closed again.
+        let fh = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+        fs.write(fh, a.ino, 5, b"67890").await.unwrap();
+        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        // "." and ".." carry no attributes.
+        assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
+    }
+
+    /// POSIX: after rewinddir, names added since opendir are listed (xfstests generic/471).
+    #[tokio::test]
+    async fn rewinddir_lists_names_created_since_opendir() {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let names = |l: &DirListing| l.entries.iter().map(|e| e.name.clone()).collect::<Vec<_>>();
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, dh, 0).await.unwrap()),
+            [".", ".."]
+        );
+        // opened before the create, first read after it (glibc's opendir reads nothing)
+        let unread = fs.opendir(ROOT_INO).await.unwrap();
+        let (a, fh) = fs
+            .create(ROOT_INO, "new", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, unread, 0).await.unwrap()),
+            [".", "..", "new"]
+        );
+        fs.releasedir(unread);
+        // reading on from where it was: the snapshot
+        assert_eq!(fs.readdir(ROOT_INO, dh, 2).await.unwrap().entries.len(), 2);
+        // a handle first read past offset 0 (the kernel's cache answered 0): a real listing
+        let cached = fs.opendir(ROOT_INO).await.unwrap();
+        assert_eq!(
+            fs.readdir(ROOT_INO, cached, 2).await.unwrap().entries.len(),
+            3
+        );
+        fs.releasedir(cached);
+        // from the start again: a fresh one
+        assert_eq!(
+            names(&fs.readdir(ROOT_INO, dh, 0).await.unwrap()),
+            [".", "..", "new"]
+        );
+        fs.releasedir(dh);
+    }
+}

@@ -1,0 +1,434 @@
+//! Entries behind [`Fs`]'s nodes: paths, entries from the metadata cache or the filer and
+//! their attributes (lookup, getattr), the root, and the entry writes the operations share.
+
+use super::attr::{entry_attr, entry_inode, to_go_mode, Attr, Kind};
+use super::file::OpenFile;
+use super::inode::{join, split, ROOT_INO};
+use super::meta::Cached;
+use super::{errno, now_parts, Fs, Result};
+use crate::filer::FilerError;
+use crate::pb::filer as pb;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+impl Fs {
+    pub fn path_of(&self, ino: u64) -> Result<String> {
+        self.inodes
+            .path(ino)
+            .ok_or_else(|| errno(libc::ESTALE, format!("unknown inode {ino}")))
+    }
+
+    pub(super) fn check_writable(&self) -> Result<()> {
+        if self.cfg.read_only {
+            Err(errno(libc::EROFS, "read-only mount"))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn dir_lock(&self, dir: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.dir_locks
+            .lock()
+            .entry(dir.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Lists `dir` into the metadata cache (coalesced per directory).
+    pub(super) async fn load_dir(&self, dir: &str) -> Result<bool> {
+        let lock = self.dir_lock(dir);
+        let _g = lock.lock().await;
+        if self.meta.is_cached(dir) {
+            return Ok(true);
+        }
+        if self.meta.is_too_large(dir) {
+            return Ok(false);
+        }
+        let gen = self.meta.generation(dir);
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let entries = self.filer.list_all(dir).await?;
+        if entries.len() > self.cfg.max_cached_dir_entries {
+            // every lookup in it would list it all again
+            self.meta.mark_too_large(dir);
+            return Ok(false);
+        }
+        let pinned = self.pending_in_dir(dir, None);
+        Ok(self.meta.install(dir, entries, gen, &pinned))
+    }
+
+    /// Files created here in `dir` (only `name`, if given) whose creation is still deferred
+    /// (not yet on the filer).
+    pub(super) fn pending_in_dir(&self, dir: &str, name: Option<&str>) -> Vec<Arc<pb::Entry>> {
+        let files = self.files.lock();
+        files
+            .values()
+            .filter_map(|o| {
+                let s = o.file.state.lock();
+                (s.pending_create
+                    && !s.unlinked
+                    && s.dir == dir
+                    && name.is_none_or(|n| n == s.entry.name))
+                .then(|| Arc::new(s.entry.clone()))
+            })
+            .collect()
+    }
+
+    /// `dir` listed from the filer, with the files created here that it does not have yet.
+    pub(super) async fn list_uncached(&self, dir: &str) -> Result<Vec<Arc<pb::Entry>>> {
+        // taken first: a file whose commit lands during the listing is in one or the other
+        let pending = self.pending_in_dir(dir, None);
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let mut l: Vec<Arc<pb::Entry>> = self
+            .filer
+            .list_all(dir)
+            .await?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        if !pending.is_empty() {
+            let names: std::collections::HashSet<&str> =
+                l.iter().map(|e| e.name.as_str()).collect();
+            let missing: Vec<_> = pending
+                .into_iter()
+                .filter(|p| !names.contains(p.name.as_str()))
+                .collect();
+            l.extend(missing);
+            l.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        Ok(l)
+    }
+
+    /// The entry `name` in `dir`, from the metadata cache or the filer.
+    pub async fn entry_at(&self, dir: &str, name: &str) -> Result<Arc<pb::Entry>> {
+        for attempt in 0..2 {
+            match self.meta.lookup(dir, name) {
+                // hard links share attributes kept by the filer: always ask it
+                Cached::Found(e) if e.hard_link_id.is_empty() => return Ok(e),
+                Cached::Found(_) => break,
+                Cached::Absent => return Err(errno(libc::ENOENT, format!("{dir}/{name}"))),
+                Cached::Unknown if attempt == 0 => match self.load_dir(dir).await {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::debug!(dir, error = %e, "listing failed; falling back to lookup");
+                        break;
+                    }
+                },
+                Cached::Unknown => break,
+            }
+        }
+        // an uncached (or too large) directory: a file created here may not be on the filer yet
+        if let Some(e) = self.pending_in_dir(dir, Some(name)).pop() {
+            return Ok(e);
+        }
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.lookup_entry(dir, name).await {
+            Ok(e) => {
+                self.meta.note_link(&e);
+                Ok(Arc::new(e))
+            }
+            Err(FilerError::NotFound(_)) => Err(errno(libc::ENOENT, format!("{dir}/{name}"))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub(super) fn open_file(&self, ino: u64) -> Option<Arc<OpenFile>> {
+        self.files.lock().get(&ino).map(|o| o.file.clone())
+    }
+
+    /// Attributes of an entry, with live size/times of an open file layered on top.
+    pub(super) fn attr_of(&self, ino: u64, path: &str, e: &pb::Entry) -> Attr {
+        if let Some(of) = self.open_file(ino) {
+            return self.open_file_attr(ino, &of);
+        }
+        let mut a = entry_attr(ino, e, &self.cfg.ids);
+        if a.kind == Kind::Dir {
+            a.nlink = self.dir_nlink(path);
+            if let Some(t) = self.dir_times.lock().get(path) {
+                a.mtime = a.mtime.max(*t);
+                a.ctime = a.ctime.max(*t);
+            }
+        }
+        a
+    }
+
+    fn open_file_attr(&self, ino: u64, of: &OpenFile) -> Attr {
+        let s = of.state.lock();
+        let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
+        a.size = s.size;
+        if s.unlinked {
+            // only open handles keep it alive (fstat after unlink shows 0 links)
+            a.nlink = 0;
+        }
+        a
+    }
+
+    /// 2 + subdirectories when the listing is known; 1 ("unknown", as btrfs and others
+    /// report, which makes `find` skip its leaf optimisation) otherwise.
+    fn dir_nlink(&self, path: &str) -> u32 {
+        self.meta
+            .subdirs(path)
+            .map(|n| 2u32.saturating_add(n as u32))
+            .unwrap_or(1)
+    }
+
+    pub(super) fn root_attr(&self) -> Attr {
+        let mut a = self.root_attr.lock().clone();
+        a.nlink = self.dir_nlink(&self.cfg.root);
+        if let Some(t) = self.dir_times.lock().get(&self.cfg.root) {
+            a.mtime = a.mtime.max(*t);
+            a.ctime = a.ctime.max(*t);
+        }
+        a
+    }
+
+    /// Loads the root directory's attributes, creating the remote directory if missing.
+    pub async fn init_root(&self) -> Result<()> {
+        if self.cfg.root == "/" {
+            return Ok(());
+        }
+        let (dir, name) = split(&self.cfg.root);
+        let e = match self.filer.lookup_entry(&dir, &name).await {
+            Ok(e) => e,
+            Err(FilerError::NotFound(_)) => {
+                if self.cfg.read_only {
+                    return Err(errno(
+                        libc::ENOENT,
+                        format!("{} does not exist on the filer", self.cfg.root),
+                    ));
+                }
+                let e = self.new_entry(&name, Kind::Dir, 0o777 & !self.cfg.umask, 0, 0, "", 0);
+                let req = pb::CreateEntryRequest {
+                    directory: dir.clone(),
+                    entry: Some(e.clone()),
+                    o_excl: true,
+                    ..Default::default()
+                };
+                match self.filer.create_entry(req).await {
+                    Ok(_) | Err(FilerError::AlreadyExists(_)) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                self.filer.lookup_entry(&dir, &name).await?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !e.is_directory {
+            return Err(errno(
+                libc::ENOTDIR,
+                format!("{} is not a directory", self.cfg.root),
+            ));
+        }
+        let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
+        a.ino = ROOT_INO;
+        // As `weed mount` does, the root shows 0777 &^ umask whatever mode the directory has
+        // on the filer: one made by another client without a mode (the filer HTTP API's
+        // `POST /dir/` stores 0660) would otherwise be unsearchable for every non-root pod.
+        // A chmod through the mount still reaches the filer and shows until the next stage.
+        a.perm = (0o777 & !self.cfg.umask) as u16;
+        *self.root_attr.lock() = a;
+        self.take_capacity(&e);
+        Ok(())
+    }
+
+    /// Applies the capacity recorded on the root entry (see [`super::CAPACITY_XATTR`]) as the
+    /// quota, when this volume takes its quota from the filer. An absent or unreadable record
+    /// keeps the current quota (volume context, NodeExpandVolume).
+    fn take_capacity(&self, root: &pb::Entry) {
+        if !self.cfg.quota_from_filer {
+            return;
+        }
+        let Some(bytes) = root
+            .extended
+            .get(super::CAPACITY_XATTR)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.trim().parse::<i64>().ok())
+        else {
+            return;
+        };
+        // 1 byte or less means no quota, as in the volume context.
+        let bytes = if bytes <= 1 { 0 } else { bytes as u64 };
+        if bytes != self.quota() {
+            tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
+            self.set_quota(bytes);
+        }
+    }
+
+    /// Re-reads the capacity recorded on the root entry (an expansion made elsewhere).
+    /// Errors are ignored: the health check reports an unreachable filer.
+    pub async fn refresh_capacity(&self) {
+        if !self.cfg.quota_from_filer || self.cfg.root == "/" {
+            return;
+        }
+        let (dir, name) = split(&self.cfg.root);
+        if let Ok(e) = self.filer.lookup_entry(&dir, &name).await {
+            self.take_capacity(&e);
+        }
+    }
+
+    pub(super) fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
+        let ino = entry_inode(path, e);
+        let a = self.attr_of(ino, path, e);
+        let linked = !e.hard_link_id.is_empty();
+        self.inodes.remember_as(ino, path, a.kind, counted, linked);
+        a
+    }
+
+    /// A new inode number for an entry we create. Not the filer's md5(path)+crtime_secs*37
+    /// formula `weed mount` uses: that repeats when a path is reused within a second (write
+    /// `x.lock`, rename it over `x`, create `x.lock` again), and two files with one number look
+    /// like hard links to tar/rsync and mix up open-file state here. Random numbers are
+    /// unique in practice; numbers the kernel knows here are skipped.
+    pub(super) fn fresh_inode(&self) -> u64 {
+        loop {
+            let ino: u64 = rand::random();
+            if ino > ROOT_INO && self.inodes.path(ino).is_none() && self.open_file(ino).is_none() {
+                return ino;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new_entry(
+        &self,
+        name: &str,
+        kind: Kind,
+        perm: u32,
+        uid: u32,
+        gid: u32,
+        symlink: &str,
+        rdev: u32,
+    ) -> pb::Entry {
+        let (s, ns) = now_parts();
+        let a = pb::FuseAttributes {
+            file_size: 0,
+            mtime: s,
+            mtime_ns: ns,
+            ctime: s,
+            ctime_ns: ns,
+            crtime: s,
+            crtime_ns: ns,
+            atime: s,
+            atime_ns: ns,
+            file_mode: to_go_mode(kind, perm),
+            uid: self.cfg.ids.uid_to_filer(uid),
+            gid: self.cfg.ids.gid_to_filer(gid),
+            symlink_target: symlink.to_string(),
+            rdev,
+            ttl_sec: self.cfg.ttl_sec,
+            ..Default::default()
+        };
+        pb::Entry {
+            name: name.to_string(),
+            is_directory: kind == Kind::Dir,
+            attributes: Some(a),
+            ..Default::default()
+        }
+    }
+
+    pub async fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
+        let dir = self.path_of(parent)?;
+        let e = self.entry_at(&dir, name).await?;
+        let path = join(&dir, name);
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
+        Ok(self.remember(&path, &e, true))
+    }
+
+    /// Lists a directory so its link count is known (best effort: it is usually read next).
+    async fn load_dir_for_nlink(&self, path: &str) {
+        if let Err(e) = self.load_dir(path).await {
+            tracing::debug!(path, error = %e, "listing for the link count failed");
+        }
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        self.inodes.forget(ino, n);
+    }
+
+    pub async fn getattr(&self, ino: u64) -> Result<Attr> {
+        if ino == ROOT_INO {
+            self.load_dir_for_nlink(&self.cfg.root).await;
+            return Ok(self.root_attr());
+        }
+        let path = self.path_of(ino)?;
+        if let Some(of) = self.open_file(ino) {
+            // under the lock, no copy: an open file's entry holds its whole chunk list, and
+            // the kernel asks for attributes while a large file is being written
+            return Ok(self.open_file_attr(ino, &of));
+        }
+        let (dir, name) = split(&path);
+        let e = self.entry_at(&dir, &name).await?;
+        if e.is_directory {
+            self.load_dir_for_nlink(&path).await;
+        }
+        Ok(self.attr_of(ino, &path, &e))
+    }
+
+    pub(super) async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
+        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), &e)));
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let req = pb::UpdateEntryRequest {
+            directory: dir.to_string(),
+            entry: Some(e.clone()),
+            ..Default::default()
+        };
+        self.filer.update_entry(req).await?;
+        self.meta.upsert(dir, Arc::new(e));
+        Ok(())
+    }
+
+    /// The filer's current entry `dir/name`, never a cached one.
+    pub(super) async fn fresh_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.lookup_entry(dir, name).await {
+            Ok(e) => Ok(e),
+            Err(FilerError::NotFound(_)) => {
+                self.meta.remove(dir, name);
+                self.note_name_gone();
+                Err(errno(libc::ENOENT, format!("{dir}/{name}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Applies a metadata change to the filer's current entry and stores it. Never built from
+    /// a cached entry: its chunk list may predate another node's write, and the filer deletes
+    /// every chunk an update leaves out. (The filer has no compare-and-swap; what is left is
+    /// the round trip between this lookup and the update.)
+    pub(super) async fn update_fresh(
+        &self,
+        dir: &str,
+        name: &str,
+        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+    ) -> Result<pb::Entry> {
+        let mut e = self.fresh_entry(dir, name).await?;
+        f(&mut e)?;
+        self.update_entry(dir, e.clone()).await?;
+        Ok(e)
+    }
+
+    pub(super) async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
+        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), e)));
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let req = pb::CreateEntryRequest {
+            directory: dir.to_string(),
+            entry: Some(e.clone()),
+            o_excl: excl,
+            skip_check_parent_directory: true,
+            ..Default::default()
+        };
+        self.filer
+            .create_entry(req)
+            .await
+            .map_err(|err| match err {
+                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
+                other => other.into(),
+            })?;
+        Ok(())
+    }
+
+    pub fn access_ok(&self, _ino: u64) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,332 @@
+//! Open files and handles of [`Fs`]: open, handles re-created after a takeover, release, and
+//! an open file taking the filer's current entry while it has nothing of its own.
+
+use super::attr::entry_inode;
+use super::file::OpenFile;
+use super::inode::split;
+use super::{errno, now_parts, Fs, Handle, OpenEntry, Result};
+use crate::pb::filer as pb;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+impl Fs {
+    /// Takes the filer's entry `e` into an open file that has nothing of its own to commit.
+    pub(super) async fn adopt_if_clean(&self, ino: u64, of: &Arc<OpenFile>, e: pb::Entry) {
+        let resolved = if crate::chunks::has_manifest(&e.chunks) {
+            match crate::chunks::expand_manifests(&e.chunks, self.store.as_ref()).await {
+                Ok(r) => r,
+                Err(err) => {
+                    tracing::warn!(ino, error = %err, "manifest expansion failed; keeping the open file's entry");
+                    return;
+                }
+            }
+        } else {
+            e.chunks.clone()
+        };
+        let mut s = of.state.lock();
+        // renamed meanwhile: the entry looked up under the old name is not this file's now
+        if !s.is_clean() || s.entry.name != e.name {
+            return;
+        }
+        if s.entry.chunks != e.chunks
+            || crate::chunks::file_size(&s.entry) != crate::chunks::file_size(&e)
+        {
+            self.bump_content_gen(ino);
+        }
+        s.replace_entry(e, resolved);
+    }
+
+    /// Before an open file's data changes: if it has nothing of its own, start from the
+    /// filer's current entry (another node may have rewritten it since it was opened).
+    pub(super) async fn refresh_if_clean(&self, ino: u64, of: &Arc<OpenFile>) -> Result<()> {
+        let (dir, name, clean) = {
+            let s = of.state.lock();
+            (
+                s.dir.clone(),
+                s.entry.name.clone(),
+                s.is_clean() && !s.pending_create && !s.unlinked,
+            )
+        };
+        if !clean {
+            return Ok(());
+        }
+        match self.fresh_entry(&dir, &name).await {
+            Ok(e) => {
+                self.adopt_if_clean(ino, of, e).await;
+                Ok(())
+            }
+            // deleted elsewhere (its event not here yet): a commit would bring it back with
+            // chunks the filer already deleted. ESTALE makes the kernel walk the path again
+            // (an O_CREAT open then creates a new file instead of failing).
+            Err(e) if e.errno == libc::ENOENT => {
+                self.meta.remove(&dir, &name);
+                self.note_name_gone();
+                if let (Some(nt), Some(pino)) =
+                    (self.notifier.read().clone(), self.inodes.ino_of(&dir))
+                {
+                    nt.inval_entry(pino, &name);
+                }
+                Err(errno(
+                    libc::ESTALE,
+                    format!("{dir}/{name} was deleted elsewhere"),
+                ))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Counts one more handle on `ino`'s open-file state and returns that state. The count
+    /// and the lookup are one step: a last release running concurrently (on another thread)
+    /// may have removed `file` from the table after the caller found it, and a handle on a
+    /// state the table no longer has would see its writes vanish from getattr and setattr.
+    fn register_open(&self, ino: u64, file: Arc<OpenFile>) -> Arc<OpenFile> {
+        let mut files = self.files.lock();
+        let o = files
+            .entry(ino)
+            .or_insert_with(|| OpenEntry { file, handles: 0 });
+        o.handles += 1;
+        o.file.clone()
+    }
+
+    pub(super) fn add_handle(&self, ino: u64, file: Arc<OpenFile>, writable: bool) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let file = self.register_open(ino, file);
+        self.handles.lock().insert(
+            fh,
+            Arc::new(Handle {
+                ino,
+                file,
+                writable,
+                seq: parking_lot::Mutex::new((0, 0)),
+            }),
+        );
+        fh
+    }
+
+    /// A handle by number; after a takeover the kernel may present handles of the previous
+    /// process, which are re-created on first use.
+    pub async fn handle(&self, fh: u64, ino: u64) -> Result<Arc<Handle>> {
+        if let Some(h) = self.handles.lock().get(&fh) {
+            return Ok(h.clone());
+        }
+        self.verifier.adopted_handle(fh, ino);
+        let of = self.open_inode(ino, false).await?;
+        let file = self.register_open(ino, of);
+        let h = Arc::new(Handle {
+            ino,
+            file,
+            writable: !self.cfg.read_only,
+            seq: parking_lot::Mutex::new((0, 0)),
+        });
+        let raced = {
+            let mut hs = self.handles.lock();
+            match hs.get(&fh) {
+                Some(other) => Some(other.clone()),
+                None => {
+                    hs.insert(fh, h.clone());
+                    None
+                }
+            }
+        };
+        match raced {
+            // another request re-created it first: give back the count taken above
+            Some(other) => {
+                if let Some(o) = self.files.lock().get_mut(&ino) {
+                    o.handles = o.handles.saturating_sub(1);
+                }
+                Ok(other)
+            }
+            None => Ok(h),
+        }
+    }
+
+    /// The open-file state of `ino`, loaded if it is not open. `by_name`: for a new open from
+    /// the kernel (which can look the name up again); a handle re-created after a takeover
+    /// cannot, and keeps using the file its name leads to.
+    pub(super) async fn open_inode(&self, ino: u64, by_name: bool) -> Result<Arc<OpenFile>> {
+        if let Some(of) = self.open_file(ino) {
+            return Ok(of);
+        }
+        let path = self.path_of(ino)?;
+        let (dir, name) = split(&path);
+        let e = match self.entry_at(&dir, &name).await {
+            Ok(e) => e,
+            // The kernel opens a node it still has a name for, but the name is gone (deleted
+            // by another client; the kernel's entry outlived our invalidation). ESTALE makes
+            // it walk the path again: a plain open then fails with ENOENT, an O_CREAT open
+            // creates the file, instead of failing with ENOENT.
+            Err(err) if by_name && err.errno == libc::ENOENT => {
+                return Err(errno(libc::ESTALE, format!("{path}: {}", err.msg)))
+            }
+            Err(err) => return Err(err),
+        };
+        // the name leads to another file now (deleted and created again elsewhere): this node
+        // is not that file (entries without an inode attribute are known by path only)
+        let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
+        if by_name && numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
+            return Err(errno(libc::ESTALE, format!("{path} is another file now")));
+        }
+        if e.is_directory {
+            return Err(errno(libc::EISDIR, format!("{path} is a directory")));
+        }
+        let of = self.load_open_file(ino, &dir, (*e).clone()).await?;
+        Ok(self.install_open(ino, of))
+    }
+
+    /// Open-file state for `entry` (manifests expanded, remote content cached), not registered.
+    async fn load_open_file(&self, ino: u64, dir: &str, mut entry: pb::Entry) -> Result<OpenFile> {
+        if entry.chunks.iter().any(|c| c.is_chunk_manifest) {
+            let resolved =
+                crate::chunks::expand_manifests(&entry.chunks, self.store.as_ref()).await?;
+            let of = OpenFile::new(
+                ino,
+                dir.to_string(),
+                entry,
+                self.cfg.chunk_size,
+                self.cfg.max_dirty_slots,
+            );
+            {
+                let mut s = of.state.lock();
+                s.max_ts = s
+                    .max_ts
+                    .max(resolved.iter().map(|c| c.modified_ts_ns).max().unwrap_or(0));
+                s.resolved = Arc::new(resolved);
+            }
+            return Ok(of);
+        }
+        if entry
+            .remote_entry
+            .as_ref()
+            .map(|r| r.remote_size > 0)
+            .unwrap_or(false)
+            && entry.chunks.is_empty()
+        {
+            entry = self.cache_remote(dir, &entry.name).await?;
+        }
+        Ok(OpenFile::new(
+            ino,
+            dir.to_string(),
+            entry,
+            self.cfg.chunk_size,
+            self.cfg.max_dirty_slots,
+        ))
+    }
+
+    async fn cache_remote(&self, dir: &str, name: &str) -> Result<pb::Entry> {
+        Err(errno(
+            libc::EIO,
+            format!("{dir}/{name} lives only in remote storage; cache it on the filer first"),
+        ))
+    }
+
+    fn install_open(&self, ino: u64, of: OpenFile) -> Arc<OpenFile> {
+        let mut files = self.files.lock();
+        files
+            .entry(ino)
+            .or_insert_with(|| OpenEntry {
+                file: Arc::new(of),
+                handles: 0,
+            })
+            .file
+            .clone()
+    }
+
+    /// open(2). Returns the handle and whether the kernel may keep its page cache.
+    pub async fn open(&self, ino: u64, flags: i32) -> Result<u64> {
+        let acc = flags & libc::O_ACCMODE;
+        let writable = acc == libc::O_WRONLY || acc == libc::O_RDWR;
+        if writable || flags & libc::O_TRUNC != 0 {
+            self.check_writable()?;
+        }
+        let of = self.open_inode(ino, true).await?;
+        let fh = self.add_handle(ino, of, writable);
+        let Some(of) = self.handles.lock().get(&fh).map(|h| h.file.clone()) else {
+            return Err(errno(libc::EIO, "handle vanished while opening"));
+        };
+        if writable {
+            // close-to-open for writers: what this handle writes is laid over the filer's
+            // current chunk list, not one cached before another node's last close
+            if let Err(e) = self.refresh_if_clean(ino, &of).await {
+                let _ = self.release(fh, ino).await;
+                return Err(e);
+            }
+        }
+        if flags & libc::O_TRUNC != 0 && writable {
+            of.truncate(0).await;
+            self.verifier.dirtied(ino);
+            {
+                let mut s = of.state.lock();
+                let a = s.entry.attributes.get_or_insert_with(Default::default);
+                (a.mtime, a.mtime_ns) = now_parts();
+                (a.ctime, a.ctime_ns) = (a.mtime, a.mtime_ns);
+            }
+            self.bump_content_gen(ino);
+        }
+        Ok(fh)
+    }
+
+    /// Whether the kernel's cached pages of `ino` are still valid for a new open.
+    pub fn keep_cache(&self, ino: u64) -> bool {
+        let cur = *self.content_gen.lock().get(&ino).unwrap_or(&0);
+        let prev = self.opened_gen.lock().insert(ino, cur);
+        prev == Some(cur)
+    }
+
+    pub(super) fn bump_content_gen(&self, ino: u64) {
+        *self.content_gen.lock().entry(ino).or_default() += 1;
+    }
+
+    pub async fn release(&self, fh: u64, ino: u64) -> Result<()> {
+        self.verifier.released(fh);
+        let h = self.handles.lock().remove(&fh);
+        let file = match h {
+            Some(h) => Some(h.file.clone()),
+            None => self.open_file(ino),
+        };
+        let Some(of) = file else { return Ok(()) };
+        let last = {
+            let mut files = self.files.lock();
+            match files.get_mut(&ino) {
+                Some(o) => {
+                    o.handles = o.handles.saturating_sub(1);
+                    o.handles == 0
+                }
+                None => false,
+            }
+        };
+        let r = self.flush_file(&of).await;
+        if last {
+            let orphans = {
+                let files = self.files.lock();
+                let still_last = files
+                    .get(&ino)
+                    .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, &of));
+                let mut s = of.state.lock();
+                if still_last && s.unlinked {
+                    s.take_orphans()
+                } else {
+                    Vec::new()
+                }
+            };
+            self.delete_orphans(orphans);
+            if let Some(e) = of.unplaced() {
+                let lost: usize = of
+                    .state
+                    .lock()
+                    .inflight
+                    .iter()
+                    .filter(|i| i.failed)
+                    .map(|i| i.data.len())
+                    .sum();
+                tracing::error!(path = %of.path(), lost_bytes = lost, error = %e,
+                    "last handle closed with data that could not be placed; it is dropped");
+            }
+            let mut files = self.files.lock();
+            if files.get(&ino).map(|o| o.handles == 0).unwrap_or(false) {
+                files.remove(&ino);
+                self.verifier.closed(ino);
+            }
+        }
+        r
+    }
+}

@@ -1,0 +1,625 @@
+//! Tests of data integrity across [`Fs`]'s operations: other clients' events racing our own
+//! changes, uploads that fail or panic, chunks no entry references any more.
+
+use super::inode::ROOT_INO;
+use super::{entry_with_name, Attr, DirEntryOut, Fs, Kind, SetAttr};
+use crate::cache::ChunkCache;
+use crate::config::MountOptions;
+use crate::filer::mock::MockFiler;
+use crate::filer::FilerApi;
+use crate::fs::FsConfig;
+use crate::pb::filer as pb;
+use crate::volume::mock::MockChunkStore;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+const MIB: usize = 1 << 20;
+
+fn fs_and_store(upload_retry: Duration) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+    let mut cfg = FsConfig::from_mount_options(&MountOptions {
+        chunk_size_limit_mb: 1,
+        ..Default::default()
+    });
+    cfg.upload_retry = upload_retry;
+    let store = Arc::new(MockChunkStore::new());
+    let filer = Arc::new(MockFiler::new());
+    let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+    (fs, store, filer)
+}
+
+/// Creates "/f" in the root, open with `flags`.
+async fn create_f(fs: &Fs, flags: i32) -> (Attr, u64) {
+    fs.create(ROOT_INO, "f", 0o644, 0, flags, 0, 0)
+        .await
+        .unwrap()
+}
+
+/// Background deletes have run (they are spawned after the commit).
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn referenced(filer: &MockFiler, path: &str) -> usize {
+    filer.get(path).map(|e| e.chunks.len()).unwrap_or(0)
+}
+
+#[tokio::test]
+async fn an_older_event_does_not_bring_back_a_name_we_renamed() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"old").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    fs.readdir(ROOT_INO, 0, 0).await.ok();
+    // another node rewrote f just before our rename; its event arrives after it
+    let before = filer.get("/f").unwrap();
+    fs.rename(ROOT_INO, "f", ROOT_INO, "g", 0).await.unwrap();
+    let mut theirs = before.clone();
+    theirs.content = b"new".to_vec();
+    fs.apply_event(&pb::SubscribeMetadataResponse {
+        directory: "/".into(),
+        event_notification: Some(pb::EventNotification {
+            old_entry: Some(before),
+            new_entry: Some(theirs),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    assert_eq!(
+        fs.lookup(ROOT_INO, "f").await.unwrap_err().errno,
+        libc::ENOENT,
+        "the old event must not bring f back"
+    );
+    assert!(fs.lookup(ROOT_INO, "g").await.is_ok());
+    // a name we did not touch is applied as the event says
+    let mut other = filer.get("/g").unwrap();
+    other.name = "h".into();
+    fs.apply_event(&pb::SubscribeMetadataResponse {
+        directory: "/".into(),
+        event_notification: Some(pb::EventNotification {
+            new_entry: Some(other),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    assert!(fs.lookup(ROOT_INO, "h").await.is_ok());
+}
+
+#[tokio::test]
+async fn an_older_event_about_the_old_name_leaves_a_renamed_open_file_alone() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let before = filer.get("/f").unwrap();
+    fs.rename(ROOT_INO, "f", ROOT_INO, "g", 0).await.unwrap();
+    let mut theirs = before.clone();
+    theirs.content = b"old!".to_vec();
+    fs.apply_event(&pb::SubscribeMetadataResponse {
+        directory: "/".into(),
+        event_notification: Some(pb::EventNotification {
+            old_entry: Some(before),
+            new_entry: Some(theirs),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    // the open file is g now: an entry named f is not its entry
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert_eq!(of.state.lock().entry.name, "g");
+    assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours");
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(filer.get("/f").is_none(), "the rename is not undone");
+    assert_eq!(crate::chunks::file_size(&filer.get("/g").unwrap()), 4);
+}
+
+#[tokio::test]
+async fn an_older_rename_onto_our_new_file_keeps_its_data() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    // another client's rename t -> f, done at the filer before our create
+    let t = pb::Entry {
+        name: "t".into(),
+        attributes: Some(pb::FuseAttributes {
+            inode: 777,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    fs.apply_event(&pb::SubscribeMetadataResponse {
+        directory: "/".into(),
+        event_notification: Some(pb::EventNotification {
+            old_entry: Some(t.clone()),
+            new_entry: Some(entry_with_name(&t, "f")),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").expect("our file must be committed");
+    assert_eq!(crate::chunks::file_size(&e), 4);
+}
+
+fn event(old: Option<pb::Entry>, new: Option<pb::Entry>) -> pb::SubscribeMetadataResponse {
+    pb::SubscribeMetadataResponse {
+        directory: "/".into(),
+        event_notification: Some(pb::EventNotification {
+            old_entry: old,
+            new_entry: new,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Deletes "/f" as another client would, and applies its event here.
+async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
+    let e = filer.get("/f").unwrap();
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "f".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.apply_event(&event(Some(e), None));
+}
+
+#[tokio::test]
+async fn a_listing_read_across_a_delete_event_takes_the_name_back() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.release(fh, a.ino).await.unwrap();
+    let quiet = fs.opendir(ROOT_INO).await.unwrap();
+    let quiet = fs.readdir(ROOT_INO, quiet, 0).await.unwrap();
+    let all = 0..quiet.entries.len();
+    assert!(fs.gone_since(ROOT_INO, &quiet, all).await.is_empty());
+    let before = fs.opendir(ROOT_INO).await.unwrap();
+    let before = fs.readdir(ROOT_INO, before, 0).await.unwrap();
+    assert!(before.entries.iter().any(|e| e.name == "f"));
+    delete_f_elsewhere(&fs, &filer).await;
+    // the snapshot still has f: handed to the kernel after the event's invalidation, it
+    // would stay there as a live name
+    assert_eq!(
+        fs.gone_since(ROOT_INO, &before, 0..before.entries.len())
+            .await,
+        vec!["f".to_string()]
+    );
+    let after = fs.opendir(ROOT_INO).await.unwrap();
+    let after = fs.readdir(ROOT_INO, after, 0).await.unwrap();
+    assert!(after.entries.iter().all(|e| e.name != "f"));
+    let all = 0..after.entries.len();
+    assert!(fs.gone_since(ROOT_INO, &after, all).await.is_empty());
+}
+
+#[tokio::test]
+async fn opening_a_node_whose_name_was_deleted_elsewhere_is_estale() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.release(fh, a.ino).await.unwrap();
+    let listed = DirEntryOut {
+        name: "f".into(),
+        ino: a.ino,
+        kind: Kind::File,
+        attr: Some(a.clone()),
+    };
+    delete_f_elsewhere(&fs, &filer).await;
+    // a listing read before the event registers the name again (as readdirplus does)
+    fs.remember_dir_entry(ROOT_INO, &listed);
+    // the kernel opens the node it still has a name for: ESTALE makes it look the name up
+    // again (an O_CREAT open then creates the file), where ENOENT failed the open
+    for flags in [libc::O_RDONLY, libc::O_WRONLY | libc::O_TRUNC] {
+        let err = fs.open(a.ino, flags).await.unwrap_err();
+        assert_eq!(err.errno, libc::ESTALE, "{err}");
+    }
+    let (b, fh) = create_f(&fs, libc::O_WRONLY).await;
+    assert_ne!(b.ino, a.ino);
+    fs.release(fh, b.ino).await.unwrap();
+    // the name leads to another file now: the old node must not open it
+    let err = fs.open(a.ino, libc::O_RDONLY).await.unwrap_err();
+    assert_eq!(err.errno, libc::ESTALE, "{err}");
+}
+
+#[tokio::test]
+async fn an_older_update_does_not_roll_back_an_open_file_we_committed() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours!").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // another client's write, done at the filer before our commit; its event comes after
+    let before = filer.get("/f").unwrap();
+    let mut theirs = before.clone();
+    theirs.chunks.clear();
+    theirs.content = b"old".to_vec();
+    theirs.attributes.as_mut().unwrap().file_size = 3;
+    fs.apply_event(&event(Some(before), Some(theirs)));
+    settle().await;
+    assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"ours!");
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 5);
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_newer_update_reaches_an_open_file_we_committed_lately() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours!").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // another client writes after our commit: the re-read finds its entry
+    let ours = filer.get("/f").unwrap();
+    let mut theirs = ours.clone();
+    theirs.chunks.clear();
+    theirs.content = b"theirs!".to_vec();
+    theirs.attributes.as_mut().unwrap().file_size = 7;
+    filer
+        .other_client()
+        .update_entry(pb::UpdateEntryRequest {
+            directory: "/".into(),
+            entry: Some(theirs.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.apply_event(&event(Some(ours), Some(theirs)));
+    settle().await;
+    assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"theirs!");
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_older_delete_does_not_unlink_an_open_file_we_committed() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // a delete of f at the filer before our commit (which recreated it)
+    let gone = filer.get("/f").unwrap();
+    fs.apply_event(&event(Some(gone), None));
+    settle().await;
+    fs.write(fh, a.ino, 4, b" and more").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").expect("f is still on the filer");
+    assert_eq!(
+        crate::chunks::file_size(&e),
+        13,
+        "our later write is committed"
+    );
+}
+
+#[tokio::test]
+async fn a_real_delete_of_a_name_changed_lately_unlinks_the_open_file() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let gone = filer.get("/f").unwrap();
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "f".into(),
+            is_delete_data: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.apply_event(&event(Some(gone), None));
+    settle().await;
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert!(of.state.lock().unlinked, "the filer says f is gone");
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(
+        filer.get("/f").is_none(),
+        "an unlinked file is not committed again"
+    );
+}
+
+#[tokio::test]
+async fn a_file_not_yet_on_the_filer_shows_in_a_directory_too_large_to_cache() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let mut cfg = fs.cfg.clone();
+    cfg.max_cached_dir_entries = 2;
+    let fs = Fs::new(
+        cfg,
+        filer.clone(),
+        Arc::new(MockChunkStore::new()),
+        ChunkCache::new(1 << 20),
+    );
+    for n in ["a", "b", "c"] {
+        filer
+            .other_client()
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(pb::Entry {
+                    name: n.into(),
+                    attributes: Some(pb::FuseAttributes::default()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    assert!(filer.get("/f").is_none(), "the create is still deferred");
+    assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, a.ino);
+    let dh = fs.opendir(ROOT_INO).await.unwrap();
+    let names: Vec<String> = fs
+        .readdir(ROOT_INO, dh, 0)
+        .await
+        .unwrap()
+        .entries
+        .iter()
+        .map(|e| e.name.clone())
+        .collect();
+    assert_eq!(names, [".", "..", "a", "b", "c", "f"]);
+    let again = fs
+        .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY | libc::O_EXCL, 0, 0)
+        .await;
+    assert_eq!(again.unwrap_err().errno, libc::EEXIST);
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(filer.get("/f").is_some());
+}
+
+#[tokio::test]
+async fn a_panicking_upload_fails_fsync_instead_of_hanging_it() {
+    let (fs, store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    store.panic_uploads(1);
+    fs.write(fh, a.ino, 0, &vec![7u8; MIB]).await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), fs.flush(fh, a.ino)).await;
+    let r = r.expect("fsync must not wait forever for a task that is gone");
+    assert_eq!(r.unwrap_err().errno, libc::EIO);
+}
+
+/// Waits (up to 10 s) until `cond` holds.
+async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..200 {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond()
+}
+
+#[tokio::test]
+async fn a_real_delete_is_believed_once_the_filer_answers_again() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let gone = filer.get("/f").unwrap();
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "f".into(),
+            is_delete_data: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // the filer blinks while the delete's event is checked
+    filer.fail_next(2);
+    fs.apply_event(&event(Some(gone), None));
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert!(
+        eventually(|| of.state.lock().unlinked).await,
+        "the re-read is retried until the filer answers"
+    );
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(
+        filer.get("/f").is_none(),
+        "a deleted file is not brought back"
+    );
+}
+
+#[tokio::test]
+async fn many_doubtful_events_on_one_file_share_one_re_read_at_a_time() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let ours = filer.get("/f").unwrap();
+    let before = filer.calls("lookup_entry");
+    for _ in 0..500 {
+        fs.apply_event(&event(Some(ours.clone()), Some(ours.clone())));
+    }
+    settle().await;
+    let lookups = filer.calls("lookup_entry") - before;
+    assert!(lookups <= 3, "{lookups} lookups for 500 events");
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert!(!of.state.lock().resync.running, "the re-read ends");
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_older_rename_onto_our_committed_file_keeps_it() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // another client's rename t -> f, before our commit at the filer
+    let t = pb::Entry {
+        name: "t".into(),
+        attributes: Some(pb::FuseAttributes {
+            inode: 777,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    fs.apply_event(&event(Some(t.clone()), Some(entry_with_name(&t, "f"))));
+    settle().await;
+    fs.write(fh, a.ino, 4, b" and more").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").expect("our file must stay");
+    assert_eq!(
+        crate::chunks::file_size(&e),
+        13,
+        "our later write is committed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_read_and_a_listing_do_not_deadlock() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let ours = filer.get("/f").unwrap();
+    // files lock then state locks, over and over, while re-reads take them too
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lister = {
+        let (fs, stop) = (fs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(fs.pending_in_dir("/", None));
+            }
+        })
+    };
+    let sender = {
+        let fs = fs.clone();
+        let rt = tokio::runtime::Handle::current();
+        std::thread::spawn(move || {
+            let _rt = rt.enter();
+            for _ in 0..20_000 {
+                fs.apply_event(&event(Some(ours.clone()), Some(ours.clone())));
+            }
+        })
+    };
+    let sent = tokio::task::spawn_blocking(move || sender.join().is_ok());
+    let sent = tokio::time::timeout(Duration::from_secs(60), sent).await;
+    assert!(
+        matches!(sent, Ok(Ok(true))),
+        "the event thread never finished"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::Relaxed);
+    let done = tokio::task::spawn_blocking(move || lister.join().is_ok());
+    let joined = tokio::time::timeout(Duration::from_secs(60), done).await;
+    assert!(
+        matches!(joined, Ok(Ok(true))),
+        "the listing thread never finished"
+    );
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+#[tokio::test]
+async fn our_changes_stay_marked_after_a_doubtful_delete() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    filer.fail_next(1000); // the re-read waits, the doubt stays
+    fs.apply_event(&event(filer.get("/f"), None));
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    let epoch = of.state.lock().epoch;
+    {
+        // a commit of the file names it: the guard must find it though the path is gone here
+        let _g = fs.note_local("/", "f", Some(a.ino));
+        assert_eq!(of.state.lock().local_inflight, 1);
+    }
+    assert!(of.state.lock().epoch > epoch);
+    filer.fail_next(0);
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+#[tokio::test]
+async fn runs_overwritten_before_the_commit_are_deleted() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    // each full chunk is uploaded at once; the second hides the first
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+    fs.write(fh, a.ino, 0, &vec![2u8; MIB]).await.unwrap();
+    fs.write(fh, a.ino, MIB as u64, &vec![3u8; MIB])
+        .await
+        .unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    settle().await;
+    assert_eq!(referenced(&filer, "/f"), 2);
+    assert_eq!(store.len(), 2, "the hidden run's needle must be deleted");
+}
+
+#[tokio::test]
+async fn runs_truncated_away_before_the_commit_are_deleted() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
+    fs.setattr(
+        a.ino,
+        SetAttr {
+            size: Some(MIB as u64),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    settle().await;
+    assert_eq!(referenced(&filer, "/f"), 1);
+    assert_eq!(store.len(), 1, "chunks past the new size must be deleted");
+}
+
+#[tokio::test]
+async fn a_file_unlinked_before_its_commit_leaves_no_chunks() {
+    let (fs, store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; 3 * MIB]).await.unwrap();
+    fs.unlink(ROOT_INO, "f").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    settle().await;
+    assert_eq!(
+        store.len(),
+        0,
+        "nothing references the unlinked file's chunks"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_upload_keeps_the_bytes_and_a_later_fsync_places_them() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    store.fail_next_uploads(100);
+    let data = vec![7u8; MIB + 10];
+    fs.write(fh, a.ino, 0, &data).await.unwrap();
+    let e = fs.flush(fh, a.ino).await.unwrap_err();
+    assert_eq!(e.errno, libc::EIO);
+    // no more bytes pile up behind it, but what was acknowledged is still readable
+    assert_eq!(
+        fs.write(fh, a.ino, 0, b"x").await.unwrap_err().errno,
+        libc::EIO
+    );
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert_eq!(&fs.read_range(&of, 0, 16).await.unwrap()[..], &data[..16]);
+    // the cluster is back: the next fsync places everything
+    store.fail_next_uploads(0);
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, (MIB + 10) as u64, b"more")
+        .await
+        .unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(crate::chunks::file_size(&e), (MIB + 14) as u64);
+    let of = fs.open_inode(a.ino, true).await.unwrap();
+    let got = fs.read_range(&of, 0, (MIB + 14) as u64).await.unwrap();
+    assert_eq!(&got[..MIB + 10], &data[..]);
+    assert_eq!(&got[MIB + 10..], b"more");
+}
+
+#[tokio::test]
+async fn uploads_retry_through_a_short_outage() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(30));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    store.fail_next_uploads(2);
+    fs.write(fh, a.ino, 0, &vec![5u8; MIB]).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert_eq!(referenced(&filer, "/f"), 1);
+    assert_eq!(store.len(), 1);
+}

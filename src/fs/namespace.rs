@@ -1,0 +1,675 @@
+//! Namespace operations of [`Fs`]: create, mkdir, mknod, symlink, readlink, unlink, rmdir,
+//! rename and link, and how node ids and open files follow a moved or removed name.
+
+use super::acl::{self, Acl};
+use super::attr::{self, entry_attr, entry_inode, Attr, Kind};
+use super::file::OpenFile;
+use super::inode::{join, split, ROOT_INO};
+use super::xattr::xattr_key;
+use super::{entry_with_name, errno, now_parts, Fs, OpenEntry, Result};
+use crate::filer::FilerError;
+use crate::pb::filer as pb;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+const RENAME_NOREPLACE: u32 = 1;
+const RENAME_EXCHANGE: u32 = 2;
+const RENAME_WHITEOUT: u32 = 4;
+
+impl Fs {
+    fn check_new_name(&self, name: &str) -> Result<()> {
+        if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+            return Err(errno(libc::EINVAL, format!("invalid name {name:?}")));
+        }
+        if name.len() > 255 {
+            return Err(errno(libc::ENAMETOOLONG, "name too long"));
+        }
+        Ok(())
+    }
+
+    async fn ensure_absent(&self, dir: &str, name: &str) -> Result<()> {
+        match self.entry_at(dir, name).await {
+            Ok(_) => Err(errno(libc::EEXIST, format!("{dir}/{name} exists"))),
+            Err(e) if e.errno == libc::ENOENT => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn parent_dir(&self, parent: u64) -> Result<String> {
+        let dir = self.path_of(parent)?;
+        if parent != ROOT_INO {
+            let (pd, pn) = split(&dir);
+            let e = self.entry_at(&pd, &pn).await?;
+            if !e.is_directory {
+                return Err(errno(libc::ENOTDIR, format!("{dir} is not a directory")));
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Owner group and mode of a new entry in `dir`: a setgid directory passes on its group
+    /// (and, to subdirectories, the setgid bit), as local filesystems do; FUSE leaves this to
+    /// the filesystem. A file keeps a requested setgid bit only if its creator is root or is
+    /// in its group.
+    async fn inherit_group(
+        &self,
+        parent: u64,
+        dir: &str,
+        kind: Kind,
+        perm: u32,
+        uid: u32,
+        gid: u32,
+    ) -> (u32, u32) {
+        let pattr = if parent == ROOT_INO {
+            Some(self.root_attr())
+        } else {
+            let (pd, pn) = split(dir);
+            self.entry_at(&pd, &pn)
+                .await
+                .ok()
+                .map(|e| entry_attr(parent, &e, &self.cfg.ids))
+        };
+        match pattr {
+            Some(p) if p.perm as u32 & libc::S_ISGID != 0 => {
+                let perm = if kind == Kind::Dir {
+                    perm | libc::S_ISGID
+                } else if uid != 0 && p.gid != gid {
+                    perm & !libc::S_ISGID
+                } else {
+                    perm
+                };
+                (perm, p.gid)
+            }
+            _ => (perm, gid),
+        }
+    }
+
+    /// Permission bits and ACL xattrs of a new node. With ACLs negotiated and a default ACL on
+    /// the parent, both come from it and the umask is ignored (POSIX.1e); otherwise the umask
+    /// applies. Without FUSE_DONT_MASK the kernel has masked `perm` already (masking again is
+    /// harmless). Symlinks get neither.
+    async fn initial_mode(
+        &self,
+        parent: u64,
+        dir: &str,
+        kind: Kind,
+        perm: u32,
+        umask: u32,
+    ) -> (u32, Vec<(String, Vec<u8>)>) {
+        if kind == Kind::Symlink {
+            return (perm, Vec::new());
+        }
+        let Some(default) = self.default_acl_of(parent, dir).await else {
+            return (perm & !(umask & 0o777), Vec::new());
+        };
+        let inh = Acl::inherit(&default, perm, kind == Kind::Dir);
+        let mut xattrs = Vec::new();
+        if let Some(a) = inh.access {
+            xattrs.push((xattr_key(acl::ACCESS), a.to_bytes()));
+        }
+        if let Some(d) = inh.default {
+            xattrs.push((xattr_key(acl::DEFAULT), d.to_bytes()));
+        }
+        (inh.mode, xattrs)
+    }
+
+    /// The parent's default ACL, if ACLs are negotiated and it has a usable one.
+    async fn default_acl_of(&self, parent: u64, dir: &str) -> Option<Acl> {
+        if !self.posix_acl() || (parent == ROOT_INO && self.cfg.root == "/") {
+            return None;
+        }
+        let (pd, pn) = split(dir);
+        let e = match self.entry_at(&pd, &pn).await {
+            Ok(e) => e,
+            Err(err) => {
+                tracing::debug!(dir, error = %err, "parent lookup for its default ACL failed");
+                return None;
+            }
+        };
+        let raw = e.extended.get(&xattr_key(acl::DEFAULT))?;
+        match Acl::parse(raw) {
+            Ok(a) if !a.is_empty() => Some(a),
+            Ok(_) => None,
+            Err(err) => {
+                tracing::warn!(dir, error = %err, "ignoring a malformed default ACL");
+                None
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn make_node(
+        &self,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        perm: u32,
+        umask: u32,
+        uid: u32,
+        gid: u32,
+        symlink: &str,
+        rdev: u32,
+    ) -> Result<Attr> {
+        self.check_writable()?;
+        self.check_new_name(name)?;
+        let dir = self.parent_dir(parent).await?;
+        self.ensure_absent(&dir, name).await?;
+        let path = join(&dir, name);
+        let (perm, acls) = self.initial_mode(parent, &dir, kind, perm, umask).await;
+        let (perm, gid) = self.inherit_group(parent, &dir, kind, perm, uid, gid).await;
+        let mut e = self.new_entry(name, kind, perm, uid, gid, symlink, rdev);
+        e.extended.extend(acls);
+        if let Some(a) = e.attributes.as_mut() {
+            a.inode = self.fresh_inode();
+        }
+        self.create_on_filer(&dir, &e, true).await?;
+        self.meta.upsert(&dir, Arc::new(e.clone()));
+        if kind == Kind::Dir {
+            // an empty new directory is fully known
+            let g = self.meta.generation(&path);
+            self.meta.install(&path, Vec::new(), g, &[]);
+        }
+        self.touch_dir(&dir);
+        Ok(self.remember(&path, &e, true))
+    }
+
+    pub async fn mkdir(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        umask: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        self.make_node(
+            parent,
+            name,
+            Kind::Dir,
+            mode & 0o7777,
+            umask,
+            uid,
+            gid,
+            "",
+            0,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub async fn mknod(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        let kind =
+            attr::kind_from_posix(mode).ok_or_else(|| errno(libc::EINVAL, "bad file type"))?;
+        if kind == Kind::Dir || kind == Kind::Symlink {
+            return Err(errno(libc::EINVAL, "mknod of a directory or symlink"));
+        }
+        self.make_node(parent, name, kind, mode & 0o7777, umask, uid, gid, "", rdev)
+            .await
+    }
+
+    pub async fn symlink(
+        &self,
+        parent: u64,
+        name: &str,
+        target: &str,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        if target.len() > 4095 {
+            return Err(errno(libc::ENAMETOOLONG, "symlink target too long"));
+        }
+        self.make_node(parent, name, Kind::Symlink, 0o777, 0, uid, gid, target, 0)
+            .await
+    }
+
+    pub async fn readlink(&self, ino: u64) -> Result<String> {
+        let path = self.path_of(ino)?;
+        let (dir, name) = split(&path);
+        let e = self.entry_at(&dir, &name).await?;
+        let a = e.attributes.clone().unwrap_or_default();
+        if attr::from_go_mode(a.file_mode).0 != Kind::Symlink {
+            return Err(errno(libc::EINVAL, "not a symlink"));
+        }
+        Ok(a.symlink_target)
+    }
+
+    /// create(2): the filer entry is created on the first flush (like `weed mount`), but the
+    /// name is visible here at once.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn create(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<(Attr, u64)> {
+        self.check_writable()?;
+        self.check_new_name(name)?;
+        let dir = self.parent_dir(parent).await?;
+        match self.entry_at(&dir, name).await {
+            Ok(e) => {
+                if flags & libc::O_EXCL != 0 {
+                    return Err(errno(libc::EEXIST, format!("{dir}/{name} exists")));
+                }
+                let path = join(&dir, name);
+                let a = self.remember(&path, &e, true);
+                let fh = self.open(a.ino, flags).await?;
+                return Ok((self.getattr(a.ino).await?, fh));
+            }
+            Err(e) if e.errno == libc::ENOENT => {}
+            Err(e) => return Err(e),
+        }
+        let path = join(&dir, name);
+        let (perm, acls) = self
+            .initial_mode(parent, &dir, Kind::File, mode & 0o7777, umask)
+            .await;
+        let (perm, gid) = self
+            .inherit_group(parent, &dir, Kind::File, perm, uid, gid)
+            .await;
+        let mut e = self.new_entry(name, Kind::File, perm, uid, gid, "", 0);
+        e.extended.extend(acls);
+        let ino = self.fresh_inode();
+        if let Some(a) = e.attributes.as_mut() {
+            a.inode = ino;
+        }
+        let of = Arc::new(OpenFile::new(
+            ino,
+            dir.clone(),
+            e.clone(),
+            self.cfg.chunk_size,
+            self.cfg.max_dirty_slots,
+        ));
+        // the name exists here from now on, before the filer has it
+        self.remember_local(&dir, name);
+        {
+            let mut s = of.state.lock();
+            s.pending_create = true;
+            s.changed_here();
+            s.touch();
+        }
+        self.files.lock().insert(
+            ino,
+            OpenEntry {
+                file: of.clone(),
+                handles: 0,
+            },
+        );
+        self.meta.upsert(&dir, Arc::new(e.clone()));
+        self.touch_dir(&dir);
+        let a = self.remember(&path, &e, true);
+        let fh = self.add_handle(ino, of, true);
+        Ok((a, fh))
+    }
+
+    pub async fn unlink(&self, parent: u64, name: &str) -> Result<()> {
+        self.check_writable()?;
+        let dir = self.path_of(parent)?;
+        let e = self.entry_at(&dir, name).await?;
+        if e.is_directory {
+            return Err(errno(libc::EISDIR, "unlink of a directory"));
+        }
+        let path = join(&dir, name);
+        let ino = entry_inode(&path, &e);
+        // other names of a hard-linked file keep it (and its open handles) alive
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let of = self.open_file(ino);
+        let (pending, marked) = match &of {
+            Some(of) => {
+                let mut s = of.state.lock();
+                // marked before the delete, so a concurrent flush cannot resurrect the entry
+                let mark = !linked && s.dir == dir && s.entry.name == name && !s.unlinked;
+                if mark {
+                    s.unlinked = true;
+                }
+                (s.pending_create, mark)
+            }
+            None => (false, false),
+        };
+        if !pending {
+            let _local = self.note_local(&dir, name, Some(ino));
+            self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            let r = self
+                .filer
+                .delete_entry(pb::DeleteEntryRequest {
+                    directory: dir.clone(),
+                    name: name.to_string(),
+                    is_delete_data: true,
+                    ..Default::default()
+                })
+                .await;
+            if let Err(err) = r {
+                if let (Some(of), true) = (&of, marked) {
+                    of.state.lock().unlinked = false;
+                }
+                return Err(err.into());
+            }
+        }
+        self.meta.remove(&dir, name);
+        self.name_removed(&dir, name, &e, false);
+        self.touch_dir(&dir);
+        if !e.hard_link_id.is_empty() {
+            if let Some(n) = self.notifier.read().clone() {
+                n.inval_inode(ino);
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn rmdir(&self, parent: u64, name: &str) -> Result<()> {
+        self.check_writable()?;
+        if name == "." {
+            return Err(errno(libc::EINVAL, "rmdir ."));
+        }
+        let dir = self.path_of(parent)?;
+        let e = self.entry_at(&dir, name).await?;
+        if !e.is_directory {
+            return Err(errno(libc::ENOTDIR, "rmdir of a non-directory"));
+        }
+        let path = join(&dir, name);
+        if self.load_dir(&path).await.unwrap_or(false) {
+            if let Some(l) = self.meta.listing(&path) {
+                if !l.is_empty() {
+                    return Err(errno(libc::ENOTEMPTY, format!("{path} is not empty")));
+                }
+            }
+        }
+        self.remember_local(&dir, name);
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        self.filer
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: dir.clone(),
+                name: name.to_string(),
+                is_delete_data: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| match e {
+                FilerError::NotEmpty(m) => errno(libc::ENOTEMPTY, m),
+                other => other.into(),
+            })?;
+        self.meta.remove(&dir, name);
+        self.meta.invalidate_dir(&path, true);
+        self.inodes.unlink_path(&path);
+        self.touch_dir(&dir);
+        Ok(())
+    }
+
+    pub async fn rename(
+        &self,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+        flags: u32,
+    ) -> Result<()> {
+        self.check_writable()?;
+        if flags & RENAME_WHITEOUT != 0 {
+            return Err(errno(libc::EINVAL, "RENAME_WHITEOUT is not supported"));
+        }
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+            || flags & RENAME_NOREPLACE != 0 && flags & RENAME_EXCHANGE != 0
+        {
+            return Err(errno(libc::EINVAL, "unknown rename flags"));
+        }
+        self.check_new_name(newname)?;
+        let odir = self.path_of(parent)?;
+        let ndir = self.parent_dir(newparent).await?;
+        let src = self.entry_at(&odir, name).await?;
+        let opath = join(&odir, name);
+        let npath = join(&ndir, newname);
+        if src.is_directory && (npath.starts_with(&format!("{opath}/"))) {
+            return Err(errno(libc::EINVAL, "cannot move a directory into itself"));
+        }
+        let dst = match self.entry_at(&ndir, newname).await {
+            Ok(d) => Some(d),
+            Err(e) if e.errno == libc::ENOENT => None,
+            Err(e) => return Err(e),
+        };
+        if opath == npath {
+            return Ok(());
+        }
+        if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
+            return Err(errno(libc::EEXIST, format!("{npath} exists")));
+        }
+        if flags & RENAME_EXCHANGE != 0 {
+            let Some(dst) = dst else {
+                return Err(errno(libc::ENOENT, format!("{npath} does not exist")));
+            };
+            if dst.is_directory && src.is_directory && npath.starts_with(&format!("{opath}/"))
+                || opath.starts_with(&format!("{npath}/"))
+            {
+                return Err(errno(
+                    libc::EINVAL,
+                    "cannot exchange a directory with its descendant",
+                ));
+            }
+            // Three moves through a hidden temporary name in the source directory.
+            let tmp = format!(".swx-{}-{}", std::process::id(), super::file::next_ts_ns());
+            self.rename_plain(&odir, name, &odir, &tmp, &src).await?;
+            let tsrc = self.entry_at(&odir, &tmp).await?;
+            if let Err(e) = self.rename_plain(&ndir, newname, &odir, name, &dst).await {
+                let _ = self.rename_plain(&odir, &tmp, &odir, name, &tsrc).await;
+                return Err(e);
+            }
+            self.rename_plain(&odir, &tmp, &ndir, newname, &tsrc)
+                .await?;
+            return Ok(());
+        }
+        if let Some(d) = &dst {
+            match (src.is_directory, d.is_directory) {
+                (true, false) => {
+                    return Err(errno(libc::ENOTDIR, format!("{npath} is not a directory")))
+                }
+                (false, true) => {
+                    return Err(errno(libc::EISDIR, format!("{npath} is a directory")))
+                }
+                (true, true) => {
+                    let np = npath.clone();
+                    if self.load_dir(&np).await.unwrap_or(false) {
+                        if let Some(l) = self.meta.listing(&np) {
+                            if !l.is_empty() {
+                                return Err(errno(libc::ENOTEMPTY, format!("{np} is not empty")));
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+            // the replaced file lives on in open handles only (undone if the rename fails)
+            let dino = entry_inode(&npath, d);
+            if let Some(of) = self.open_file(dino) {
+                let marked = {
+                    let mut s = of.state.lock();
+                    !std::mem::replace(&mut s.unlinked, true)
+                };
+                let r = self.rename_plain(&odir, name, &ndir, newname, &src).await;
+                if r.is_err() && marked {
+                    of.state.lock().unlinked = false;
+                }
+                return r;
+            }
+        }
+        self.rename_plain(&odir, name, &ndir, newname, &src).await
+    }
+
+    async fn rename_plain(
+        &self,
+        odir: &str,
+        name: &str,
+        ndir: &str,
+        newname: &str,
+        src: &pb::Entry,
+    ) -> Result<()> {
+        let opath = join(odir, name);
+        let npath = join(ndir, newname);
+        let ino = entry_inode(&opath, src);
+        // a deferred or dirty file must exist on the filer before it can be moved there
+        if let Some(of) = self.open_file(ino) {
+            self.flush_file(&of).await?;
+        }
+        let _old = self.note_local(odir, name, Some(ino));
+        let _new = self.note_local(ndir, newname, None);
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let events = self
+            .filer
+            .rename_entry(pb::StreamRenameEntryRequest {
+                old_directory: odir.to_string(),
+                old_name: name.to_string(),
+                new_directory: ndir.to_string(),
+                new_name: newname.to_string(),
+                ..Default::default()
+            })
+            .await?;
+        let moved = events
+            .iter()
+            .filter_map(|r| r.event_notification.as_ref())
+            .filter_map(|n| n.new_entry.clone())
+            .find(|e| e.name == newname)
+            .unwrap_or_else(|| entry_with_name(src, newname));
+        self.meta.remove(odir, name);
+        if src.is_directory {
+            self.meta.invalidate_dir(&opath, true);
+            self.meta.invalidate_dir(&npath, true);
+        }
+        self.moved(&opath, &npath);
+        // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
+        // now: `src` may be older than another node's last write to it.
+        let moved = match self
+            .update_fresh(ndir, newname, |e| {
+                let a = e.attributes.get_or_insert_with(Default::default);
+                (a.ctime, a.ctime_ns) = now_parts();
+                Ok(())
+            })
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(path = npath, error = %e, "ctime update after rename failed");
+                self.meta.upsert(ndir, Arc::new(moved.clone()));
+                moved
+            }
+        };
+        if let Some(of) = self.open_file(ino) {
+            let mut s = of.state.lock();
+            if let (Some(a), Some(m)) = (s.entry.attributes.as_mut(), moved.attributes.as_ref()) {
+                a.ctime = m.ctime;
+                a.ctime_ns = m.ctime_ns;
+            }
+        }
+        self.touch_dir(odir);
+        self.touch_dir(ndir);
+        Ok(())
+    }
+
+    /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
+    pub(super) fn moved(&self, opath: &str, npath: &str) {
+        self.inodes.rename(opath, npath);
+        let files = self.files.lock();
+        let prefix = format!("{opath}/");
+        for o in files.values() {
+            let mut s = o.file.state.lock();
+            let p = join(&s.dir, &s.entry.name);
+            if p == opath {
+                (s.dir, s.entry.name) = split(npath);
+            } else if p.starts_with(&prefix) {
+                let np = format!("{npath}{}", &p[opath.len()..]);
+                s.dir = split(&np).0;
+            }
+        }
+    }
+
+    /// The name `dir/name` of `e` is gone: open handles of a hard-linked file follow one of
+    /// its other names; otherwise they become unlinked (their data is no longer committed).
+    /// `doubt`: the removal may be older than our own change of the name; an open file
+    /// is then left linked (the caller re-reads the entry to decide).
+    pub(super) fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry, doubt: bool) {
+        let path = join(dir, name);
+        let ino = entry_inode(&path, e);
+        self.meta.link_removed(e);
+        self.inodes.unlink_path(&path);
+        let Some(of) = self.open_file(ino).filter(|_| !doubt) else {
+            return;
+        };
+        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let other = self.inodes.aliases(ino).into_iter().next();
+        let mut s = of.state.lock();
+        if !linked {
+            s.unlinked = true;
+            s.epoch += 1;
+            return;
+        }
+        s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+        if s.dir == dir && s.entry.name == name {
+            match other {
+                Some(p) => (s.dir, s.entry.name) = split(&p),
+                None => s.unlinked = true,
+            }
+        }
+    }
+
+    pub async fn link(&self, ino: u64, newparent: u64, newname: &str) -> Result<Attr> {
+        self.check_writable()?;
+        self.check_new_name(newname)?;
+        let path = self.path_of(ino)?;
+        let (dir, name) = split(&path);
+        if let Some(of) = self.open_file(ino) {
+            self.flush_file(&of).await?;
+        }
+        let ndir = self.parent_dir(newparent).await?;
+        self.ensure_absent(&ndir, newname).await?;
+        let src = self.filer.lookup_entry(&dir, &name).await?;
+        if src.is_directory {
+            return Err(errno(libc::EPERM, "hard link to a directory"));
+        }
+        let mut updated = src.clone();
+        if updated.hard_link_id.is_empty() {
+            let mut id: Vec<u8> = (0..16).map(|_| rand::random::<u8>()).collect();
+            id.push(1);
+            updated.hard_link_id = id;
+            updated.hard_link_counter = 1;
+        }
+        updated.hard_link_counter += 1;
+        let a = updated.attributes.get_or_insert_with(Default::default);
+        (a.ctime, a.ctime_ns) = now_parts();
+        self.update_entry(&dir, updated.clone()).await?;
+        let newe = entry_with_name(&updated, newname);
+        if let Err(e) = self.create_on_filer(&ndir, &newe, true).await {
+            let _ = self.update_entry(&dir, src).await;
+            return Err(e);
+        }
+        self.meta.upsert(&ndir, Arc::new(newe.clone()));
+        if let Some(of) = self.open_file(ino) {
+            // the next flush of an open handle must keep the file in its link group
+            let mut s = of.state.lock();
+            s.entry.hard_link_id = updated.hard_link_id.clone();
+            s.entry.hard_link_counter = updated.hard_link_counter;
+            if let (Some(a), Some(u)) = (s.entry.attributes.as_mut(), updated.attributes.as_ref()) {
+                (a.ctime, a.ctime_ns) = (u.ctime, u.ctime_ns);
+            }
+        }
+        self.touch_dir(&ndir);
+        if let Some(n) = self.notifier.read().clone() {
+            n.inval_inode(ino);
+        }
+        let npath = join(&ndir, newname);
+        let a = self.attr_of(ino, &npath, &newe);
+        let mut a = Attr { ino, ..a };
+        if self.open_file(ino).is_none() {
+            a.nlink = newe.hard_link_counter.max(1) as u32;
+        }
+        self.inodes.remember_as(ino, &npath, a.kind, true, true);
+        Ok(a)
+    }
+}

@@ -1,0 +1,167 @@
+//! setattr(2) of [`Fs`]'s nodes: mode, owner and times, and truncation through the
+//! open-file state.
+
+use super::attr::{self, entry_attr, to_go_mode, Attr, Kind};
+use super::file::{cut_start, OpenFile};
+use super::inode::{split, ROOT_INO};
+use super::xattr::chmod_access_acl;
+use super::{errno, now_parts, Fs, Result};
+use crate::pb::filer as pb;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// A setattr request; `None` fields are unchanged.
+#[derive(Debug, Clone, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<SystemTime>,
+    pub mtime: Option<SystemTime>,
+    pub ctime: Option<SystemTime>,
+}
+
+impl Fs {
+    pub async fn setattr(&self, ino: u64, req: SetAttr) -> Result<Attr> {
+        self.check_writable()?;
+        if ino == ROOT_INO && self.cfg.root == "/" {
+            return Err(errno(libc::EPERM, "cannot change the filer root"));
+        }
+        let path = self.path_of(ino)?;
+        let (dir, name) = split(&path);
+        if let Some(of) = self.open_file(ino) {
+            return self.setattr_open(ino, &path, &of, &req).await;
+        }
+        if ino == ROOT_INO {
+            let (pdir, pname) = split(&self.cfg.root);
+            let mut e = self.filer.lookup_entry(&pdir, &pname).await?;
+            self.apply_setattr(&mut e, &req);
+            self.update_entry(&pdir, e.clone()).await?;
+            let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
+            a.ino = ROOT_INO;
+            *self.root_attr.lock() = a.clone();
+            return Ok(a);
+        }
+        if req.size.is_some() {
+            // A truncate rewrites the chunk list: build it on the filer's entry, not a cached
+            // one, and through the open-file path (a cut chunk is rewritten, inline content
+            // that grows past the inline limit becomes a chunk instead of a huge buffer).
+            let e = self.fresh_entry(&dir, &name).await?;
+            if e.is_directory {
+                return Err(errno(libc::EISDIR, "truncate of a directory"));
+            }
+            // through a registered open state, so a concurrent open shares it and its commits
+            let fh = self.open(ino, libc::O_WRONLY).await?;
+            let of = self.handles.lock().get(&fh).map(|h| h.file.clone());
+            let r = match of {
+                Some(of) => {
+                    self.bump_content_gen(ino);
+                    self.setattr_open(ino, &path, &of, &req).await
+                }
+                None => Err(errno(libc::EIO, "handle vanished during truncate")),
+            };
+            let released = self.release(fh, ino).await;
+            return r.and_then(|a| released.map(|_| a));
+        }
+        let e = self
+            .update_fresh(&dir, &name, |e| {
+                self.apply_setattr(e, &req);
+                Ok(())
+            })
+            .await?;
+        Ok(self.attr_of(ino, &path, &e))
+    }
+
+    fn apply_setattr(&self, e: &mut pb::Entry, req: &SetAttr) {
+        let a = e.attributes.get_or_insert_with(Default::default);
+        if let Some(m) = req.mode {
+            let (kind, _) = attr::from_go_mode(a.file_mode);
+            let kind = if e.is_directory { Kind::Dir } else { kind };
+            a.file_mode = to_go_mode(kind, m & 0o7777);
+        }
+        if let Some(u) = req.uid {
+            a.uid = self.cfg.ids.uid_to_filer(u);
+        }
+        if let Some(g) = req.gid {
+            a.gid = self.cfg.ids.gid_to_filer(g);
+        }
+        if let Some(t) = req.atime {
+            (a.atime, a.atime_ns) = attr::split_ts(t);
+        }
+        if let Some(t) = req.mtime {
+            (a.mtime, a.mtime_ns) = attr::split_ts(t);
+        }
+        (a.ctime, a.ctime_ns) = attr::split_ts(req.ctime.unwrap_or_else(SystemTime::now));
+        if let (Some(m), true) = (req.mode, self.posix_acl()) {
+            chmod_access_acl(e, m);
+        }
+    }
+
+    /// setattr through an open file's state; the change is committed at once.
+    async fn setattr_open(
+        &self,
+        ino: u64,
+        path: &str,
+        of: &Arc<OpenFile>,
+        req: &SetAttr,
+    ) -> Result<Attr> {
+        let clean = {
+            let s = of.state.lock();
+            s.is_clean() && !s.unlinked
+        };
+        if req.size.is_none() && clean {
+            // nothing of ours to commit: change the filer's entry, never our copy of it. The
+            // commit lock keeps this node's own commits of the file out of the lookup→update.
+            let _commit = of.commit.lock().await;
+            if of.state.lock().is_clean() {
+                let (dir, name) = split(path);
+                let e = self
+                    .update_fresh(&dir, &name, |e| {
+                        self.apply_setattr(e, req);
+                        Ok(())
+                    })
+                    .await?;
+                self.adopt_if_clean(ino, of, e.clone()).await;
+                return Ok(self.attr_of(ino, path, &e));
+            }
+        }
+        if let Some(size) = req.size {
+            self.refresh_if_clean(ino, of).await?;
+            let runs = of.seal_all();
+            self.start_uploads(of, runs).await;
+            of.wait_uploads().await;
+            let cut = {
+                let s = of.state.lock();
+                if s.entry.content.is_empty() {
+                    cut_start(&s.resolved, size)
+                } else {
+                    None
+                }
+            };
+            of.truncate(size).await;
+            if let Some(lo) = cut {
+                // A chunk cut in the middle would be recorded with a size smaller than its
+                // needle, which the filer's HTTP/S3 readers cannot serve: rewrite the kept
+                // bytes as a new chunk that hides it.
+                let kept = self.read_range(of, lo, size - lo).await?;
+                let runs = of.write(lo, &kept);
+                self.start_uploads(of, runs).await;
+            }
+            if req.mtime.is_none() {
+                let now = now_parts();
+                let mut st = of.state.lock();
+                let a = st.entry.attributes.get_or_insert_with(Default::default);
+                (a.mtime, a.mtime_ns) = now;
+            }
+        }
+        {
+            let mut st = of.state.lock();
+            self.apply_setattr(&mut st.entry, req);
+            st.touch();
+        }
+        self.flush_file(of).await?;
+        let e = of.state.lock().entry.clone();
+        Ok(self.attr_of(ino, path, &e))
+    }
+}

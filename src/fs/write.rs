@@ -1,0 +1,418 @@
+//! The write path of [`Fs`]: writes into open files, background chunk uploads (retried
+//! through short outages), and commits of the entry to the filer (chunk manifests, orphans).
+
+use super::file::{CommitSnapshot, OpenFile, SealedRun};
+use super::{errno, now_parts, Fs, Result};
+use crate::pb::filer as pb;
+use crate::volume::VolumeError;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl Fs {
+    pub async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
+        self.check_writable()?;
+        let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
+        let of = h.file.clone();
+        if let Some(e) = of.unplaced() {
+            // no more bytes pile up behind data that cannot be placed; fsync retries it
+            return Err(errno(
+                libc::EIO,
+                format!("earlier upload failed (fsync retries it): {e}"),
+            ));
+        }
+        let quota = self.quota();
+        if quota > 0 {
+            let pending: u64 = of.state.lock().uncommitted;
+            if self.used_bytes.load(Ordering::Relaxed) + pending + data.len() as u64 > quota {
+                self.refresh_usage().await;
+                if self.used_bytes.load(Ordering::Relaxed) + pending + data.len() as u64 > quota {
+                    return Err(errno(libc::ENOSPC, "volume quota exceeded"));
+                }
+            }
+        }
+        let runs = of.write(offset, data);
+        self.verifier.dirtied(ino);
+        {
+            let mut s = of.state.lock();
+            let (sec, ns) = now_parts();
+            let a = s.entry.attributes.get_or_insert_with(Default::default);
+            a.mtime = sec;
+            a.mtime_ns = ns;
+            a.ctime = sec;
+            a.ctime_ns = ns;
+        }
+        if !runs.is_empty() {
+            self.start_uploads(&of, runs).await;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Starts background uploads; waits for an upload slot first (backpressure on writers).
+    pub(crate) async fn start_uploads(&self, of: &Arc<OpenFile>, runs: Vec<SealedRun>) {
+        let path = of.path();
+        for run in runs {
+            let permit = match self.upload_sem.clone().acquire_owned().await {
+                Ok(p) => p,
+                Err(_) => {
+                    of.upload_done(run.id, Err("shutting down".into()));
+                    continue;
+                }
+            };
+            let store = self.store.clone();
+            let opts = self.upload_options(&path);
+            let of = of.clone();
+            let stats_bytes = run.data.len() as u64;
+            self.stats.uploads.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .upload_bytes
+                .fetch_add(stats_bytes, Ordering::Relaxed);
+            let fs_stats = crate::metrics::global();
+            let cache = self.cache.clone();
+            let retry_for = self.cfg.upload_retry;
+            tokio::spawn(async move {
+                let done = UploadDone(Some((of, run.id)));
+                let data = run.data.clone();
+                let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
+                let key = r.as_ref().ok().map(super::read::chunk_key);
+                fs_stats.upload_done(r.is_ok());
+                done.finish(r.map_err(|e| e.to_string()));
+                // keep what we just wrote: reading it back is common
+                if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
+                    cache.insert(key, data).await;
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    /// [`Self::commit_file`]; the verifier then forgets the file if nothing is left to commit.
+    pub async fn flush_file(&self, of: &Arc<OpenFile>) -> Result<()> {
+        let r = self.commit_file(of).await;
+        // only the inode's current open state speaks for it: a flush of one replaced
+        // meanwhile must not clear a newer one's record (the files lock keeps it current)
+        let files = self.files.lock();
+        if files.get(&of.ino).is_some_and(|o| Arc::ptr_eq(&o.file, of)) {
+            self.verifier.settled(of);
+        }
+        drop(files);
+        r
+    }
+
+    /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
+    async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
+        // what an earlier flush could not place is tried again first (same order stamps)
+        let mut runs = of.retry_failed();
+        runs.extend(of.seal_all());
+        if !runs.is_empty() {
+            self.start_uploads(of, runs).await;
+        }
+        of.wait_uploads().await;
+        let _commit = of.commit.lock().await;
+        let (dir, dirty, unlinked) = {
+            let s = of.state.lock();
+            (s.dir.clone(), s.meta_dirty, s.unlinked)
+        };
+        if let Some(e) = of.unplaced() {
+            return Err(errno(libc::EIO, format!("upload failed: {e}")));
+        }
+        if !dirty || unlinked {
+            return Ok(());
+        }
+        let mut snap = of.entry_for_commit();
+        self.manifestize(of, &mut snap).await;
+        let start = Instant::now();
+        let mut attempt = 0;
+        let mut pauses = crate::retry::STORAGE.pauses();
+        loop {
+            if attempt > 0 && of.state.lock().unlinked {
+                // removed while we retried: committing now would bring it back
+                return Ok(());
+            }
+            match self.create_on_filer(&dir, &snap.entry, false).await {
+                Ok(()) => break,
+                Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
+                    let wait = pauses.next_pause();
+                    attempt += 1;
+                    tracing::warn!(path = %of.path(), error = %e, attempt, "commit failed, retrying");
+                    tokio::time::sleep(wait).await;
+                }
+                Err(e) => {
+                    // the filer may have stored it anyway: never delete what it carried
+                    of.keep_carried(&snap);
+                    return Err(e);
+                }
+            }
+        }
+        if !snap.folded.is_empty() {
+            of.manifestized(&snap.folded, snap.manifests.clone());
+        }
+        let orphans = of.committed(&snap);
+        self.delete_orphans(orphans);
+        self.meta.upsert(&dir, Arc::new(snap.entry));
+        Ok(())
+    }
+
+    /// Deletes chunks of ours that no entry references, in the background.
+    pub(super) fn delete_orphans(&self, fids: Vec<String>) {
+        if fids.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.delete_chunks(&fids).await {
+                tracing::warn!(count = fids.len(), error = %e,
+                    "orphaned chunks not deleted (volume.fsck finds them)");
+            }
+        });
+    }
+
+    /// Folds `entry`'s data chunks into manifest chunks once there are `manifest_batch` of them,
+    /// as `weed mount` does, so a commit sends at most that many data chunks plus one manifest
+    /// per batch instead of the whole list. Records in `snap` the data chunks folded and the
+    /// new manifests. On an upload error the entry is committed unfolded (still correct).
+    async fn manifestize(&self, of: &OpenFile, snap: &mut CommitSnapshot) {
+        let batch = self.cfg.manifest_batch;
+        let entry = &mut snap.entry;
+        let data = entry.chunks.iter().filter(|c| !c.is_chunk_manifest).count();
+        if data < batch {
+            return;
+        }
+        let opts = self.upload_options(&of.path());
+        let before = entry.chunks.clone();
+        let after = match crate::chunks::maybe_manifestize(
+            before.clone(),
+            self.store.as_ref(),
+            &opts,
+            batch,
+        )
+        .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(path = %of.path(), error = %e, "chunk manifest upload failed; committing the chunks unfolded");
+                return;
+            }
+        };
+        let ids = |list: &[pb::FileChunk], manifest: bool| -> std::collections::HashSet<String> {
+            list.iter()
+                .filter(|c| c.is_chunk_manifest == manifest)
+                .map(|c| c.file_id.clone())
+                .collect()
+        };
+        let (unfolded, old_manifests) = (ids(&after, false), ids(&before, true));
+        snap.folded = before
+            .into_iter()
+            .filter(|c| !c.is_chunk_manifest && !unfolded.contains(&c.file_id))
+            .collect();
+        snap.manifests = after
+            .iter()
+            .filter(|c| c.is_chunk_manifest && !old_manifests.contains(&c.file_id))
+            .cloned()
+            .collect();
+        snap.entry.chunks = after;
+    }
+
+    pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
+        let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
+        self.flush_file(&h.file).await
+    }
+
+    /// Flushes every open file (before a handover or shutdown).
+    pub async fn flush_all(&self) -> Result<()> {
+        let files: Vec<Arc<OpenFile>> =
+            self.files.lock().values().map(|o| o.file.clone()).collect();
+        // all at once: a handover must finish within the pod's grace period (uploads stay
+        // bounded by the upload semaphore)
+        let flushed = futures::future::join_all(files.iter().map(|of| self.flush_file(of))).await;
+        let mut first_err = None;
+        for (of, r) in files.iter().zip(flushed) {
+            if let Err(e) = r {
+                tracing::error!(path = %of.path(), error = %e, "flush failed");
+                first_err.get_or_insert(e);
+            }
+        }
+        self.flush_dir_times().await;
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Reports an upload's result to its file exactly once; a task that ends without one (a
+/// panic) reports a failure, so fsync, close and truncate do not wait for it forever.
+struct UploadDone(Option<(Arc<OpenFile>, u64)>);
+
+impl UploadDone {
+    fn finish(mut self, r: std::result::Result<pb::FileChunk, String>) {
+        if let Some((of, id)) = self.0.take() {
+            of.upload_done(id, r);
+        }
+    }
+}
+
+impl Drop for UploadDone {
+    fn drop(&mut self) {
+        if let Some((of, id)) = self.0.take() {
+            tracing::error!(ino = of.ino, "chunk upload task ended without a result");
+            of.upload_done(id, Err("upload task ended without a result".into()));
+        }
+    }
+}
+
+/// Uploads one run, retrying with backoff while the cluster cannot take it (volume servers
+/// restarting, no writable volume, filer unreachable for assigns) for up to `retry_for`.
+/// Errors a retry cannot fix (authorization, configuration) return at once.
+async fn upload_with_retry(
+    store: &dyn crate::volume::ChunkStore,
+    data: bytes::Bytes,
+    opts: &crate::volume::UploadOptions,
+    retry_for: Duration,
+) -> std::result::Result<pb::FileChunk, VolumeError> {
+    let start = Instant::now();
+    let mut attempt = 0;
+    let mut pauses = crate::retry::STORAGE.pauses();
+    loop {
+        match store.upload(data.clone(), opts).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                let permanent = matches!(
+                    e,
+                    VolumeError::Unauthorized(_)
+                        | VolumeError::Unsupported(_)
+                        | VolumeError::Config(_)
+                        | VolumeError::InvalidFileId(_)
+                );
+                let wait = pauses.next_pause();
+                if permanent || start.elapsed() + wait > retry_for {
+                    return Err(e);
+                }
+                attempt += 1;
+                tracing::warn!(path = %opts.path, error = %e, attempt, "chunk upload failed; retrying");
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod manifest_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::chunks;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::inode::ROOT_INO;
+    use crate::fs::{FsConfig, SetAttr};
+    use crate::volume::mock::MockChunkStore;
+    use crate::volume::ChunkStore;
+
+    const CS: usize = 8;
+
+    fn fs() -> (Arc<Fs>, Arc<MockFiler>, Arc<MockChunkStore>) {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions {
+            manifest_batch: 3,
+            ..Default::default()
+        });
+        cfg.chunk_size = CS;
+        let filer = Arc::new(MockFiler::new());
+        let store = Arc::new(MockChunkStore::new());
+        let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+        (fs, filer, store)
+    }
+
+    /// The file as a reader of the filer's entry sees it (manifests expanded).
+    async fn filer_bytes(filer: &MockFiler, store: &MockChunkStore, path: &str) -> Vec<u8> {
+        let e = filer.get(path).unwrap();
+        let list = chunks::expand_manifests(&e.chunks, store).await.unwrap();
+        let size = chunks::file_size(&e);
+        let mut out = vec![0u8; size as usize];
+        let ivs = chunks::visible_intervals(&list);
+        for p in chunks::read_plan(&ivs, 0, size, size) {
+            if let chunks::ReadPiece::Chunk {
+                chunk_index,
+                offset_in_chunk,
+                len,
+                file_offset,
+            } = p
+            {
+                let body = store.fetch_chunk(&list[chunk_index]).await.unwrap();
+                out[file_offset as usize..][..len as usize]
+                    .copy_from_slice(&body[offset_in_chunk as usize..][..len as usize]);
+            }
+        }
+        out
+    }
+
+    fn manifests(filer: &MockFiler, path: &str) -> Vec<String> {
+        let e = filer.get(path).unwrap();
+        e.chunks
+            .iter()
+            .filter(|c| c.is_chunk_manifest)
+            .map(|c| c.file_id.clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn commits_fold_chunks_into_manifests_once() {
+        let (fs, filer, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..10 * CS).map(|i| (i % 251) as u8 + 1).collect();
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        // 10 chunks, 3 per manifest: 3 manifests and 1 data chunk
+        let e = filer.get("/f").unwrap();
+        let first = manifests(&filer, "/f");
+        assert_eq!(first.len(), 3, "{:?}", e.chunks);
+        assert_eq!(e.chunks.len(), 4);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, data);
+
+        // one more chunk: the manifests already made are kept, not made again
+        fs.write(fh, a.ino, data.len() as u64, &data[..CS])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        assert_eq!(manifests(&filer, "/f"), first);
+        assert_eq!(filer.get("/f").unwrap().chunks.len(), 5);
+        let mut want = data.clone();
+        want.extend_from_slice(&data[..CS]);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, want);
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn truncating_through_a_manifest_never_brings_old_bytes_back() {
+        let (fs, filer, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..10 * CS).map(|i| (i % 251) as u8 + 1).collect();
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert_eq!(manifests(&filer, "/f").len(), 3);
+        // not open: inside the first manifest, in the middle of a chunk; then grow again
+        let cut = CS as u64 + 3;
+        for size in [cut, 10 * CS as u64] {
+            fs.setattr(
+                a.ino,
+                SetAttr {
+                    size: Some(size),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        }
+        let mut want = data[..cut as usize].to_vec();
+        want.resize(10 * CS, 0);
+        assert_eq!(filer_bytes(&filer, &store, "/f").await, want);
+        let fh = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        let got = fs.read(fh, a.ino, 0, 1 << 20).await.unwrap();
+        assert_eq!(&got[..], &want[..]);
+        fs.release(fh, a.ino).await.unwrap();
+    }
+}
