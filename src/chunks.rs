@@ -10,6 +10,9 @@
 //! through a [`ChunkStore`]. [`visible_intervals`], [`compact`] and [`truncate`] expect
 //! manifest-expanded chunk lists (see [`expand_manifests`]); manifest chunks they meet are
 //! skipped (visibility), kept (compaction) or kept whole unless entirely past EOF (truncation).
+//!
+//! Over 800 lines: half of it is the unit tests of the interval and manifest arithmetic, which
+//! need its private helpers.
 
 use crate::pb::filer as pb;
 use crate::volume::fid::normalize_chunk_ids;

@@ -4,6 +4,8 @@
 //! context carries the StorageClass parameters. The requested capacity is also recorded in an
 //! extended attribute of the directory so a repeated CreateVolume with a different size can be
 //! refused (ALREADY_EXISTS) as the CSI spec asks.
+//!
+//! Over 800 lines: one file per CSI service (the controller), and its unit tests.
 
 use std::collections::HashMap;
 use std::future::Future;

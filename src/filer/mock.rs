@@ -18,6 +18,9 @@
 //!
 //! Several [`MockFiler`] handles can share one namespace ([`MockFiler::other_client`]), each
 //! with its own signature, to simulate foreign writers. Fault injection: [`MockFiler::fail_next`].
+//!
+//! Over 800 lines: a whole filer double (namespace, event log, subscriptions, faults) with its
+//! own tests; test support only.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

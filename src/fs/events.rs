@@ -1,5 +1,7 @@
 //! Coherence with other clients: the filer's metadata events applied to the caches and
 //! open files, and the changes this node made lately (an event about them may be older).
+//!
+//! Over 800 lines: half is its unit tests.
 
 use super::attr::entry_inode;
 use super::file::{FileState, OpenFile};

@@ -6,6 +6,9 @@
 //! or on flush. Every sealed run gets a strictly increasing `modified_ts_ns`, so the visible
 //! bytes are well defined whatever order uploads finish in. Flush waits for uploads, then
 //! commits the whole chunk list with one `CreateEntry`.
+//!
+//! Over 800 lines: the write slots, the upload bookkeeping and the commit snapshot share one
+//! lock and its invariants, and its unit tests need them.
 
 use super::attr::entry_size;
 use crate::chunks;

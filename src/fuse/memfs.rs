@@ -16,6 +16,9 @@
 //!
 //! Test hooks: machine-readable `memfs-event: ...` lines on stderr (ready, first request,
 //! resent requests, held reads) and `--hold-read-name/--hold-ms` to keep a read in flight.
+//!
+//! Over 800 lines: a whole in-memory FUSE filesystem used as a test double and benchmark
+//! ceiling; built only with the `test-support` feature.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsStr;

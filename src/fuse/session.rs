@@ -1,5 +1,8 @@
 //! Lifecycle of one mounted volume: build the clients and the [`Fs`], mount it with fuser, keep
 //! it coherent (metadata subscription, directory-time write-back) and unmount it cleanly.
+//!
+//! Over 800 lines: mount, adopt, hand over and unmount of one session share its serving state,
+//! so they stay together.
 
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;

@@ -4,6 +4,9 @@
 //! One `reqwest::Client` is built per [`VolumeClient`] and reused. It has no gzip feature, so it
 //! never adds `Accept-Encoding` or inflates by itself: we set the header only on whole-needle
 //! GETs (the volume server applies `Range` to the *compressed* bytes if both are sent).
+//!
+//! Over 800 lines: the read path (replicas, relookup, ranges, gzip) and the upload path
+//! (assign, multipart, retries) share the client, its location cache and its errors.
 
 use super::chunkbuf::{self, ChunkBuf};
 use super::cipher;
