@@ -16,9 +16,6 @@ use std::time::{Duration, Instant};
 /// How long another client's event about a name we changed makes us re-read its directory
 /// (far beyond the subscription's delivery delay; a longer window costs only listings).
 const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
-/// Filer lookups of open files re-read after events, at once, node-wide (a resync of every
-/// volume after a filer restart asks for all their open files).
-static REREADS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
@@ -52,15 +49,6 @@ impl Identity {
             crtime: a.map(|a| a.crtime).unwrap_or(0),
             hard_link_id: e.hard_link_id.clone(),
         }
-    }
-
-    /// The same file: the same inode where both have one, else the same creation time and
-    /// hard-link id.
-    fn same_as(&self, other: &Identity) -> bool {
-        if self.inode != 0 || other.inode != 0 {
-            return self.inode == other.inode;
-        }
-        (self.crtime, &self.hard_link_id) == (other.crtime, &other.hard_link_id)
     }
 
     /// `e` has no inode either, and the same creation time and hard-link id.
@@ -201,7 +189,7 @@ impl Fs {
                 continue;
             }
             let path = join(&dir, &name);
-            let answer = match REREADS.acquire().await {
+            let answer = match self.rereads.acquire().await {
                 Ok(_permit) => self.look_again(&path, &dir, &name, of.ino, &known).await,
                 Err(_) => return,
             };
@@ -469,14 +457,15 @@ impl Fs {
         let opath = n.old_entry.as_ref().map(|o| join(dir, &o.name));
         let npath = n.new_entry.as_ref().map(|e| join(ndir, &e.name));
         let moved = opath.is_some() && npath.is_some() && opath != npath;
-        let mover = n.old_entry.as_ref().map(Identity::of);
         if n.new_entry.is_none() || moved {
             // a listing being handed out may hold the name
             self.note_name_gone();
         }
         let notifier = self.notifier.read().clone();
         // (inode, whether the event says it is gone from the filer: believed only once the
-        // filer no longer has it under its name here)
+        // filer no longer has it under its name here). Only the event's own file: what holds
+        // the name here now may be another file, and "not under its name" may mean renamed
+        // since, so a recheck never unlinks it.
         let mut inos: Vec<(u64, bool)> = Vec::new();
         let sides = n
             .old_entry
@@ -503,16 +492,7 @@ impl Fs {
             let removed = old_side && n.new_entry.is_none() && !linked;
             inos.push((entry_inode(path, e), removed));
             if let Some(here) = self.inodes.ino_of(path) {
-                // the file here at a move's target is replaced by it, unless it is the mover
-                let replaced = !old_side
-                    && moved
-                    && self.open_file(here).is_some_and(|of| {
-                        let s = of.state.lock();
-                        mover
-                            .as_ref()
-                            .is_none_or(|m| !m.same_as(&Identity::of(&s.entry)))
-                    });
-                inos.push((here, removed || replaced));
+                inos.push((here, false));
             }
         }
         for (ino, gone) in inos {
@@ -855,6 +835,96 @@ mod tests {
         settle().await;
         assert_eq!(read_all(&fs, h).await, b"newer");
         assert!(!fs.open_file(h.0).unwrap().state.lock().unlinked);
+    }
+
+    /// The event of another client's rename, as the subscription carries it.
+    async fn renamed(other: &MockFiler, from: &str, to: &str) -> pb::SubscribeMetadataResponse {
+        let r = other
+            .rename_entry(pb::StreamRenameEntryRequest {
+                old_directory: "/".into(),
+                old_name: from.into(),
+                new_directory: "/".into(),
+                new_name: to.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .remove(0);
+        pb::SubscribeMetadataResponse {
+            directory: r.directory,
+            event_notification: r.event_notification,
+            ts_ns: r.ts_ns,
+            ..Default::default()
+        }
+    }
+
+    /// Found in review: a replayed removal of an older file at `f` marked the file open at
+    /// `f` now as gone; another client had renamed it to `h` meanwhile, so its re-read found
+    /// no `f`, and it was unlinked: its writes never reached `h`.
+    #[tokio::test]
+    async fn a_recheck_of_an_older_files_removal_never_unlinks_the_file_there_now() {
+        let (fs, other) = fs();
+        let mut x = file("f", b"X");
+        x.attributes.as_mut().unwrap().inode = 111;
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(x),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let old_delete = other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        put(&other, "f", b"A").await;
+        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"precious").await.unwrap();
+        let live = renamed(&other, "f", "h").await;
+        fs.recheck_event(&old_delete);
+        settle().await;
+        fs.apply_event(&live);
+        settle().await;
+        assert!(!fs.open_file(ino).unwrap().state.lock().unlinked);
+        fs.flush(fh, ino).await.unwrap();
+        assert_eq!(crate::chunks::file_size(&other.get("/h").unwrap()), 8);
+    }
+
+    /// ...and the same through a replayed move onto the name of a file open here now.
+    #[tokio::test]
+    async fn a_recheck_of_an_older_move_never_unlinks_the_file_at_its_target_now() {
+        let (fs, other) = fs();
+        put(&other, "f", b"A").await;
+        let old_move = renamed(&other, "f", "g").await;
+        renamed(&other, "g", "a2").await;
+        let mut b = file("g", b"B");
+        b.attributes.as_mut().unwrap().inode = 777;
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(b),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let ino = fs.lookup(ROOT_INO, "g").await.unwrap().ino;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"precious").await.unwrap();
+        let live = renamed(&other, "g", "k").await;
+        fs.recheck_event(&old_move);
+        settle().await;
+        fs.apply_event(&live);
+        settle().await;
+        assert!(!fs.open_file(ino).unwrap().state.lock().unlinked);
+        fs.flush(fh, ino).await.unwrap();
+        assert_eq!(crate::chunks::file_size(&other.get("/k").unwrap()), 8);
     }
 
     /// After a subscription gap an open file's change in the gap is seen (its entry is not

@@ -277,6 +277,8 @@ pub struct Fs {
     prefetch_sem: Arc<Semaphore>,
     /// The volume was unmounted or handed over: background re-reads end.
     closed: AtomicBool,
+    /// Filer lookups of open files re-read after events, at once (a resync asks for all).
+    rereads: Semaphore,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Pending parent-directory time updates (written back in the background).
     dir_times: Mutex<HashMap<String, SystemTime>>,
@@ -333,6 +335,7 @@ impl Fs {
             upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
             prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
             closed: AtomicBool::new(false),
+            rereads: Semaphore::new(4),
             quota: AtomicU64::new(cfg.quota_bytes),
             cfg,
             filer,
@@ -367,17 +370,17 @@ impl Fs {
         *self.notifier.write() = Some(Arc::new(StoppableNotifier::new(n)));
     }
 
-    /// Stops kernel invalidations and waits (up to `limit`) for those in progress; false if
-    /// some were still running at the limit. Called before a hand-over closes the request
-    /// gate: an invalidation waits in the kernel for directory locks that requests left
-    /// unanswered may hold, and would keep this process from exiting (and the next one from
-    /// taking the session over).
     /// The volume is being unmounted or handed over: background work of its own (re-reads
     /// of open files after events) ends.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
     }
 
+    /// Stops kernel invalidations and waits (up to `limit`) for those in progress; false if
+    /// some were still running at the limit. Called before a hand-over closes the request
+    /// gate: an invalidation waits in the kernel for directory locks that requests left
+    /// unanswered may hold, and would keep this process from exiting (and the next one from
+    /// taking the session over).
     pub async fn stop_notifying(&self, limit: Duration) -> bool {
         let n = self.notifier.read().clone();
         match n {

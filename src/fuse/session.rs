@@ -542,8 +542,9 @@ impl MountedVolume {
         if !gate.close_and_wait(Duration::from_secs(30)).await {
             tracing::warn!(volume_id, "requests still running at handover");
         }
-        let flushed = self.fs.flush_all().await;
+        // first: a caller's timeout may drop this future in the flush below
         self.fs.close();
+        let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
         }
@@ -612,8 +613,9 @@ impl MountedVolume {
         // the kernel hands out again, so a mount made at the path meanwhile may reuse ours
         let still_ours =
             may_unmount && self.conn.is_some() && connection_id(&self.mountpoint) == self.conn;
-        let flushed = self.fs.flush_all().await;
+        // first: a caller's timeout may drop this future in the flush below
         self.fs.close();
+        let flushed = self.fs.flush_all().await;
         for t in self.tasks.drain(..) {
             t.abort();
         }
