@@ -244,6 +244,9 @@ pub struct Metrics {
     upload_errors: Counter,
     pub staged_volumes: Gauge,
     pub published_targets: Gauge,
+    /// Live [`FuseOps`] per volume: the last one's drop removes the volume's op series (a
+    /// node works through many volumes; their series must not stay until a restart).
+    fuse_users: Arc<parking_lot::Mutex<std::collections::HashMap<Arc<str>, usize>>>,
 }
 
 impl Default for Metrics {
@@ -294,6 +297,7 @@ impl Metrics {
             upload_errors,
             staged_volumes,
             published_targets,
+            fuse_users: Default::default(),
         }
     }
 
@@ -307,8 +311,10 @@ impl Metrics {
 
     /// The op series of the FUSE session serving `volume` (its filer path).
     pub fn fuse_ops(&self, volume: Arc<str>) -> FuseOps {
+        *self.fuse_users.lock().entry(volume.clone()).or_default() += 1;
         FuseOps {
             family: self.fuse.clone(),
+            users: self.fuse_users.clone(),
             volume,
             series: std::array::from_fn(|_| OnceLock::new()),
         }
@@ -349,8 +355,32 @@ pub fn global() -> &'static Metrics {
 /// lock (indexed by [`fuse_op_index`]).
 pub struct FuseOps {
     family: LatencyFamily<FuseOpLabels>,
+    users: Arc<parking_lot::Mutex<std::collections::HashMap<Arc<str>, usize>>>,
     volume: Arc<str>,
     series: [OnceLock<Series>; FUSE_OPS.len()],
+}
+
+impl Drop for FuseOps {
+    fn drop(&mut self) {
+        // under the lock: a new session of the volume starts its series after the removal
+        let mut users = self.users.lock();
+        let Some(n) = users.get_mut(&self.volume) else {
+            return;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        users.remove(&self.volume);
+        for op in FUSE_OPS {
+            let labels = FuseOpLabels {
+                op,
+                volume: self.volume.clone(),
+            };
+            self.family.seconds.remove(&labels);
+            self.family.errors.remove(&labels);
+        }
+    }
 }
 
 impl FuseOps {
@@ -449,6 +479,30 @@ mod tests {
         let text = global().render();
         let want = r#"seaweedfs_csi_fuse_op_errors_total{op="lookup",volume="/esc\\a\"b\nc"} 1"#;
         assert!(text.lines().any(|l| l == want), "{text}");
+    }
+
+    /// Found in review: every volume's op series stayed until the process restarted, so a
+    /// node working through many volumes grew its scrape for good. The last session of a
+    /// volume takes them along; another session of the same volume keeps them.
+    #[test]
+    fn a_volumes_op_series_go_with_its_last_session() {
+        let m = Metrics::new();
+        let (a, b) = (
+            m.fuse_ops("/buckets/v".into()),
+            m.fuse_ops("/buckets/v".into()),
+        );
+        a.series(fuse_op_index("read"))
+            .observe(Duration::from_millis(3), false);
+        let has = |m: &Metrics| m.render().contains(r#"volume="/buckets/v""#);
+        drop(a);
+        assert!(has(&m), "the other session still serves the volume");
+        drop(b);
+        assert!(!has(&m));
+        // staged again: fresh series
+        let c = m.fuse_ops("/buckets/v".into());
+        c.series(fuse_op_index("read"))
+            .observe(Duration::from_millis(3), false);
+        assert!(has(&m));
     }
 
     /// One FUSE op observed through a session's handles gives exactly the usual histogram

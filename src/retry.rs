@@ -34,10 +34,10 @@ pub const RECONNECT: Policy = Policy {
     max: Duration::from_millis(2500),
 };
 
-/// Repairs of recorded volumes after a plugin restart (1-2 s at first, 30-60 s at most).
+/// Repairs of recorded volumes after a plugin restart (1-2 s at first, 15-30 s at most).
 pub const REPAIR: Policy = Policy {
     first: Duration::from_secs(1),
-    max: Duration::from_secs(30),
+    max: Duration::from_secs(15),
 };
 
 impl Policy {

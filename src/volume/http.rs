@@ -581,7 +581,8 @@ impl VolumeClient {
         }
     }
 
-    /// Up to 3 attempts on the same fid (237 ms × attempt apart) for retryable failures.
+    /// Up to 3 attempts on the same fid (pauses of the `UPLOAD_ATTEMPT` policy) for retryable
+    /// failures.
     async fn upload_to_fid(
         &self,
         url: &str,
