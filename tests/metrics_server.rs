@@ -449,13 +449,13 @@ async fn real_mount_moves_the_numbers() {
     })
     .await
     .unwrap();
-    let unmounted = vol.unmount().await;
-    io.unwrap();
-    unmounted.unwrap();
-
+    // while the volume is staged: its series go with its session
     let after = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
         .await
         .unwrap();
+    let unmounted = vol.unmount().await;
+    io.unwrap();
+    unmounted.unwrap();
     for op in ["create", "write", "flush", "release"] {
         let series =
             format!("seaweedfs_csi_fuse_op_seconds_count{{op=\"{op}\",volume=\"/metricstest\"}}");
@@ -464,6 +464,13 @@ async fn real_mount_moves_the_numbers() {
             "{series} did not move"
         );
     }
+    let gone = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    assert!(
+        !gone.contains(r#"seaweedfs_csi_fuse_op_seconds_count{op="create",volume="/metricstest"}"#),
+        "an unstaged volume's op series stay: {gone}"
+    );
     assert!(
         sample(&after, "seaweedfs_csi_uploads_total")
             > sample(&before, "seaweedfs_csi_uploads_total"),
