@@ -549,10 +549,15 @@ mod tests {
 
     /// Another client writes `/name` with `content`; returns its event.
     async fn put(other: &MockFiler, name: &str, content: &[u8]) -> pb::SubscribeMetadataResponse {
+        create(other, file(name, content)).await
+    }
+
+    /// Another client creates (or replaces) `e` in the root; returns its event.
+    async fn create(other: &MockFiler, e: pb::Entry) -> pb::SubscribeMetadataResponse {
         other
             .create_entry(pb::CreateEntryRequest {
                 directory: "/".into(),
-                entry: Some(file(name, content)),
+                entry: Some(e),
                 ..Default::default()
             })
             .await
@@ -676,15 +681,7 @@ mod tests {
         rename_elsewhere(&other, "g", "f").await;
         let mut b = file("g", b"BBBB");
         b.attributes.as_mut().unwrap().inode = 777;
-        let create_b = other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(b),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let create_b = create(&other, b).await;
         let a = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
         let b = fs.lookup(ROOT_INO, "g").await.unwrap().ino;
         let afh = fs.open(a, libc::O_RDWR).await.unwrap();
@@ -712,14 +709,7 @@ mod tests {
         let (fs, other) = fs();
         let mut newer = file("f", b"new file");
         newer.attributes.as_mut().unwrap().inode = 777;
-        other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(newer),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        create(&other, newer).await;
         let (ino, _fh) = open(&fs, "f").await;
         fs.recheck_event(&mv("f", "g")); // moved the file with inode 4242, long ago
         settle().await;
@@ -737,14 +727,7 @@ mod tests {
             let mut e = file(n, b"data");
             e.hard_link_id = vec![7; 17];
             e.hard_link_counter = 2;
-            other
-                .create_entry(pb::CreateEntryRequest {
-                    directory: "/".into(),
-                    entry: Some(e),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
+            create(&other, e).await;
         }
         let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
         let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
@@ -807,14 +790,7 @@ mod tests {
             a.crtime = 1000;
             e
         };
-        other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(noino("f", b"old")),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        create(&other, noino("f", b"old")).await;
         let h = open(&fs, "f").await;
         rename_elsewhere(&other, "f", "g").await;
         let mut moved = mv("f", "g");
@@ -822,15 +798,7 @@ mod tests {
         (n.old_entry, n.new_entry) = (Some(noino("f", b"old")), Some(noino("g", b"old")));
         fs.apply_event(&moved);
         assert_eq!(fs.open_file(h.0).unwrap().state.lock().entry.name, "g");
-        let ev = other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(noino("g", b"newer")),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let ev = create(&other, noino("g", b"newer")).await;
         fs.recheck_event(&ev);
         settle().await;
         assert_eq!(read_all(&fs, h).await, b"newer");
@@ -858,6 +826,30 @@ mod tests {
         }
     }
 
+    /// Writes to the file open here at `name`; another client renames it to `to` while the
+    /// replay still carries `old` (a recheck, then the live rename): the file must stay
+    /// linked and its writes reach `to`.
+    async fn recheck_while_renamed_elsewhere(
+        fs: &Arc<Fs>,
+        other: &MockFiler,
+        old: &pb::SubscribeMetadataResponse,
+        name: &str,
+        to: &str,
+    ) {
+        let ino = fs.lookup(ROOT_INO, name).await.unwrap().ino;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"precious").await.unwrap();
+        let live = renamed(other, name, to).await;
+        fs.recheck_event(old);
+        settle().await;
+        fs.apply_event(&live);
+        settle().await;
+        assert!(!fs.open_file(ino).unwrap().state.lock().unlinked);
+        fs.flush(fh, ino).await.unwrap();
+        let moved = other.get(&format!("/{to}")).unwrap();
+        assert_eq!(crate::chunks::file_size(&moved), 8);
+    }
+
     /// Found in review: a replayed removal of an older file at `f` marked the file open at
     /// `f` now as gone; another client had renamed it to `h` meanwhile, so its re-read found
     /// no `f`, and it was unlinked: its writes never reached `h`.
@@ -866,14 +858,7 @@ mod tests {
         let (fs, other) = fs();
         let mut x = file("f", b"X");
         x.attributes.as_mut().unwrap().inode = 111;
-        other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(x),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        create(&other, x).await;
         let old_delete = other
             .delete_entry(pb::DeleteEntryRequest {
                 directory: "/".into(),
@@ -884,17 +869,7 @@ mod tests {
             .unwrap()
             .unwrap();
         put(&other, "f", b"A").await;
-        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
-        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-        fs.write(fh, ino, 0, b"precious").await.unwrap();
-        let live = renamed(&other, "f", "h").await;
-        fs.recheck_event(&old_delete);
-        settle().await;
-        fs.apply_event(&live);
-        settle().await;
-        assert!(!fs.open_file(ino).unwrap().state.lock().unlinked);
-        fs.flush(fh, ino).await.unwrap();
-        assert_eq!(crate::chunks::file_size(&other.get("/h").unwrap()), 8);
+        recheck_while_renamed_elsewhere(&fs, &other, &old_delete, "f", "h").await;
     }
 
     /// ...and the same through a replayed move onto the name of a file open here now.
@@ -906,25 +881,8 @@ mod tests {
         renamed(&other, "g", "a2").await;
         let mut b = file("g", b"B");
         b.attributes.as_mut().unwrap().inode = 777;
-        other
-            .create_entry(pb::CreateEntryRequest {
-                directory: "/".into(),
-                entry: Some(b),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let ino = fs.lookup(ROOT_INO, "g").await.unwrap().ino;
-        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-        fs.write(fh, ino, 0, b"precious").await.unwrap();
-        let live = renamed(&other, "g", "k").await;
-        fs.recheck_event(&old_move);
-        settle().await;
-        fs.apply_event(&live);
-        settle().await;
-        assert!(!fs.open_file(ino).unwrap().state.lock().unlinked);
-        fs.flush(fh, ino).await.unwrap();
-        assert_eq!(crate::chunks::file_size(&other.get("/k").unwrap()), 8);
+        create(&other, b).await;
+        recheck_while_renamed_elsewhere(&fs, &other, &old_move, "g", "k").await;
     }
 
     /// After a subscription gap an open file's change in the gap is seen (its entry is not
