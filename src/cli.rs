@@ -2,7 +2,6 @@
 //! uppercase, dots as underscores), `-flag` accepted like `--flag`, and the driver setup that
 //! follows from them.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,6 +15,7 @@ use crate::csi::node::{NodeConfig, NodeService};
 use crate::csi::params::{DataLocality, VolumeDefaults};
 use crate::csi::server::{self, BoundListener, CsiServices, Endpoint, ServeError};
 use crate::csi::stager::Stager;
+use crate::csi::topology::TopologySpec;
 use crate::csi::DEFAULT_DRIVER_NAME;
 use crate::filer::FilerApi;
 
@@ -100,9 +100,18 @@ pub struct DriverArgs {
     #[arg(long = "dataCenter", env = "WEED_DATACENTER", default_value = "")]
     pub data_center: String,
 
-    /// Data locality: none or write_preferLocalDc (needs --dataCenter)
+    /// Data locality: none or write_preferLocalDc (needs --dataCenter or --dataCenterLabel)
     #[arg(long = "dataLocality", env = "WEED_DATALOCALITY", default_value = "")]
     pub data_locality: String,
+
+    /// Node label whose value is this node's data center when --dataCenter is empty, e.g.
+    /// topology.kubernetes.io/zone (read from the Node object; needs `get` on nodes)
+    #[arg(
+        long = "dataCenterLabel",
+        env = "WEED_DATACENTERLABEL",
+        default_value = ""
+    )]
+    pub data_center_label: String,
 
     /// Map local uid to filer uid: <local>:<filer>,...
     #[arg(long = "map.uid", env = "WEED_MAP_UID", default_value = "")]
@@ -116,7 +125,8 @@ pub struct DriverArgs {
     #[arg(long = "mountEndpoint", env = "WEED_MOUNTENDPOINT")]
     pub mount_endpoint: Option<String>,
 
-    /// Topology segments reported by NodeGetInfo, comma-separated key=value pairs
+    /// Topology reported by NodeGetInfo, comma-separated: Node label keys (their values are
+    /// read from this node's Node object; needs `get` on nodes) and/or key=value segments
     #[arg(long = "topologyKeys", env = "WEED_TOPOLOGYKEYS", default_value = "")]
     pub topology_keys: String,
 
@@ -344,10 +354,10 @@ impl DriverArgs {
             .unwrap_or_default()
     }
 
-    /// `--topologyKeys` as segments. Bare label keys need the Kubernetes API, which this
-    /// driver does not use; they are skipped with a warning.
-    pub fn topology(&self) -> Result<HashMap<String, String>, CliError> {
-        let mut out = HashMap::new();
+    /// `--topologyKeys` and `--dataCenterLabel`. A bare entry is a Node label key, read from
+    /// this node's Node object (the Go driver's meaning); `key=value` is a fixed segment.
+    pub fn topology(&self) -> Result<TopologySpec, CliError> {
+        let mut spec = TopologySpec::default();
         for item in self
             .topology_keys
             .split(',')
@@ -356,16 +366,25 @@ impl DriverArgs {
         {
             match item.split_once('=') {
                 Some((k, v)) if !k.trim().is_empty() => {
-                    out.insert(k.trim().to_string(), v.trim().to_string());
+                    spec.fixed
+                        .insert(k.trim().to_string(), v.trim().to_string());
                 }
                 Some(_) => return Err(invalid("topologyKeys", format!("empty key in {item:?}"))),
-                None => tracing::warn!(
-                    key = item,
-                    "--topologyKeys entry has no value; reading node labels is not supported, use key=value"
-                ),
+                None if !spec.label_keys.iter().any(|k| k == item) => {
+                    spec.label_keys.push(item.to_string())
+                }
+                None => {}
             }
         }
-        Ok(out)
+        let label = self.data_center_label.trim();
+        if label.contains(['=', ',']) {
+            return Err(invalid(
+                "dataCenterLabel",
+                format!("{label:?} is not a label key"),
+            ));
+        }
+        spec.data_center_label = (!label.is_empty()).then(|| label.to_string());
+        Ok(spec)
     }
 
     pub fn filers(&self) -> Result<Vec<String>, CliError> {
@@ -412,10 +431,13 @@ impl DriverArgs {
             .data_locality
             .parse()
             .map_err(|r: String| invalid("dataLocality", r))?;
-        if data_locality != DataLocality::None && self.data_center.trim().is_empty() {
+        if data_locality != DataLocality::None
+            && self.data_center.trim().is_empty()
+            && self.data_center_label.trim().is_empty()
+        {
             return Err(invalid(
                 "dataLocality",
-                "write_preferLocalDc needs --dataCenter",
+                "write_preferLocalDc needs --dataCenter or --dataCenterLabel",
             ));
         }
         Ok(VolumeDefaults {
@@ -483,7 +505,7 @@ pub async fn run_driver(
     filer: Arc<dyn FilerApi>,
     stager: Option<Arc<dyn Stager>>,
 ) -> Result<(), ServeError> {
-    let topology = !plan.node.topology.is_empty();
+    let topology = plan.node.topology.advertised();
     let identity = IdentityService::new(plan.driver_name.clone(), filer.clone(), topology);
     let controller = plan
         .run_controller
@@ -654,12 +676,63 @@ mod tests {
         assert!(bad(&["--map.gid=7"]).contains("map.gid"));
         assert!(bad(&["--concurrentWriters=0"]).contains("concurrentWriters"));
         assert!(bad(&["--topologyKeys==v"]).contains("topologyKeys"));
-        let plan = parse(&["--topologyKeys=zone=a,topology.kubernetes.io/region=r1,bare"])
+        assert!(bad(&["--dataCenterLabel=a=b"]).contains("dataCenterLabel"));
+    }
+
+    #[test]
+    fn topology_keys_mix_node_labels_and_fixed_segments() {
+        let plan = parse(&[
+            "--topologyKeys=zone=a, topology.kubernetes.io/region=r1 ,topology.kubernetes.io/zone,,example.com/rack,topology.kubernetes.io/zone",
+        ])
+        .driver
+        .plan()
+        .unwrap();
+        let t = &plan.node.topology;
+        assert_eq!(t.fixed.len(), 2);
+        assert_eq!(t.fixed["zone"], "a");
+        assert_eq!(t.fixed["topology.kubernetes.io/region"], "r1");
+        // Bare keys are Node labels to read (the Go driver's meaning), once each, in order.
+        assert_eq!(
+            t.label_keys,
+            vec!["topology.kubernetes.io/zone", "example.com/rack"]
+        );
+        assert_eq!(t.data_center_label, None);
+        assert!(t.advertised() && t.needs_labels());
+
+        let plan = parse(&["--topologyKeys=zone=a"]).driver.plan().unwrap();
+        assert!(plan.node.topology.advertised() && !plan.node.topology.needs_labels());
+        assert_eq!(
+            parse(&[]).driver.plan().unwrap().node.topology,
+            TopologySpec::default()
+        );
+    }
+
+    #[test]
+    fn data_center_label_stands_in_for_data_center() {
+        let plan = parse(&[
+            "-dataLocality=write_preferLocalDc",
+            "-dataCenterLabel=topology.kubernetes.io/zone",
+        ])
+        .driver
+        .plan()
+        .unwrap();
+        let t = &plan.node.topology;
+        assert_eq!(
+            t.data_center_label.as_deref(),
+            Some("topology.kubernetes.io/zone")
+        );
+        assert!(!t.advertised(), "no topology keys: nothing advertised");
+        assert!(t.needs_labels());
+        assert_eq!(
+            plan.node.defaults.data_center, "",
+            "resolved per node at stage time"
+        );
+        // An explicit --dataCenter stays the node default.
+        let plan = parse(&["--dataCenter=dc1", "--dataCenterLabel=zone"])
             .driver
             .plan()
             .unwrap();
-        assert_eq!(plan.node.topology.len(), 2);
-        assert_eq!(plan.node.topology["zone"], "a");
+        assert_eq!(plan.node.defaults.data_center, "dc1");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use seaweedfs_csi_driver::csi::node::{NodeConfig, NodeService};
 use seaweedfs_csi_driver::csi::params::VolumeDefaults;
 use seaweedfs_csi_driver::csi::server::{self, BoundListener, CsiServices, Endpoint};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, StageError, StagerCall};
+use seaweedfs_csi_driver::csi::topology::TopologySpec;
 use seaweedfs_csi_driver::filer::mock::MockFiler;
 use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
 use seaweedfs_csi_driver::pb::csi::*;
@@ -37,7 +38,10 @@ impl Harness {
         let config = NodeConfig {
             node_id: "n1".into(),
             max_volumes_per_node: 0,
-            topology: [("zone".to_string(), "z1".to_string())].into(),
+            topology: TopologySpec {
+                fixed: [("zone".to_string(), "z1".to_string())].into(),
+                ..Default::default()
+            },
             defaults: VolumeDefaults {
                 base: seaweedfs_csi_driver::config::MountOptions {
                     filers: vec!["f:8888".into()],

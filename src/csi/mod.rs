@@ -1,6 +1,6 @@
 //! CSI services: one file per service ([`identity`], [`controller`], [`node`]), the gRPC server
 //! ([`server`]), mount helpers ([`mounts`]), parameter handling ([`params`]) and the seam to the
-//! FUSE layer ([`stager`]).
+//! FUSE layer ([`stager`]), this node's topology ([`topology`]).
 
 pub mod authority;
 pub mod controller;
@@ -11,6 +11,7 @@ pub mod params;
 pub mod server;
 pub mod stager;
 pub mod state;
+pub mod topology;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};

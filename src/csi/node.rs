@@ -9,6 +9,7 @@
 //! Over 800 lines: one file per CSI service, as the project's style asks; the mount syscalls
 //! live in `mounts.rs`, the staging in `stager.rs`.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Component, Path, PathBuf};
@@ -22,6 +23,7 @@ use super::mounts::{self, MountError, MountState};
 use super::params::{self, VolumeDefaults};
 use super::stager::{StageError, Stager};
 use super::state::{RecordedVolume, StateError, StateStore};
+use super::topology::{KubeNodeLabels, NodeLabels, NodeTopology, TopologySpec};
 use super::{require_capability, require_field, CapabilityRequest, KeyedLocks};
 use crate::config::MountOptions;
 use crate::pb::csi::node_server::Node;
@@ -36,8 +38,9 @@ pub struct NodeConfig {
     pub node_id: String,
     /// 0 = no limit.
     pub max_volumes_per_node: i64,
-    /// Segments returned as `accessible_topology` (empty = none).
-    pub topology: HashMap<String, String>,
+    /// `--topologyKeys` / `--dataCenterLabel`: segments returned as `accessible_topology`
+    /// (none when empty) and the Node label holding this node's data center.
+    pub topology: TopologySpec,
     pub defaults: VolumeDefaults,
 }
 
@@ -96,6 +99,8 @@ pub struct NodeService {
     locks: Arc<KeyedLocks>,
     volumes: Arc<Mutex<HashMap<String, StagedVolume>>>,
     store: Option<Arc<StateStore>>,
+    /// This node's labels, read once when needed (shared by clones).
+    topology: Arc<NodeTopology>,
 }
 
 fn stage_status(e: StageError) -> Status {
@@ -152,6 +157,16 @@ impl NodeService {
         config: NodeConfig,
         timeouts: NodeTimeouts,
     ) -> Self {
+        // The Kubernetes client is made on first use: nothing is asked of the API here.
+        let source = config
+            .topology
+            .needs_labels()
+            .then(|| Arc::new(KubeNodeLabels::new()) as Arc<dyn NodeLabels>);
+        let topology = Arc::new(NodeTopology::new(
+            config.topology.clone(),
+            &config.node_id,
+            source,
+        ));
         NodeService {
             stager,
             config,
@@ -159,7 +174,18 @@ impl NodeService {
             locks: Arc::new(KeyedLocks::new()),
             volumes: Arc::new(Mutex::new(HashMap::new())),
             store: None,
+            topology,
         }
+    }
+
+    /// Reads this node's labels from `source` instead of the Kubernetes API (tests).
+    pub fn with_node_labels(mut self, source: Arc<dyn NodeLabels>) -> Self {
+        self.topology = Arc::new(NodeTopology::new(
+            self.config.topology.clone(),
+            &self.config.node_id,
+            Some(source),
+        ));
+        self
     }
 
     /// Records staged volumes under `dir` (`crate::csi::state`), for [`Self::spawn_recovery`].
@@ -281,7 +307,7 @@ impl NodeService {
         let known = self.volumes.lock().get(volume_id).cloned();
         let opts = match known.as_ref().and_then(|k| k.opts.clone()) {
             Some(o) => o,
-            None => self.mount_options(volume_id, ctx, cap)?,
+            None => self.mount_options(volume_id, ctx, cap).await?,
         };
         let read_only = opts.read_only;
         self.stage_fresh(volume_id, opts.clone(), staging).await?;
@@ -309,23 +335,70 @@ impl NodeService {
 
     /// The options of a new session: node defaults, then the volume context, then the CSI
     /// mount flags (PV `mountOptions`); anything invalid or unknown is INVALID_ARGUMENT.
-    fn mount_options(
+    async fn mount_options(
         &self,
         volume_id: &str,
         ctx: &HashMap<String, String>,
         cap: &CapabilityRequest,
     ) -> Result<MountOptions, Status> {
+        let defaults = self.volume_defaults(ctx).await?;
+        Self::mount_options_with(volume_id, ctx, cap, &defaults)
+    }
+
+    fn mount_options_with(
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        cap: &CapabilityRequest,
+        defaults: &VolumeDefaults,
+    ) -> Result<MountOptions, Status> {
         let ro = cap.read_only_mode() || cap.ro_flag();
-        let mut opts = params::resolve_mount_options(volume_id, ctx, &self.config.defaults, ro)
+        let mut opts = params::resolve_mount_options(volume_id, ctx, defaults, ro)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        params::apply_mount_flags(
-            volume_id,
-            &mut opts,
-            &cap.mount_flags,
-            &self.config.defaults,
-        )
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        params::apply_mount_flags(volume_id, &mut opts, &cap.mount_flags, defaults)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(opts)
+    }
+
+    /// The node defaults for a volume with context `ctx`: with `--dataCenterLabel` and no
+    /// `--dataCenter`, a volume that writes to the local data center (and names none itself)
+    /// gets the label's value from this node's Node object, read once. An API failure is
+    /// UNAVAILABLE (kubelet retries); a node without the label is INVALID_ARGUMENT, as a
+    /// missing `--dataCenter` is.
+    async fn volume_defaults(
+        &self,
+        ctx: &HashMap<String, String>,
+    ) -> Result<Cow<'_, VolumeDefaults>, Status> {
+        let defaults = &self.config.defaults;
+        let Some(label) = self.config.topology.data_center_label.as_deref() else {
+            return Ok(Cow::Borrowed(defaults));
+        };
+        if !defaults.data_center.is_empty() || !params::uses_node_data_center(ctx, defaults) {
+            return Ok(Cow::Borrowed(defaults));
+        }
+        match self.topology.data_center().await {
+            Ok(Some(dc)) => Ok(Cow::Owned(VolumeDefaults {
+                data_center: dc,
+                ..defaults.clone()
+            })),
+            Ok(None) => Err(Status::invalid_argument(format!(
+                "dataLocality write_preferLocalDc needs a data center: node {:?} has no label {label:?} (--dataCenterLabel), and neither --dataCenter nor the volume's dataCenter is set",
+                self.config.node_id
+            ))),
+            Err(e) => Err(e.into_status()),
+        }
+    }
+
+    /// [`Self::volume_defaults`] from what is already known, never asking the API (for
+    /// bookkeeping in synchronous code).
+    fn known_volume_defaults(&self) -> Cow<'_, VolumeDefaults> {
+        let defaults = &self.config.defaults;
+        match self.topology.cached_data_center() {
+            Some(dc) if defaults.data_center.is_empty() => Cow::Owned(VolumeDefaults {
+                data_center: dc,
+                ..defaults.clone()
+            }),
+            _ => Cow::Borrowed(defaults),
+        }
     }
 
     /// Lets the stager drop a session whose mount died; bounded, and a failure only logged:
@@ -579,7 +652,9 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         let volume_id = req.volume_id.as_str();
         let read_only = cap.read_only_mode() || cap.ro_flag();
-        let opts = self.mount_options(volume_id, &req.volume_context, &cap)?;
+        let opts = self
+            .mount_options(volume_id, &req.volume_context, &cap)
+            .await?;
 
         let _guard = self.locks.lock(volume_id).await;
         let known = self.volumes.lock().get(volume_id).cloned();
@@ -641,6 +716,7 @@ impl Node for NodeService {
             filer_path = %opts.filer_path,
             read_only,
             quota_bytes = opts.quota_bytes,
+            data_center = %opts.data_center,
             "volume staged"
         );
         let publications = known
@@ -795,7 +871,8 @@ impl Node for NodeService {
             }
             // Staged before the state file existed (or by an older version): record it now.
             let ro = cap.read_only_mode() || cap.ro_flag();
-            match self.mount_options(volume_id, &req.volume_context, &cap) {
+            let defaults = self.known_volume_defaults();
+            match Self::mount_options_with(volume_id, &req.volume_context, &cap, &defaults) {
                 Ok(opts) => {
                     s.record_stage(volume_id, &staging, ro, &opts)?;
                     s.record_publish(volume_id, &target, read_only).map(|_| ())
@@ -1053,9 +1130,14 @@ impl Node for NodeService {
         &self,
         _request: Request<NodeGetInfoRequest>,
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        let accessible_topology = (!self.config.topology.is_empty()).then(|| Topology {
-            segments: self.config.topology.clone(),
-        });
+        // Like the Go driver: a failure to read the node's labels fails the call (kubelet
+        // retries the registration) rather than registering the node without its topology.
+        let segments = self
+            .topology
+            .segments()
+            .await
+            .map_err(|e| e.into_status())?;
+        let accessible_topology = (!segments.is_empty()).then_some(Topology { segments });
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.config.node_id.clone(),
             max_volumes_per_node: self.config.max_volumes_per_node.max(0),

@@ -30,7 +30,7 @@ pub enum ParamError {
         reason: String,
     },
     #[error(
-        "dataLocality {0} needs a data center: set --dataCenter on the node plugin or dataCenter in the StorageClass"
+        "dataLocality {0} needs a data center: set --dataCenter (or --dataCenterLabel with that label on the node) on the node plugin, or dataCenter in the StorageClass"
     )]
     LocalityWithoutDataCenter(String),
     #[error("invalid volume name {0:?}: {1}")]
@@ -401,6 +401,18 @@ pub fn capacity_from_context(ctx: &HashMap<String, String>) -> Result<u64, Param
             Ok(if n <= 1 { 0 } else { n as u64 })
         }
     }
+}
+
+/// Whether [`resolve_mount_options`] would take the node's data center
+/// (`defaults.data_center`): the effective locality is write_preferLocalDc and the context
+/// names no dataCenter. An unparsable locality is false (resolving reports it).
+pub fn uses_node_data_center(ctx: &HashMap<String, String>, defaults: &VolumeDefaults) -> bool {
+    let get = |k: &str| ctx.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+    let locality = match get("dataLocality") {
+        Some(v) => v.parse::<DataLocality>().unwrap_or(DataLocality::None),
+        None => defaults.data_locality,
+    };
+    locality == DataLocality::WritePreferLocalDc && get("dataCenter").is_none()
 }
 
 /// Builds the mount options of one volume from node defaults and the volume context.
@@ -935,6 +947,22 @@ mod tests {
         assert!(
             resolve_mount_options("/b/v", &ctx(&[("dataLocality", "bogus")]), &d, false).is_err()
         );
+    }
+
+    #[test]
+    fn node_data_center_is_used_only_for_local_writes_without_a_volume_data_center() {
+        let mut d = defaults();
+        let uses = |c: &[(&str, &str)], d: &VolumeDefaults| uses_node_data_center(&ctx(c), d);
+        assert!(!uses(&[], &d));
+        assert!(uses(&[("dataLocality", "write_preferLocalDc")], &d));
+        assert!(!uses(
+            &[("dataLocality", "write_preferLocalDc"), ("dataCenter", "x")],
+            &d
+        ));
+        d.data_locality = DataLocality::WritePreferLocalDc;
+        assert!(uses(&[], &d));
+        assert!(!uses(&[("dataLocality", "none")], &d));
+        assert!(!uses(&[("dataLocality", "bogus")], &d));
     }
 
     #[test]
