@@ -136,6 +136,11 @@ pub fn driver_bin_for(stager: Stager) -> &'static str {
 impl Driver {
     /// Starts the driver with both components against `filer` (host:port).
     pub fn start(filer: &str, extra: &[&str]) -> Driver {
+        Self::start_env(filer, extra, &[])
+    }
+
+    /// [`Driver::start`] with extra environment variables for the driver process.
+    pub fn start_env(filer: &str, extra: &[&str], env: &[(&str, &str)]) -> Driver {
         let dir = tempfile::Builder::new()
             .prefix("csitest")
             .tempdir()
@@ -155,7 +160,11 @@ impl Driver {
             ));
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        Self::start_raw(dir, socket, stager, args, vec![])
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::start_raw(dir, socket, stager, args, env)
     }
 
     /// Like [`Driver::start`] with the real FUSE stager whatever `CSI_TEST_STAGER` says, for
