@@ -438,6 +438,74 @@ FULL_VALUES = {
 }
 
 
+TOPOLOGY_VALUES = {
+    "dataLocality": "write_preferLocalDc",
+    "node": {"topologyKeys": ["topology.kubernetes.io/zone", "example.com/rack=r1"],
+             "dataCenterLabel": "topology.kubernetes.io/zone"},
+}
+
+
+def topology_facts(docs: list[Doc]) -> dict[str, Any]:
+    """What node.topologyKeys / node.dataCenterLabel change: node args, the provisioner's
+    feature gate, the node ServiceAccount's token and RBAC rules."""
+    node = next(d for d in docs if d["kind"] == "DaemonSet" and name_of(d).endswith("-node"))
+    plugin = container(node, "seaweedfs-csi-plugin")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    prov = container(dep, "csi-provisioner")
+    sa = pod_spec(node)["serviceAccountName"]
+    bound = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")
+             if any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in b["subjects"])}
+    rules = [r for d in by_kind(docs, "ClusterRole") if name_of(d) in bound
+             for r in d.get("rules", [])]
+    return {
+        "topologyKeys": arg_value(plugin, "--topologyKeys"),
+        "dataCenterLabel": arg_value(plugin, "--dataCenterLabel"),
+        "featureGate": "--feature-gates=Topology=true" in prov["args"],
+        "token": pod_spec(node).get("automountServiceAccountToken"),
+        "nodeRules": rules,
+    }
+
+
+def check_topology(p: Problems, flags: dict[str, set[str]] | None) -> None:
+    """Off by default; label keys give the node plugin a token and `get` on nodes only; any
+    topology key turns the provisioner's Topology feature gate on."""
+    docs = render_helm(copy.deepcopy(TOPOLOGY_VALUES))
+    check_set("helm topology", docs, "csi", p, flags)
+    got = topology_facts(docs)
+    want = {"topologyKeys": "topology.kubernetes.io/zone,example.com/rack=r1",
+            "dataCenterLabel": "topology.kubernetes.io/zone", "featureGate": True,
+            "token": True,
+            "nodeRules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]}
+    if got != want:
+        p.add("helm topology", f"got {got}, want {want}")
+    cases = [
+        ("helm defaults", {}, {"topologyKeys": None, "dataCenterLabel": None,
+                               "featureGate": False, "token": False, "nodeRules": []}),
+        # Fixed segments only: no API access needed.
+        ("helm topology key=value", {"node": {"topologyKeys": "zone=a"}},
+         {"topologyKeys": "zone=a", "dataCenterLabel": None, "featureGate": True,
+          "token": False, "nodeRules": []}),
+        # The Go chart's KubeMod injection, read directly.
+        ("helm go-style topology injection",
+         {"node": {"injectTopologyInfoFromNodeLabel": {"enabled": True}}},
+         {"topologyKeys": None, "dataCenterLabel": "topology.kubernetes.io/zone",
+          "featureGate": False, "token": True, "nodeRules": want["nodeRules"]}),
+    ]
+    for where, values, exp in cases:
+        got = topology_facts(render_helm(copy.deepcopy(values)))
+        if got != exp:
+            p.add(where, f"topology: got {got}, want {exp}")
+    for bad in [{"node": {"dataCenterLabel": "a=b"}}, {"node": {"topologyKeys": ["a,b"]}},
+                {"node": {"topologyKeys": 3}}]:
+        try:
+            render_helm(copy.deepcopy(bad))
+            p.add("helm topology", f"{bad} was accepted")
+        except Exception as e:
+            if "values don't meet the specifications of the schema" not in str(e):
+                p.add("helm topology", f"{bad} failed for another reason: {e}")
+    print(f"helm topology: {len(docs)} objects; {len(cases)} more value sets checked")
+
+
 def run(flags: dict[str, set[str]] | None) -> Problems:
     p = Problems()
 
@@ -526,6 +594,8 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
         p.add("helm go-style values", f"logVerbosity 4 should give WEED_V=4, got {genv.get('WEED_V')}")
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
+
+    check_topology(p, flags)
 
     # Monitoring: off by default; on, the objects find the pods and their metrics port.
     kinds = {d["kind"] for d in render_helm({"seaweedfsFiler": "filer:8888"})}

@@ -176,3 +176,29 @@ secret:
 {{- define "seaweedfs-csi-driver.pluginDir" -}}
 {{- printf "%s/%s" .Values.node.volumes.plugins_dir .Values.driverName -}}
 {{- end -}}
+
+{{/* --topologyKeys: node.topologyKeys, a comma-separated string or a list. */}}
+{{- define "seaweedfs-csi-driver.topologyKeys" -}}
+{{- $k := .Values.node.topologyKeys | default "" -}}
+{{- if kindIs "slice" $k -}}{{ join "," $k }}{{- else -}}{{ $k | trim }}{{- end -}}
+{{- end -}}
+
+{{/* --dataCenterLabel: node.dataCenterLabel, else the Go chart's
+node.injectTopologyInfoFromNodeLabel (enabled, labels.dataCenter), read directly instead of
+through KubeMod. */}}
+{{- define "seaweedfs-csi-driver.dataCenterLabel" -}}
+{{- $inject := .Values.node.injectTopologyInfoFromNodeLabel | default dict -}}
+{{- if .Values.node.dataCenterLabel -}}{{ .Values.node.dataCenterLabel | trim }}
+{{- else if and (kindIs "map" $inject) $inject.enabled -}}{{ dig "labels" "dataCenter" "topology.kubernetes.io/zone" $inject }}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the node plugin reads its own Node object (a topology key without "=", or a
+data-center label): its ServiceAccount then gets `get` on nodes and its token. */}}
+{{- define "seaweedfs-csi-driver.readsNode" -}}
+{{- $reads := include "seaweedfs-csi-driver.dataCenterLabel" . | ne "" -}}
+{{- range splitList "," (include "seaweedfs-csi-driver.topologyKeys" .) -}}
+{{- if and (trim .) (not (contains "=" .)) }}{{ $reads = true }}{{ end -}}
+{{- end -}}
+{{- if $reads }}true{{ end -}}
+{{- end -}}
