@@ -111,9 +111,30 @@ for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
 mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
 
 echo "writing $SIZE_GIB GiB through $WRITER mount (${CHUNK_MB} MiB chunks) ..."
-WANT=$(python3 - "$WORK/$WRITER/big.bin" "$SIZE_GIB" <<'PY'
+if [ "$WRITER" = weed ]; then CLIENT_PID=${PIDS[2]}; else CLIENT_PID=${PIDS[1]}; fi
+WANT=$(python3 - "$WORK/$WRITER/big.bin" "$SIZE_GIB" "$CLIENT_PID" "${PIDS[0]}" <<'PY'
 import hashlib, os, sys, time
 path, gib = sys.argv[1], int(sys.argv[2])
+client, server = int(sys.argv[3]), int(sys.argv[4])
+tick = os.sysconf("SC_CLK_TCK")
+
+def cpu(pid):
+    # user + system seconds of the process (all threads)
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+def meminfo(key):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) // 1024
+    return -1
+
+def server_cpu():
+    # weed server and its children (none today), by pid
+    return cpu(server)
+
 block = 1 << 20
 # 64 distinct random MiB, each write stamped with its index so no two chunks are equal
 pool = [bytearray(os.urandom(block)) for _ in range(64)]
@@ -122,6 +143,7 @@ fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 rates = []
 for g in range(gib):
     t0 = time.monotonic()
+    c0, s0 = cpu(client), server_cpu()
     for i in range(1024):
         n = g * 1024 + i
         b = pool[n % 64]
@@ -132,7 +154,11 @@ for g in range(gib):
         h.update(b)
     dt = time.monotonic() - t0
     rates.append(1024 / dt)
-    print(f"GiB {g + 1}: {rates[-1]:.0f} MiB/s", file=sys.stderr, flush=True)
+    # client and server CPU per GiB, and the memory the kernel has left: a rate that falls
+    # when MemFree runs out is page-cache reclaim, not the client's per-chunk costs
+    print(f"GiB {g + 1}: {rates[-1]:.0f} MiB/s, client CPU {cpu(client) - c0:.1f} s, "
+          f"server CPU {server_cpu() - s0:.1f} s, MemFree {meminfo('MemFree')} MiB, "
+          f"Cached {meminfo('Cached')} MiB", file=sys.stderr, flush=True)
 t0 = time.monotonic()
 os.close(fd)
 print(f"close (final flush): {time.monotonic() - t0:.2f} s", file=sys.stderr)

@@ -179,8 +179,21 @@ fn dockerfile_final_stage_is_one_static_binary() {
     }
     assert!(final_stage.contains(&r#"ENTRYPOINT ["/seaweedfs-csi-driver"]"#));
     assert!(
-        text.contains("scripts/build-static.sh --out /out/seaweedfs-csi-driver"),
-        "the image must be built by the script the packaging test runs"
+        text.contains(
+            r#"scripts/build-static.sh --arch "${TARGETARCH:-$(uname -m)}" --out /out/seaweedfs-csi-driver"#
+        ),
+        "the image must be built by the script the packaging test runs, for the platform asked"
+    );
+    // Multi-platform: the build stage runs natively and cross-compiles (as the aarch64 test in
+    // tests/packaging_image.rs does), rather than under an emulated compiler.
+    assert!(
+        text.contains("FROM --platform=$BUILDPLATFORM rust:"),
+        "{text}"
+    );
+    assert!(text.contains("ARG TARGETARCH"), "{text}");
+    assert!(
+        text.contains("rustup target add aarch64-unknown-linux-gnu"),
+        "{text}"
     );
     let ignore = std::fs::read_to_string(root.join(".dockerignore")).unwrap();
     for needed in [

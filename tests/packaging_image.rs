@@ -25,8 +25,8 @@ fn repo() -> PathBuf {
 }
 
 /// Builds (or reuses) the static release binary and installs the image's copy (debug info
-/// stripped) at `dest`.
-fn build_static(dest: &Path) -> PathBuf {
+/// stripped) at `dest`; `arch` cross-compiles for another architecture.
+fn build_static(dest: &Path, arch: Option<&str>) -> PathBuf {
     let mut cmd = Command::new("bash");
     // `cargo test` puts CARGO_PKG_* and friends into this process's environment; build scripts
     // that watch such variables would then see a change and rebuild everything. Build with the
@@ -40,8 +40,11 @@ fn build_static(dest: &Path) -> PathBuf {
             cmd.env_remove(&k);
         }
     }
+    cmd.arg(repo().join("scripts/build-static.sh"));
+    if let Some(arch) = arch {
+        cmd.args(["--arch", arch]);
+    }
     let out = cmd
-        .arg(repo().join("scripts/build-static.sh"))
         .arg("--out")
         .arg(dest)
         .current_dir(repo())
@@ -296,7 +299,7 @@ fn scratch_image_runs_and_mounts_slow() {
         "needs root (chroot, mknod, mount)"
     );
     let image = tempfile::tempdir().unwrap();
-    let binary = build_static(&image.path().join("seaweedfs-csi-driver"));
+    let binary = build_static(&image.path().join("seaweedfs-csi-driver"), None);
 
     // Static for real: the kernel runs it without any loader or library present.
     let elf = Command::new("readelf")
@@ -417,4 +420,140 @@ fn scratch_image_runs_and_mounts_slow() {
         "static binary {} bytes; chroot mount log:\n{log}",
         std::fs::metadata(&binary).unwrap().len()
     );
+}
+
+/// The aarch64 build: cross-compiled by the same script (Debian's cross gcc, scripts/cross-deps.sh
+/// installs it), static, and run under qemu-user: it prints the native build's version and
+/// exactly the native build's help (same commands and flags), and mounts a real filer.
+#[test]
+fn aarch64_static_binary_runs_under_qemu_slow() {
+    let qemu = "qemu-aarch64";
+    assert!(
+        Command::new(qemu).arg("--version").output().is_ok(),
+        "{qemu} is missing: scripts/cross-deps.sh installs it (and the cross toolchain)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let binary = build_static(&dir.path().join("seaweedfs-csi-driver"), Some("aarch64"));
+
+    let header = Command::new("readelf")
+        .arg("-hlW")
+        .arg(&binary)
+        .output()
+        .unwrap();
+    let header = String::from_utf8_lossy(&header.stdout);
+    assert!(
+        header.contains("AArch64"),
+        "not an aarch64 binary:\n{header}"
+    );
+    assert!(
+        !header.contains("INTERP"),
+        "binary has a program interpreter"
+    );
+
+    let native = env!("CARGO_BIN_EXE_seaweedfs-csi-driver");
+    let run = |program: &str, args: &[&str]| {
+        let out = Command::new(program)
+            .args(args)
+            .env_clear()
+            .output()
+            .unwrap_or_else(|e| panic!("run {program}: {e}"));
+        assert!(
+            out.status.success(),
+            "{program} {args:?}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let bin = binary.to_str().unwrap();
+    for args in [&["--version"][..], &["--help"], &["mount", "--help"]] {
+        let mut emulated = vec![bin];
+        emulated.extend_from_slice(args);
+        let arm = run(qemu, &emulated);
+        assert_eq!(
+            arm,
+            run(native, args),
+            "{args:?} differs from the native build"
+        );
+    }
+    assert!(run(qemu, &[bin, "--version"]).contains(env!("CARGO_PKG_VERSION")));
+
+    // A real mount by the emulated binary: FUSE, gRPC to the filer and HTTP uploads.
+    let weed = common::WeedServer::start();
+    let seeded: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    weed.filer_put("/arm/seeded.bin", &seeded, "");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let log_path = dir.path().join("mount.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = Command::new(qemu)
+        .args([
+            bin,
+            "mount",
+            &format!("--filer={}", weed.filer_addr()),
+            "--filer.path=/arm",
+            &format!("--dir={}", mnt.display()),
+        ])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("spawn the emulated mount");
+    let mut guard = MountChild {
+        child: Some(child),
+        mnt: mnt.clone(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !is_mounted(&mnt) {
+        let exited = guard.child.as_mut().unwrap().try_wait().unwrap();
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        assert!(exited.is_none(), "mount exited before mounting:\n{log}");
+        assert!(Instant::now() < deadline, "not mounted after 60 s:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(std::fs::read(mnt.join("seeded.bin")).unwrap(), seeded);
+    let data: Vec<u8> = (0..3u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    std::fs::write(mnt.join("written.bin"), &data).unwrap();
+    assert!(std::fs::read(mnt.join("written.bin")).unwrap() == data);
+    assert!(
+        weed.filer_get("/arm/written.bin").unwrap() == data,
+        "the filer has other bytes"
+    );
+
+    let mut child = guard.child.take().unwrap();
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            guard.child = Some(child);
+            panic!("the emulated mount did not exit within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(status.success(), "mount exited with {status}:\n{log}");
+    assert!(!is_mounted(&mnt), "still mounted after exit:\n{log}");
+}
+
+/// A mount process the test started: killed and its mount point detached if the test fails.
+struct MountChild {
+    child: Option<Child>,
+    mnt: PathBuf,
+}
+
+impl Drop for MountChild {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            common::kill_child(&mut c);
+        }
+        if is_mounted(&self.mnt) {
+            umount_lazy(&self.mnt);
+        }
+    }
 }
