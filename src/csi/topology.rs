@@ -6,18 +6,28 @@
 //! API and reports those labels' values; missing labels are skipped. `--dataCenterLabel` names
 //! a label whose value is the node's default data center when `--dataCenter` is empty.
 //!
-//! The Node object is read lazily, on the first call that needs it, and kept for the life of
-//! the process (node labels rarely change; a restart picks changes up). A failure is not kept:
-//! the next call (kubelet retries NodeGetInfo) asks again. Startup never depends on the API.
+//! The Node object is read lazily, on the first call that needs it (NodeGetInfo, a NodeStage
+//! or a NodePublish repair of a volume that writes to the local data center), and kept. A read
+//! that lacks a label a caller needs (clouds add the zone label some time after the node
+//! boots) is read again, at most every [`MISSING_LABEL_REREAD`]; a failed re-read keeps the
+//! labels read before. Concurrent callers share one read in flight, and a failure is
+//! remembered for [`FAILURE_MEMORY`] and returned to callers arriving meanwhile, so a
+//! black-holed API costs each caller at most one [`NODE_READ_TIMEOUT`], not one per caller
+//! queued before it. Startup never depends on the API.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use futures::future::{BoxFuture, FutureExt, Shared};
 use tokio::sync::OnceCell;
 
 /// Bound on one read of the Node object (connect and answer).
 pub const NODE_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often labels a caller needs but the last read lacked are read again.
+pub const MISSING_LABEL_REREAD: Duration = Duration::from_secs(10);
+/// How long a failed read is returned to new callers before the API is asked again.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(5);
 
 /// What `--topologyKeys` and `--dataCenterLabel` ask of this node.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -55,10 +65,27 @@ pub enum NodeLabelsError {
 }
 
 impl NodeLabelsError {
-    /// The gRPC status at the CSI boundary: UNAVAILABLE, so kubelet and the sidecars retry.
+    /// The gRPC status at the CSI boundary: UNAVAILABLE for the API's answers (kubelet and the
+    /// sidecars retry); FAILED_PRECONDITION when there is no API configuration at all (the
+    /// pod lacks its service account token or KUBECONFIG: no retry fixes that).
     pub fn into_status(self) -> tonic::Status {
-        tonic::Status::unavailable(self.to_string())
+        match self {
+            NodeLabelsError::Config { .. } => tonic::Status::failed_precondition(self.to_string()),
+            _ => tonic::Status::unavailable(self.to_string()),
+        }
     }
+}
+
+/// Whether a Kubernetes API configuration can be made (KUBECONFIG or ~/.kube/config, else the
+/// in-cluster service account), without calling the API: for a clear error at startup.
+pub async fn check_api_config(node: &str) -> Result<(), NodeLabelsError> {
+    kube::Config::infer()
+        .await
+        .map(|_| ())
+        .map_err(|e| NodeLabelsError::Config {
+            node: node.to_string(),
+            reason: e.to_string(),
+        })
 }
 
 /// Where a node's labels come from: the Kubernetes API ([`KubeNodeLabels`]) or a test double
@@ -126,6 +153,7 @@ pub struct StaticNodeLabels {
     nodes: parking_lot::Mutex<HashMap<String, BTreeMap<String, String>>>,
     failing: std::sync::atomic::AtomicBool,
     calls: std::sync::atomic::AtomicUsize,
+    delay: parking_lot::Mutex<Duration>,
 }
 
 impl StaticNodeLabels {
@@ -151,6 +179,20 @@ impl StaticNodeLabels {
             .store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Sets (or adds) one label of `node`.
+    pub fn set_label(&self, node: &str, key: &str, value: &str) {
+        self.nodes
+            .lock()
+            .entry(node.to_string())
+            .or_default()
+            .insert(key.to_string(), value.to_string());
+    }
+
+    /// Every call waits `d` before answering (a slow or black-holed API).
+    pub fn slow(&self, d: Duration) {
+        *self.delay.lock() = d;
+    }
+
     /// How many times the labels were asked for.
     pub fn calls(&self) -> usize {
         self.calls.load(std::sync::atomic::Ordering::SeqCst)
@@ -162,6 +204,10 @@ impl NodeLabels for StaticNodeLabels {
     async fn labels(&self, node: &str) -> Result<BTreeMap<String, String>, NodeLabelsError> {
         use std::sync::atomic::Ordering;
         self.calls.fetch_add(1, Ordering::SeqCst);
+        let delay = *self.delay.lock();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         if self.failing.load(Ordering::SeqCst) {
             return Err(NodeLabelsError::Api {
                 node: node.to_string(),
@@ -178,12 +224,30 @@ impl NodeLabels for StaticNodeLabels {
     }
 }
 
+type Labels = Arc<BTreeMap<String, String>>;
+type SharedRead = Shared<BoxFuture<'static, Result<Labels, NodeLabelsError>>>;
+
+/// What is known of this node's labels.
+#[derive(Default)]
+struct LabelCache {
+    /// The last successful read.
+    labels: Option<Labels>,
+    /// When the last read (good or bad) finished.
+    last_read: Option<Instant>,
+    /// The last read's error, while no read has succeeded since.
+    failure: Option<(NodeLabelsError, Instant)>,
+    /// The read in flight, shared by every caller that waits for it.
+    in_flight: Option<SharedRead>,
+}
+
 /// The node's topology at run time: the spec, where labels come from, and the labels once read.
 pub struct NodeTopology {
     spec: TopologySpec,
     node: String,
     source: Option<Arc<dyn NodeLabels>>,
-    labels: OnceCell<BTreeMap<String, String>>,
+    cache: Arc<parking_lot::Mutex<LabelCache>>,
+    reread_missing: Duration,
+    failure_memory: Duration,
 }
 
 impl NodeTopology {
@@ -194,30 +258,107 @@ impl NodeTopology {
             spec,
             node: node.to_string(),
             source,
-            labels: OnceCell::new(),
+            cache: Arc::default(),
+            reread_missing: MISSING_LABEL_REREAD,
+            failure_memory: FAILURE_MEMORY,
         }
+    }
+
+    /// Other intervals than [`MISSING_LABEL_REREAD`] and [`FAILURE_MEMORY`] (tests).
+    pub fn with_intervals(mut self, reread_missing: Duration, failure_memory: Duration) -> Self {
+        self.reread_missing = reread_missing;
+        self.failure_memory = failure_memory;
+        self
     }
 
     pub fn spec(&self) -> &TopologySpec {
         &self.spec
     }
 
-    /// This node's labels: read once, then from memory; a failure is not remembered.
-    async fn labels(&self) -> Result<&BTreeMap<String, String>, NodeLabelsError> {
-        self.labels
-            .get_or_try_init(|| async {
-                let source = self
-                    .source
-                    .as_ref()
-                    .ok_or_else(|| NodeLabelsError::Config {
-                        node: self.node.clone(),
-                        reason: "no Kubernetes client configured".into(),
-                    })?;
-                let labels = source.labels(&self.node).await?;
-                tracing::info!(node = %self.node, ?labels, "read this node's labels");
-                Ok(labels)
+    /// This node's labels, as far as `complete` needs them: from memory when they satisfy it
+    /// (or were read less than `reread_missing` ago), else from the one read in flight (started
+    /// if none is). A failure is returned to callers for `failure_memory`; a failed re-read
+    /// falls back on the labels read before.
+    async fn labels(
+        &self,
+        complete: impl Fn(&BTreeMap<String, String>) -> bool,
+    ) -> Result<Labels, NodeLabelsError> {
+        let read = {
+            let mut c = self.cache.lock();
+            let now = Instant::now();
+            if let Some(l) = &c.labels {
+                let recent = c
+                    .last_read
+                    .is_some_and(|t| now.duration_since(t) < self.reread_missing);
+                if complete(l) || recent {
+                    return Ok(l.clone());
+                }
+            } else if let Some((e, t)) = &c.failure {
+                if now.duration_since(*t) < self.failure_memory {
+                    return Err(e.clone());
+                }
+            }
+            match &c.in_flight {
+                Some(r) => r.clone(),
+                None => {
+                    let r = self.start_read();
+                    c.in_flight = Some(r.clone());
+                    r
+                }
+            }
+        };
+        match read.await {
+            Ok(l) => Ok(l),
+            Err(e) => match self.cache.lock().labels.clone() {
+                Some(l) => {
+                    tracing::warn!(node = %self.node, error = %e, "re-reading this node's labels failed; keeping those read before");
+                    Ok(l)
+                }
+                None => Err(e),
+            },
+        }
+    }
+
+    /// One read of the Node object, in a task of its own (it finishes, and its outcome is
+    /// kept, even when every caller waiting for it has given up).
+    fn start_read(&self) -> SharedRead {
+        let source = self.source.clone();
+        let node = self.node.clone();
+        let cache = self.cache.clone();
+        let task = tokio::spawn(async move {
+            let res = match source {
+                None => Err(NodeLabelsError::Config {
+                    node: node.clone(),
+                    reason: "no Kubernetes client configured".into(),
+                }),
+                Some(s) => s.labels(&node).await.map(Arc::new),
+            };
+            let mut c = cache.lock();
+            c.in_flight = None;
+            c.last_read = Some(Instant::now());
+            match &res {
+                Ok(l) => {
+                    if c.labels.as_deref() != Some(&**l) {
+                        tracing::info!(node = %node, labels = ?l, "read this node's labels");
+                    }
+                    c.labels = Some(l.clone());
+                    c.failure = None;
+                }
+                Err(e) => c.failure = Some((e.clone(), Instant::now())),
+            }
+            res
+        });
+        let node = self.node.clone();
+        async move {
+            task.await.unwrap_or_else(|e| {
+                Err(NodeLabelsError::Api {
+                    node,
+                    reason: format!("the read task failed: {e}"),
+                })
             })
-            .await
+        }
+        .boxed()
+        .shared()
     }
 
     /// The segments NodeGetInfo reports: the labels named by bare keys (missing ones
@@ -225,7 +366,10 @@ impl NodeTopology {
     pub async fn segments(&self) -> Result<HashMap<String, String>, NodeLabelsError> {
         let mut out = HashMap::new();
         if !self.spec.label_keys.is_empty() {
-            let labels = self.labels().await?;
+            let keys = &self.spec.label_keys;
+            let labels = self
+                .labels(|l| keys.iter().all(|k| l.contains_key(k)))
+                .await?;
             for key in &self.spec.label_keys {
                 match labels.get(key) {
                     Some(v) => {
@@ -247,14 +391,16 @@ impl NodeTopology {
         let Some(label) = self.spec.data_center_label.as_deref() else {
             return Ok(None);
         };
-        let labels = self.labels().await?;
-        Ok(data_center_from(labels, label))
+        let labels = self
+            .labels(|l| data_center_from(l, label).is_some())
+            .await?;
+        Ok(data_center_from(&labels, label))
     }
 
     /// Like [`Self::data_center`] from labels already read; never calls the API.
     pub fn cached_data_center(&self) -> Option<String> {
         let label = self.spec.data_center_label.as_deref()?;
-        data_center_from(self.labels.get()?, label)
+        data_center_from(self.cache.lock().labels.as_ref()?, label)
     }
 }
 
@@ -330,7 +476,8 @@ mod tests {
     async fn labels_are_read_once_and_failures_are_not_kept() {
         let src = double();
         src.fail();
-        let t = NodeTopology::new(spec(&[], &[ZONE], Some(ZONE)), "n1", Some(src.clone()));
+        let t = NodeTopology::new(spec(&[], &[ZONE], Some(ZONE)), "n1", Some(src.clone()))
+            .with_intervals(MISSING_LABEL_REREAD, Duration::ZERO);
         let e = t.segments().await.unwrap_err();
         assert!(e.to_string().contains("\"n1\""), "{e}");
         assert_eq!(e.into_status().code(), tonic::Code::Unavailable);
@@ -369,5 +516,102 @@ mod tests {
         let t = NodeTopology::new(spec(&[], &[ZONE], None), "n1", None);
         let e = t.segments().await.unwrap_err();
         assert!(matches!(e, NodeLabelsError::Config { .. }), "{e:?}");
+        // No configuration is not retryable: FAILED_PRECONDITION, not UNAVAILABLE.
+        assert_eq!(e.into_status().code(), tonic::Code::FailedPrecondition);
+    }
+
+    #[tokio::test]
+    async fn a_label_missing_from_the_read_is_read_again_after_the_interval() {
+        let interval = Duration::from_millis(300);
+        let src = Arc::new(StaticNodeLabels::new("n1", [("example.com/rack", "r7")]));
+        let t = NodeTopology::new(
+            spec(&[], &["example.com/rack", ZONE], Some(ZONE)),
+            "n1",
+            Some(src.clone()),
+        )
+        .with_intervals(interval, Duration::ZERO);
+        assert_eq!(t.segments().await.unwrap().get(ZONE), None);
+        assert_eq!(t.data_center().await.unwrap(), None);
+        assert_eq!(src.calls(), 1, "not again within the interval");
+        // The cloud adds the zone label after the node booted.
+        src.set_label("n1", ZONE, "z-b");
+        assert_eq!(t.data_center().await.unwrap(), None, "rate limited");
+        assert_eq!(src.calls(), 1);
+        tokio::time::sleep(interval + Duration::from_millis(50)).await;
+        assert_eq!(t.data_center().await.unwrap().as_deref(), Some("z-b"));
+        assert_eq!(t.cached_data_center().as_deref(), Some("z-b"));
+        assert_eq!(t.segments().await.unwrap()[ZONE], "z-b");
+        assert_eq!(src.calls(), 2);
+        // Complete now: kept, however long it has been.
+        tokio::time::sleep(interval + Duration::from_millis(50)).await;
+        t.segments().await.unwrap();
+        t.data_center().await.unwrap();
+        assert_eq!(src.calls(), 2, "nothing missing: not read again");
+    }
+
+    #[tokio::test]
+    async fn a_failed_re_read_keeps_the_labels_read_before() {
+        let interval = Duration::from_millis(100);
+        let src = Arc::new(StaticNodeLabels::new("n1", [("example.com/rack", "r7")]));
+        let t = NodeTopology::new(
+            spec(&[], &["example.com/rack", ZONE], None),
+            "n1",
+            Some(src.clone()),
+        )
+        .with_intervals(interval, Duration::ZERO);
+        assert_eq!(t.segments().await.unwrap()["example.com/rack"], "r7");
+        src.fail();
+        tokio::time::sleep(interval + Duration::from_millis(50)).await;
+        assert_eq!(t.segments().await.unwrap()["example.com/rack"], "r7");
+        assert_eq!(src.calls(), 2, "re-read tried");
+        // And the failed attempt counts for the rate limit.
+        t.segments().await.unwrap();
+        assert_eq!(src.calls(), 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_callers_share_one_read_and_its_failure() {
+        let delay = Duration::from_millis(400);
+        let src = double();
+        src.fail();
+        src.slow(delay);
+        let t = Arc::new(
+            NodeTopology::new(spec(&[], &[ZONE], Some(ZONE)), "n1", Some(src.clone()))
+                .with_intervals(MISSING_LABEL_REREAD, Duration::from_secs(2)),
+        );
+        let started = Instant::now();
+        let calls: Vec<_> = (0..8)
+            .map(|i| {
+                let t = t.clone();
+                tokio::spawn(async move {
+                    if i % 2 == 0 {
+                        t.segments().await.map(|_| ())
+                    } else {
+                        t.data_center().await.map(|_| ())
+                    }
+                })
+            })
+            .collect();
+        for c in futures::future::join_all(calls).await {
+            let e = c.unwrap().unwrap_err();
+            assert!(e.to_string().contains("injected failure"), "{e}");
+        }
+        let took = started.elapsed();
+        assert!(
+            took < delay * 2,
+            "8 callers took {took:?}: one read of {delay:?} should serve them all"
+        );
+        assert_eq!(src.calls(), 1, "one read in flight, shared");
+        // Remembered for a while: a caller arriving now gets it at once.
+        let started = Instant::now();
+        t.segments().await.unwrap_err();
+        assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+        assert_eq!(src.calls(), 1);
+        // Then the API is asked again.
+        src.recover();
+        src.slow(Duration::ZERO);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(t.segments().await.unwrap()[ZONE], "z-a");
+        assert_eq!(src.calls(), 2);
     }
 }
