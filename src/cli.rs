@@ -312,6 +312,16 @@ pub struct DriverPlan {
     pub state_dir: Option<PathBuf>,
 }
 
+impl DriverPlan {
+    /// Whether Identity advertises VOLUME_ACCESSIBILITY_CONSTRAINTS: any `--topologyKeys`
+    /// entry, whatever the components. The csi-provisioner asks the controller's Identity, so
+    /// the controller needs the same `--topologyKeys` as the node plugin (it never reads them
+    /// from the API: label keys only matter to the node component).
+    pub fn advertises_topology(&self) -> bool {
+        self.node.topology.advertised()
+    }
+}
+
 impl DriverArgs {
     /// `(controller, node)` from `--components`.
     pub fn components(&self) -> Result<(bool, bool), CliError> {
@@ -505,8 +515,19 @@ pub async fn run_driver(
     filer: Arc<dyn FilerApi>,
     stager: Option<Arc<dyn Stager>>,
 ) -> Result<(), ServeError> {
-    let topology = plan.node.topology.advertised();
-    let identity = IdentityService::new(plan.driver_name.clone(), filer.clone(), topology);
+    let identity = IdentityService::new(
+        plan.driver_name.clone(),
+        filer.clone(),
+        plan.advertises_topology(),
+    );
+    if plan.run_node && plan.node.topology.needs_labels() {
+        // Only the node plugin reads its Node object (a controller-only process never calls
+        // the API). Checked without calling it: a missing configuration is said once, now,
+        // rather than only in the RPCs that need the labels.
+        if let Err(e) = crate::csi::topology::check_api_config(&plan.node.node_id).await {
+            tracing::error!(error = %e, "--topologyKeys label keys / --dataCenterLabel cannot be read: NodeGetInfo and NodeStage of volumes that need them fail with FAILED_PRECONDITION");
+        }
+    }
     let controller = plan
         .run_controller
         .then(|| ControllerService::new(filer.clone(), plan.controller.clone()));
@@ -704,6 +725,50 @@ mod tests {
         assert_eq!(
             parse(&[]).driver.plan().unwrap().node.topology,
             TopologySpec::default()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_controller_alone_with_topology_keys_advertises_accessibility_constraints() {
+        use crate::csi::identity::IdentityService;
+        use crate::pb::csi::identity_server::Identity;
+        use crate::pb::csi::plugin_capability::{service, Type};
+
+        let advertised = |args: &[&str]| {
+            let plan = parse(args).driver.plan().unwrap();
+            assert!(plan.run_controller && !plan.run_node, "{args:?}");
+            plan.advertises_topology()
+        };
+        // The provisioner reads the controller's capabilities: a controller-only process with
+        // the node plugin's --topologyKeys (label keys included, no node id) advertises them.
+        let args = [
+            "--components=controller",
+            "--topologyKeys=topology.kubernetes.io/zone",
+        ];
+        assert!(advertised(&args));
+        assert!(advertised(&[
+            "--components=controller",
+            "--topologyKeys=zone=a"
+        ]));
+        assert!(!advertised(&["--components=controller"]));
+        assert!(!advertised(&[
+            "--components=controller",
+            "--dataCenterLabel=topology.kubernetes.io/zone"
+        ]));
+
+        let plan = parse(&args).driver.plan().unwrap();
+        let filer = Arc::new(crate::filer::mock::MockFiler::new());
+        let identity = IdentityService::new("d", filer, plan.advertises_topology());
+        let caps = identity
+            .get_plugin_capabilities(tonic::Request::new(Default::default()))
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities;
+        assert!(
+            caps.iter().any(|c| matches!(&c.r#type,
+                Some(Type::Service(s)) if s.r#type == service::Type::VolumeAccessibilityConstraints as i32)),
+            "{caps:?}"
         );
     }
 
