@@ -478,3 +478,115 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
     assert!(h.mounts().is_empty(), "{:?}", h.mounts());
     h.shutdown().await;
 }
+
+/// A node plugin generation of [`a_repair_after_a_restart_uses_the_recorded_data_center`]:
+/// `--dataLocality=write_preferLocalDc --dataCenterLabel=zone`, the state file in `state`,
+/// this node's labels from `labels`.
+fn labelled_node(
+    stager: Arc<FakeStager>,
+    state: &Path,
+    labels: Arc<seaweedfs_csi_driver::csi::topology::StaticNodeLabels>,
+) -> NodeService {
+    let config = NodeConfig {
+        node_id: "n1".into(),
+        max_volumes_per_node: 0,
+        topology: TopologySpec {
+            data_center_label: Some("zone".into()),
+            ..Default::default()
+        },
+        defaults: VolumeDefaults {
+            base: seaweedfs_csi_driver::config::MountOptions {
+                filers: vec!["f:8888".into()],
+                ..Default::default()
+            },
+            data_locality: seaweedfs_csi_driver::csi::params::DataLocality::WritePreferLocalDc,
+            ..Default::default()
+        },
+    };
+    NodeService::new(stager, config)
+        .with_state_dir(Some(state))
+        .with_node_labels(labels)
+}
+
+/// A NodePublish that finds the staging mount dead re-stages it. After a plugin restart
+/// (nothing in memory) it uses the options recorded at NodeStage: neither the Kubernetes API
+/// (down here, read under the volume's lock) nor a label changed since decide the data center.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
+    use seaweedfs_csi_driver::csi::topology::StaticNodeLabels;
+    use seaweedfs_csi_driver::pb::csi::node_server::Node;
+    use tonic::Request;
+
+    let dir = tempfile::Builder::new()
+        .prefix("csirepair")
+        .tempdir()
+        .unwrap();
+    let _cleanup = scopeguard(dir.path().to_path_buf());
+    let stager = Arc::new(FakeStager::new(dir.path().join("scratch")).unwrap());
+    let state = dir.path().join("state");
+    let staging = dir.path().join("staging/v");
+    std::fs::create_dir_all(&staging).unwrap();
+    let target = |n: &str| {
+        let p = dir.path().join(format!("pods/{n}/mount"));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p
+    };
+    let vol = volume("/buckets/v", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+
+    let first = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-a")]));
+    let gen1 = labelled_node(stager.clone(), &state, first.clone());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    assert_eq!(
+        stager.session_options("/buckets/v").unwrap().data_center,
+        "z-a"
+    );
+    drop(gen1);
+
+    // A new generation (nothing in memory); its session dies; the API is down and the label
+    // has changed meanwhile.
+    mounts::unmount_all(&staging).unwrap();
+    mounts::mount_dead_fuse(&staging).unwrap();
+    let second = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-b")]));
+    second.fail();
+    let gen2 = labelled_node(stager.clone(), &state, second.clone());
+    gen2.node_publish_volume(Request::new(publish_req(
+        &vol,
+        &staging,
+        &target("p"),
+        false,
+        mode,
+    )))
+    .await
+    .expect("repaired with the recorded options");
+    assert_eq!(mounts::mount_state(&staging).unwrap(), MountState::Healthy);
+    assert_eq!(
+        stager.session_options("/buckets/v").unwrap().data_center,
+        "z-a",
+        "the repaired session writes where the recorded one did"
+    );
+    assert_eq!(second.calls(), 0, "the API was not asked");
+
+    gen2.node_unpublish_volume(Request::new(unpublish_req(&vol, &target("p"))))
+        .await
+        .unwrap();
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(mounts_below(dir.path()).is_empty());
+}
+
+/// Unmounts everything below the path on drop (a failed assertion leaves no mounts behind).
+struct Unmounter(PathBuf);
+
+fn scopeguard(p: PathBuf) -> Unmounter {
+    Unmounter(p)
+}
+
+impl Drop for Unmounter {
+    fn drop(&mut self) {
+        unmount_below(&self.0);
+    }
+}

@@ -170,6 +170,71 @@ fn segments(pairs: &[(&str, &str)]) -> HashMap<String, String> {
 /// No filer is needed for Identity and NodeGetInfo: nothing listens here.
 const NO_FILER: &str = "127.0.0.1:9";
 
+/// Evaluates `$call` (a CSI call) until it succeeds, like kubelet's retries: a failed read of
+/// the Node object is returned for a few seconds (topology.rs FAILURE_MEMORY) before the API
+/// is asked again. Panics after 20 s with the last error.
+macro_rules! until_ok {
+    ($call:expr) => {{
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            match $call.await {
+                Ok(r) => break r,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+                Err(e) => panic!("still failing: {e:?}"),
+            }
+        }
+    }};
+}
+
+/// The options the node plugin recorded for `volume_id` in its state file (what the FUSE
+/// session was started with; `--stateDir` defaults to `plugin/state` next to the socket).
+fn recorded_opts(driver: &Driver, volume_id: &str) -> seaweedfs_csi_driver::config::MountOptions {
+    let dir = driver.socket.parent().unwrap().join("state");
+    let store = seaweedfs_csi_driver::csi::state::StateStore::open(&dir).unwrap();
+    store
+        .get(volume_id)
+        .unwrap()
+        .unwrap_or_else(|| panic!("{volume_id} not recorded in {}", dir.display()))
+        .opts
+}
+
+/// The fd-keeper (`keeper` subcommand) on `socket`: FUSE sessions outlive a plugin restart.
+/// SIGKILLed on drop.
+struct Keeper(std::process::Child);
+
+impl Keeper {
+    fn start(socket: &std::path::Path) -> Keeper {
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let child = std::process::Command::new(driver_bin())
+            .arg("keeper")
+            .arg(format!("--socket={}", socket.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let k = Keeper(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while seaweedfs_csi_driver::keeper::KeeperClient::connect(socket).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "keeper never listened"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        k
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_get_info_reports_the_node_labels_named_by_topology_keys() {
     let api = FakeApi::start().await;
@@ -241,17 +306,18 @@ async fn node_get_info_reports_the_node_labels_named_by_topology_keys() {
     // The API recovers: kubelet's retry gets the labels; a missing one is skipped, key=value
     // entries are reported as given.
     api.fail(false);
-    let info = c
-        .node
-        .node_get_info(NodeGetInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = until_ok!(c.node.node_get_info(NodeGetInfoRequest {})).into_inner();
     assert_eq!(info.node_id, "test-node");
     let want = segments(&[(ZONE, "z-a"), ("example.com/rack", "r7"), ("fixed", "yes")]);
     assert_eq!(info.accessible_topology.unwrap().segments, want);
+    assert_eq!(
+        api.requests().len(),
+        2,
+        "a failure is remembered for a while, not asked again at once"
+    );
 
-    // Read once per process: a later call is answered from memory, even with the API down.
+    // Read once per process: a later call is answered from memory, even with the API down
+    // (missing.example.com/key is missing: it is read again, but at most every 10 s).
     api.fail(true);
     let n = api.requests().len();
     let info = c
@@ -282,12 +348,7 @@ async fn a_node_object_that_does_not_exist_is_a_clear_error() {
     );
     // Created later (e.g. the plugin came up before its Node object): the retry works.
     api.set_node("test-node", &[(ZONE, "z-c")]);
-    let info = c
-        .node
-        .node_get_info(NodeGetInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = until_ok!(c.node.node_get_info(NodeGetInfoRequest {})).into_inner();
     assert_eq!(
         info.accessible_topology.unwrap().segments,
         segments(&[(ZONE, "z-c")])
@@ -341,17 +402,14 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(driver.mounts().is_empty());
     api.fail(false);
-    c.node
-        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
-        .await
-        .unwrap();
-    assert!(
-        driver
-            .log()
-            .contains(&format!("volume_id=\"{}\"", vol.volume_id))
-            && driver.log().contains("data_center=z-a"),
-        "the session writes to the node's zone:\n{}",
-        driver.log()
+    until_ok!(c
+        .node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter)));
+    // What the session was started with (and what a recovery restarts it with).
+    let opts = recorded_opts(&driver, &vol.volume_id);
+    assert_eq!(
+        opts.data_center, "z-a",
+        "the session writes to the node's zone"
     );
 
     // A StorageClass dataCenter wins over the label.
@@ -363,11 +421,7 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     )
     .await;
     r.unwrap();
-    assert!(
-        driver.log().contains("data_center=dc-x"),
-        "{}",
-        driver.log()
-    );
+    assert_eq!(recorded_opts(&driver, &vol2.volume_id).data_center, "dc-x");
     assert_eq!(
         api.requests().len(),
         2,
@@ -380,7 +434,7 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     assert!(driver.mounts().is_empty());
     drop(driver);
 
-    // A node without the label: the same error as a missing --dataCenter, naming the label.
+    // A node without the label (yet): FAILED_PRECONDITION naming the label and the node.
     let bare = FakeApi::start().await;
     bare.set_node("test-node", &[("kubernetes.io/hostname", "test-node")]);
     let driver = bare.driver(
@@ -393,8 +447,11 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     let mut c = driver.clients().await;
     let (_, _, r) = stage(&driver, &mut c, "pvc-topo-nolabel", &[]).await;
     let err = r.unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains(ZONE), "{err:?}");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains(ZONE) && err.message().contains("\"test-node\""),
+        "{err:?}"
+    );
     // A volume without local writes never needs the label.
     let (v, s, r) = stage(
         &driver,
@@ -409,4 +466,127 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
         .await
         .unwrap();
     assert!(driver.mounts().is_empty());
+}
+
+/// kubelet repeats NodeStage for volumes that are already staged after a plugin restart. A
+/// healthy (adopted) volume keeps the data center its session was started with, and needs no
+/// Kubernetes API: neither an API failure nor a changed label touch it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_healthy_volume_staged_again_after_a_restart_keeps_its_data_center() {
+    let weed = common::WeedServer::start();
+    let api = FakeApi::start().await;
+    api.set_node("test-node", &[(ZONE, "z-a")]);
+    let dir = tempfile::Builder::new()
+        .prefix("csitopo")
+        .tempdir()
+        .unwrap();
+    let keeper_sock = dir.path().join("keeper/keeper.sock");
+    let _keeper = Keeper::start(&keeper_sock);
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=test-node".to_string(),
+        format!("--keeperSocket={}", keeper_sock.display()),
+        "--logLevel=info,seaweedfs_csi_driver=debug".to_string(),
+        "--dataLocality=write_preferLocalDc".to_string(),
+        format!("--dataCenterLabel={ZONE}"),
+    ];
+    let env = vec![("KUBECONFIG".to_string(), api.kubeconfig())];
+    let mut driver = Driver::start_raw(dir, socket, Stager::Fuse, args, env);
+    let mut c = driver.clients().await;
+    let (vol, staging, r) = stage(&driver, &mut c, "pvc-topo-restart", &[]).await;
+    r.unwrap();
+    assert_eq!(recorded_opts(&driver, &vol.volume_id).data_center, "z-a");
+
+    // The plugin restarts (its session survives in the keeper) while the API is down.
+    api.fail(true);
+    driver.kill();
+    driver.restart();
+    let mut c = driver.clients().await;
+    let n = api.requests().len();
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+        .await
+        .expect("a healthy volume needs no Kubernetes API");
+    // The API is back, with another zone: the live session still writes to z-a.
+    api.fail(false);
+    api.set_node("test-node", &[(ZONE, "z-b")]);
+    c.node
+        .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
+        .await
+        .unwrap();
+    assert_eq!(
+        recorded_opts(&driver, &vol.volume_id).data_center,
+        "z-a",
+        "the recorded options are the session's, not the current label"
+    );
+    assert_eq!(
+        api.requests().len(),
+        n,
+        "NodeStage of a healthy volume read the Node object"
+    );
+
+    c.node
+        .node_unstage_volume(unstage_req(&vol, &staging))
+        .await
+        .unwrap();
+    assert!(driver.mounts().is_empty());
+}
+
+/// The controller needs the node plugin's `--topologyKeys` (the provisioner asks its Identity)
+/// but never reads them: no API configuration, RBAC or requests; a node plugin without any
+/// API configuration says so at startup and fails with FAILED_PRECONDITION.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_advertises_topology_without_the_api_and_a_node_without_config_says_so() {
+    let api = FakeApi::start().await;
+    api.set_node("test-node", &[(ZONE, "z-a")]);
+    let constraints = PluginCapability {
+        r#type: Some(plugin_capability::Type::Service(
+            plugin_capability::Service {
+                r#type: service::Type::VolumeAccessibilityConstraints as i32,
+            },
+        )),
+    };
+    let no_config: &[(&str, &str)] = &[("KUBECONFIG", "/nonexistent/kubeconfig")];
+    for env in [&[("KUBECONFIG", api.kubeconfig().as_str())][..], no_config] {
+        let driver = Driver::start_env(
+            NO_FILER,
+            &["--components=controller", "--topologyKeys", ZONE],
+            env,
+        );
+        let mut c = driver.clients().await;
+        let caps = c
+            .identity
+            .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities;
+        assert!(caps.contains(&constraints), "{env:?}: {caps:?}");
+        assert!(
+            !driver.log().contains("cannot be read"),
+            "{env:?}:\n{}",
+            driver.log()
+        );
+    }
+    assert!(api.requests().is_empty(), "the controller read the API");
+
+    let driver = Driver::start_env(
+        NO_FILER,
+        &["--components=node", "--topologyKeys", ZONE],
+        no_config,
+    );
+    let log = driver.log();
+    assert!(
+        log.contains("ERROR") && log.contains("cannot be read") && log.contains("test-node"),
+        "one clear error at startup:\n{log}"
+    );
+    let mut c = driver.clients().await;
+    let err = c
+        .node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
 }

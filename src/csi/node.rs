@@ -99,7 +99,7 @@ pub struct NodeService {
     locks: Arc<KeyedLocks>,
     volumes: Arc<Mutex<HashMap<String, StagedVolume>>>,
     store: Option<Arc<StateStore>>,
-    /// This node's labels, read once when needed (shared by clones).
+    /// This node's labels, read when needed and kept (shared by clones; topology.rs).
     topology: Arc<NodeTopology>,
 }
 
@@ -305,7 +305,17 @@ impl NodeService {
         self.end_dead_session(volume_id, staging).await;
         self.unmount_all(staging).await?;
         let known = self.volumes.lock().get(volume_id).cloned();
-        let opts = match known.as_ref().and_then(|k| k.opts.clone()) {
+        // The options the dead session had: this process's, else the recorded ones. Only a
+        // volume known to neither (staged by a version without the state file) resolves them
+        // from the request, which may read this node's labels from the Kubernetes API while
+        // this volume's lock is held: bounded by NODE_READ_TIMEOUT, and concurrent callers
+        // share one read and its failure (topology.rs), so the lock is not held for longer.
+        let recorded = || self.recorded_opts(volume_id, staging);
+        let opts = match known
+            .as_ref()
+            .and_then(|k| k.opts.clone())
+            .or_else(recorded)
+        {
             Some(o) => o,
             None => self.mount_options(volume_id, ctx, cap).await?,
         };
@@ -361,30 +371,71 @@ impl NodeService {
 
     /// The node defaults for a volume with context `ctx`: with `--dataCenterLabel` and no
     /// `--dataCenter`, a volume that writes to the local data center (and names none itself)
-    /// gets the label's value from this node's Node object, read once. An API failure is
-    /// UNAVAILABLE (kubelet retries); a node without the label is INVALID_ARGUMENT, as a
-    /// missing `--dataCenter` is.
+    /// gets the label's value from this node's Node object (topology.rs: kept, re-read while
+    /// missing). An API failure is UNAVAILABLE (kubelet retries), no API configuration
+    /// FAILED_PRECONDITION; a node without the label is FAILED_PRECONDITION naming the label
+    /// and the node.
     async fn volume_defaults(
         &self,
         ctx: &HashMap<String, String>,
     ) -> Result<Cow<'_, VolumeDefaults>, Status> {
         let defaults = &self.config.defaults;
-        let Some(label) = self.config.topology.data_center_label.as_deref() else {
+        let Some(label) = self.node_data_center_label(ctx) else {
             return Ok(Cow::Borrowed(defaults));
         };
-        if !defaults.data_center.is_empty() || !params::uses_node_data_center(ctx, defaults) {
-            return Ok(Cow::Borrowed(defaults));
-        }
         match self.topology.data_center().await {
             Ok(Some(dc)) => Ok(Cow::Owned(VolumeDefaults {
                 data_center: dc,
                 ..defaults.clone()
             })),
-            Ok(None) => Err(Status::invalid_argument(format!(
+            // The node lacks the label (yet: it is read again, see topology.rs): kubelet's
+            // retry may succeed, unlike a bad volume context.
+            Ok(None) => Err(Status::failed_precondition(format!(
                 "dataLocality write_preferLocalDc needs a data center: node {:?} has no label {label:?} (--dataCenterLabel), and neither --dataCenter nor the volume's dataCenter is set",
                 self.config.node_id
             ))),
             Err(e) => Err(e.into_status()),
+        }
+    }
+
+    /// The `--dataCenterLabel` a volume with context `ctx` takes its data center from: set,
+    /// no `--dataCenter`, and the volume writes to the local data center without naming one.
+    fn node_data_center_label(&self, ctx: &HashMap<String, String>) -> Option<&str> {
+        let defaults = &self.config.defaults;
+        let label = self.config.topology.data_center_label.as_deref()?;
+        (defaults.data_center.is_empty() && params::uses_node_data_center(ctx, defaults))
+            .then_some(label)
+    }
+
+    /// Checks the request's options without asking the API: `Some` when they are complete,
+    /// `None` when they need this node's data center from its Node object (checked with a
+    /// stand-in for it). INVALID_ARGUMENT as [`Self::mount_options`].
+    fn offline_mount_options(
+        &self,
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        cap: &CapabilityRequest,
+    ) -> Result<Option<MountOptions>, Status> {
+        if self.node_data_center_label(ctx).is_none() {
+            return Self::mount_options_with(volume_id, ctx, cap, &self.config.defaults).map(Some);
+        }
+        let stand_in = VolumeDefaults {
+            data_center: "node-data-center".into(),
+            ..self.config.defaults.clone()
+        };
+        Self::mount_options_with(volume_id, ctx, cap, &stand_in).map(|_| None)
+    }
+
+    /// The options recorded for `volume_id` staged at `staging` (state file), if any.
+    fn recorded_opts(&self, volume_id: &str, staging: &Path) -> Option<MountOptions> {
+        let store = self.store.as_ref()?;
+        match store.get(volume_id) {
+            Ok(Some(r)) if r.staging == staging => Some(r.opts),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(volume_id, error = %e, "cannot read the state file");
+                None
+            }
         }
     }
 
@@ -652,9 +703,12 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         let volume_id = req.volume_id.as_str();
         let read_only = cap.read_only_mode() || cap.ro_flag();
-        let opts = self
-            .mount_options(volume_id, &req.volume_context, &cap)
-            .await?;
+        // Everything is checked now (INVALID_ARGUMENT before anything else), but the node's
+        // data center from its Node object is resolved only when a session is started: a
+        // healthy volume (kubelet repeats NodeStage after a plugin restart) keeps its own and
+        // must not depend on the Kubernetes API.
+        let ctx = &req.volume_context;
+        let offline_opts = self.offline_mount_options(volume_id, ctx, &cap)?;
 
         let _guard = self.locks.lock(volume_id).await;
         let known = self.volumes.lock().get(volume_id).cloned();
@@ -684,16 +738,34 @@ impl Node for NodeService {
         match self.state(&staging).await? {
             MountState::Healthy => {
                 tracing::info!(volume_id, staging = %staging.display(), "already staged");
-                self.record(volume_id, |s| {
-                    s.record_stage(volume_id, &staging, read_only, &opts)
-                });
+                // The options the session runs with: this process's, else the recorded ones
+                // (an adopted session keeps writing with them, and a later recovery restarts
+                // it with them), else what the request gives without asking the API.
+                let opts = known
+                    .as_ref()
+                    .filter(|k| k.staging == staging)
+                    .and_then(|k| k.opts.clone())
+                    .or_else(|| self.recorded_opts(volume_id, &staging))
+                    .or_else(|| {
+                        let defaults = self.known_volume_defaults();
+                        Self::mount_options_with(volume_id, ctx, &cap, &defaults).ok()
+                    });
+                match &opts {
+                    Some(o) => self.record(volume_id, |s| {
+                        s.record_stage(volume_id, &staging, read_only, o)
+                    }),
+                    None => tracing::warn!(
+                        volume_id,
+                        "staged volume not recorded: its data center is not known yet"
+                    ),
+                }
                 self.volumes
                     .lock()
                     .entry(volume_id.to_string())
                     .or_insert_with(|| StagedVolume {
                         staging: staging.clone(),
                         read_only,
-                        opts: Some(opts),
+                        opts,
                         publications: HashMap::new(),
                     });
                 return Ok(Response::new(NodeStageVolumeResponse {}));
@@ -706,6 +778,10 @@ impl Node for NodeService {
             MountState::NotMounted => {}
         }
 
+        let opts = match offline_opts {
+            Some(o) => o,
+            None => self.mount_options(volume_id, ctx, &cap).await?,
+        };
         self.stage_fresh(volume_id, opts.clone(), &staging).await?;
         self.record(volume_id, |s| {
             s.record_stage(volume_id, &staging, read_only, &opts)
