@@ -452,6 +452,7 @@ def topology_facts(docs: list[Doc]) -> dict[str, Any]:
     plugin = container(node, "seaweedfs-csi-plugin")
     dep = next(d for d in docs if d["kind"] == "Deployment")
     prov = container(dep, "csi-provisioner")
+    controller = container(dep, "seaweedfs-csi-plugin")
     sa = pod_spec(node)["serviceAccountName"]
     bound = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")
              if any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in b["subjects"])}
@@ -459,6 +460,8 @@ def topology_facts(docs: list[Doc]) -> dict[str, Any]:
              for r in d.get("rules", [])]
     return {
         "topologyKeys": arg_value(plugin, "--topologyKeys"),
+        # The provisioner asks the controller's Identity whether to do topology.
+        "controllerKeys": arg_value(controller, "--topologyKeys"),
         "dataCenterLabel": arg_value(plugin, "--dataCenterLabel"),
         "featureGate": "--feature-gates=Topology=true" in prov["args"],
         "token": pod_spec(node).get("automountServiceAccountToken"),
@@ -473,30 +476,54 @@ def check_topology(p: Problems, flags: dict[str, set[str]] | None) -> None:
     check_set("helm topology", docs, "csi", p, flags)
     got = topology_facts(docs)
     want = {"topologyKeys": "topology.kubernetes.io/zone,example.com/rack=r1",
+            "controllerKeys": "topology.kubernetes.io/zone,example.com/rack=r1",
             "dataCenterLabel": "topology.kubernetes.io/zone", "featureGate": True,
             "token": True,
             "nodeRules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]}
     if got != want:
         p.add("helm topology", f"got {got}, want {want}")
+    off = {"topologyKeys": None, "controllerKeys": None, "dataCenterLabel": None,
+           "featureGate": False, "token": False, "nodeRules": []}
     cases = [
-        ("helm defaults", {}, {"topologyKeys": None, "dataCenterLabel": None,
-                               "featureGate": False, "token": False, "nodeRules": []}),
+        ("helm defaults", {}, off),
         # Fixed segments only: no API access needed.
-        ("helm topology key=value", {"node": {"topologyKeys": "zone=a"}},
-         {"topologyKeys": "zone=a", "dataCenterLabel": None, "featureGate": True,
-          "token": False, "nodeRules": []}),
+        ("helm topology key=value", {"node": {"topologyKeys": " zone=a , "}},
+         {**off, "topologyKeys": "zone=a", "controllerKeys": "zone=a", "featureGate": True}),
         # The Go chart's KubeMod injection, read directly.
         ("helm go-style topology injection",
          {"node": {"injectTopologyInfoFromNodeLabel": {"enabled": True}}},
-         {"topologyKeys": None, "dataCenterLabel": "topology.kubernetes.io/zone",
-          "featureGate": False, "token": True, "nodeRules": want["nodeRules"]}),
+         {**off, "dataCenterLabel": "topology.kubernetes.io/zone", "token": True,
+          "nodeRules": want["nodeRules"]}),
+        ("helm go-style topology injection, own label",
+         {"node": {"injectTopologyInfoFromNodeLabel": {
+             "enabled": True, "labels": {"dataCenter": "example.com/dc"}}}},
+         {**off, "dataCenterLabel": "example.com/dc", "token": True,
+          "nodeRules": want["nodeRules"]}),
+        # node.dataCenter wins: no label is read, so no flag, token or RBAC for it.
+        ("helm dataCenter and dataCenterLabel",
+         {"node": {"dataCenter": "dc1", "dataCenterLabel": "topology.kubernetes.io/zone"}}, off),
+        ("helm dataCenter and go-style injection",
+         {"node": {"dataCenter": "dc1", "injectTopologyInfoFromNodeLabel": {"enabled": True}}},
+         off),
+        # Blank entries render nothing.
+        ("helm blank topologyKeys", {"node": {"topologyKeys": " , "}}, off),
+        ("helm empty topologyKeys list", {"node": {"topologyKeys": []}}, off),
+        # Helm drops a null that overrides a default before the schema sees it: the default.
+        ("helm null dataCenterLabel", {"node": {"dataCenterLabel": None}}, off),
     ]
     for where, values, exp in cases:
         got = topology_facts(render_helm(copy.deepcopy(values)))
         if got != exp:
             p.add(where, f"topology: got {got}, want {exp}")
-    for bad in [{"node": {"dataCenterLabel": "a=b"}}, {"node": {"topologyKeys": ["a,b"]}},
-                {"node": {"topologyKeys": 3}}]:
+    inject = "injectTopologyInfoFromNodeLabel"
+    for bad in [{"node": {"dataCenterLabel": "a=b"}}, {"node": {"dataCenterLabel": "  "}},
+                {"node": {"dataCenterLabel": "a b"}},
+                {"node": {"topologyKeys": ["a,b"]}}, {"node": {"topologyKeys": [" "]}},
+                {"node": {"topologyKeys": [""]}}, {"node": {"topologyKeys": 3}},
+                {"node": {inject: {"enabled": "yes"}}},
+                {"node": {inject: {"enabled": True, "labels": {"dataCenter": "a=b"}}}},
+                {"node": {inject: {"enabled": True, "labels": {"dataCenter": " "}}}},
+                {"node": {inject: {"enabled": True, "labels": {"dataCenter": None}}}}]:
         try:
             render_helm(copy.deepcopy(bad))
             p.add("helm topology", f"{bad} was accepted")

@@ -177,19 +177,26 @@ secret:
 {{- printf "%s/%s" .Values.node.volumes.plugins_dir .Values.driverName -}}
 {{- end -}}
 
-{{/* --topologyKeys: node.topologyKeys, a comma-separated string or a list. */}}
+{{/* --topologyKeys: node.topologyKeys, a comma-separated string or a list; entries trimmed,
+blank ones dropped (" , " renders nothing). The controller gets the same value as the node
+plugin: the csi-provisioner does topology only if the controller's Identity advertises it. */}}
 {{- define "seaweedfs-csi-driver.topologyKeys" -}}
 {{- $k := .Values.node.topologyKeys | default "" -}}
-{{- if kindIs "slice" $k -}}{{ join "," $k }}{{- else -}}{{ $k | trim }}{{- end -}}
+{{- $items := kindIs "slice" $k | ternary $k (splitList "," (toString $k)) -}}
+{{- $out := list -}}
+{{- range $items }}{{ with (toString .) | trim }}{{ $out = append $out . }}{{ end }}{{ end -}}
+{{- join "," $out -}}
 {{- end -}}
 
 {{/* --dataCenterLabel: node.dataCenterLabel, else the Go chart's
 node.injectTopologyInfoFromNodeLabel (enabled, labels.dataCenter), read directly instead of
-through KubeMod. */}}
+through KubeMod. Nothing when node.dataCenter is set: it wins, so no label is read (and the
+node plugin gets no token or RBAC for it). */}}
 {{- define "seaweedfs-csi-driver.dataCenterLabel" -}}
 {{- $inject := .Values.node.injectTopologyInfoFromNodeLabel | default dict -}}
-{{- if .Values.node.dataCenterLabel -}}{{ .Values.node.dataCenterLabel | trim }}
-{{- else if and (kindIs "map" $inject) $inject.enabled -}}{{ dig "labels" "dataCenter" "topology.kubernetes.io/zone" $inject }}
+{{- if (.Values.node.dataCenter | default "" | trim) -}}
+{{- else if (.Values.node.dataCenterLabel | default "" | trim) -}}{{ .Values.node.dataCenterLabel | trim }}
+{{- else if and (kindIs "map" $inject) $inject.enabled -}}{{ dig "labels" "dataCenter" "topology.kubernetes.io/zone" $inject | trim }}
 {{- end -}}
 {{- end -}}
 
