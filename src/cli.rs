@@ -387,7 +387,7 @@ impl DriverArgs {
             }
         }
         let label = self.data_center_label.trim();
-        if label.contains(['=', ',']) {
+        if label.contains(['=', ',']) || label.contains(char::is_whitespace) {
             return Err(invalid(
                 "dataCenterLabel",
                 format!("{label:?} is not a label key"),
@@ -698,6 +698,8 @@ mod tests {
         assert!(bad(&["--concurrentWriters=0"]).contains("concurrentWriters"));
         assert!(bad(&["--topologyKeys==v"]).contains("topologyKeys"));
         assert!(bad(&["--dataCenterLabel=a=b"]).contains("dataCenterLabel"));
+        // As the chart's schema: one label key, nothing else.
+        assert!(bad(&["--dataCenterLabel=a b"]).contains("dataCenterLabel"));
     }
 
     #[test]
