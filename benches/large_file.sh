@@ -141,6 +141,7 @@ pool = [bytearray(os.urandom(block)) for _ in range(64)]
 h = hashlib.sha256()
 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 rates = []
+cpus = []
 for g in range(gib):
     t0 = time.monotonic()
     c0, s0 = cpu(client), server_cpu()
@@ -154,9 +155,10 @@ for g in range(gib):
         h.update(b)
     dt = time.monotonic() - t0
     rates.append(1024 / dt)
+    cpus.append(cpu(client) - c0)
     # client and server CPU per GiB, and the memory the kernel has left: a rate that falls
     # when MemFree runs out is page-cache reclaim, not the client's per-chunk costs
-    print(f"GiB {g + 1}: {rates[-1]:.0f} MiB/s, client CPU {cpu(client) - c0:.1f} s, "
+    print(f"GiB {g + 1}: {rates[-1]:.0f} MiB/s, client CPU {cpus[-1]:.1f} s, "
           f"server CPU {server_cpu() - s0:.1f} s, MemFree {meminfo('MemFree')} MiB, "
           f"Cached {meminfo('Cached')} MiB", file=sys.stderr, flush=True)
 t0 = time.monotonic()
@@ -164,6 +166,11 @@ os.close(fd)
 print(f"close (final flush): {time.monotonic() - t0:.2f} s", file=sys.stderr)
 print(f"first GiB {rates[0]:.0f} MiB/s, last GiB {rates[-1]:.0f} MiB/s, "
       f"last/first {rates[-1] / rates[0]:.2f}", file=sys.stderr)
+# The client's CPU per GiB does not depend on what else the machine runs: a cost that grows
+# with the chunk count shows here even when the rate is noisy.
+print(f"client CPU per GiB: first {cpus[0]:.1f} s, last {cpus[-1]:.1f} s, "
+      f"mean of the last 4 {sum(cpus[-4:]) / len(cpus[-4:]):.1f} s, "
+      f"first/last {cpus[0] / cpus[-1]:.2f}", file=sys.stderr)
 print(h.hexdigest())
 PY
 )
