@@ -393,21 +393,7 @@ fn scratch_image_runs_and_mounts_slow() {
     );
 
     // SIGTERM: the command unmounts and exits cleanly.
-    let mut child = root.child.take().unwrap();
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            root.child = Some(child);
-            panic!("mount did not exit within 20 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = sigterm_and_wait(&mut root.child, Duration::from_secs(20), "mount");
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(status.success(), "mount exited with {status}:\n{log}");
     assert!(!is_mounted(&mnt), "still mounted after exit:\n{log}");
@@ -521,24 +507,38 @@ fn aarch64_static_binary_runs_under_qemu_slow() {
         "the filer has other bytes"
     );
 
-    let mut child = guard.child.take().unwrap();
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            guard.child = Some(child);
-            panic!("the emulated mount did not exit within 30 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = sigterm_and_wait(
+        &mut guard.child,
+        Duration::from_secs(30),
+        "the emulated mount",
+    );
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(status.success(), "mount exited with {status}:\n{log}");
     assert!(!is_mounted(&mnt), "still mounted after exit:\n{log}");
+}
+
+/// Sends SIGTERM to the child in `slot` and waits for its exit. If it has not exited within
+/// `within`, the child goes back into `slot` (whose owner kills it on drop) and the test fails.
+fn sigterm_and_wait(
+    slot: &mut Option<Child>,
+    within: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    let mut child = slot.take().expect("a running child");
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            *slot = Some(child);
+            panic!("{what} did not exit within {within:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A mount process the test started: killed and its mount point detached if the test fails.
