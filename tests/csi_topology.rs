@@ -379,6 +379,12 @@ async fn stage(
     (vol, staging, r)
 }
 
+/// Local writes with the data center taken from the zone label (no --dataCenter).
+const LOCAL_WRITES_BY_LABEL: &[&str] = &[
+    "--dataLocality=write_preferLocalDc",
+    "--dataCenterLabel=topology.kubernetes.io/zone",
+];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn data_center_label_gives_local_writes_the_node_data_center() {
     let weed = common::WeedServer::start();
@@ -387,13 +393,7 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     api.fail(true);
     // No --dataCenter: the zone label stands in for it (without --dataCenterLabel this
     // command line is refused at startup).
-    let driver = api.driver(
-        &weed.filer_addr(),
-        &[
-            "--dataLocality=write_preferLocalDc",
-            "--dataCenterLabel=topology.kubernetes.io/zone",
-        ],
-    );
+    let driver = api.driver(&weed.filer_addr(), LOCAL_WRITES_BY_LABEL);
     let mut c = driver.clients().await;
 
     // The data center is read when a volume needs it; an API failure is retryable.
@@ -437,13 +437,7 @@ async fn data_center_label_gives_local_writes_the_node_data_center() {
     // A node without the label (yet): FAILED_PRECONDITION naming the label and the node.
     let bare = FakeApi::start().await;
     bare.set_node("test-node", &[("kubernetes.io/hostname", "test-node")]);
-    let driver = bare.driver(
-        &weed.filer_addr(),
-        &[
-            "--dataLocality=write_preferLocalDc",
-            "--dataCenterLabel=topology.kubernetes.io/zone",
-        ],
-    );
+    let driver = bare.driver(&weed.filer_addr(), LOCAL_WRITES_BY_LABEL);
     let mut c = driver.clients().await;
     let (_, _, r) = stage(&driver, &mut c, "pvc-topo-nolabel", &[]).await;
     let err = r.unwrap_err();
