@@ -152,6 +152,7 @@ impl NodeLabels for KubeNodeLabels {
 pub struct StaticNodeLabels {
     nodes: parking_lot::Mutex<HashMap<String, BTreeMap<String, String>>>,
     failing: std::sync::atomic::AtomicBool,
+    panicking: std::sync::atomic::AtomicBool,
     calls: std::sync::atomic::AtomicUsize,
     delay: parking_lot::Mutex<Duration>,
 }
@@ -177,6 +178,12 @@ impl StaticNodeLabels {
     pub fn recover(&self) {
         self.failing
             .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The next call panics (a bug in the source), once.
+    pub fn panic_once(&self) {
+        self.panicking
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Sets (or adds) one label of `node`.
@@ -208,6 +215,9 @@ impl NodeLabels for StaticNodeLabels {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
+        if self.panicking.swap(false, Ordering::SeqCst) {
+            panic!("injected panic in the label source");
+        }
         if self.failing.load(Ordering::SeqCst) {
             return Err(NodeLabelsError::Api {
                 node: node.to_string(),
@@ -238,6 +248,33 @@ struct LabelCache {
     failure: Option<(NodeLabelsError, Instant)>,
     /// The read in flight, shared by every caller that waits for it.
     in_flight: Option<SharedRead>,
+}
+
+/// Clears the read in flight, as a failure, when a read task ends without finishing.
+struct ReadGuard {
+    cache: Arc<parking_lot::Mutex<LabelCache>>,
+    node: String,
+    finished: bool,
+}
+
+impl Drop for ReadGuard {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        tracing::error!(node = %self.node, "reading this node's labels ended without an answer");
+        let mut c = self.cache.lock();
+        let now = Instant::now();
+        c.in_flight = None;
+        c.last_read = Some(now);
+        c.failure = Some((
+            NodeLabelsError::Api {
+                node: self.node.clone(),
+                reason: "the read ended without an answer".into(),
+            },
+            now,
+        ));
+    }
 }
 
 /// The node's topology at run time: the spec, where labels come from, and the labels once read.
@@ -326,6 +363,14 @@ impl NodeTopology {
         let node = self.node.clone();
         let cache = self.cache.clone();
         let task = tokio::spawn(async move {
+            // Ends the read should the source panic (or the runtime drop the task): without it
+            // `in_flight` would keep the dead read, and every later caller would get its error
+            // for the life of the process.
+            let mut guard = ReadGuard {
+                cache: cache.clone(),
+                node: node.clone(),
+                finished: false,
+            };
             let res = match source {
                 None => Err(NodeLabelsError::Config {
                     node: node.clone(),
@@ -346,6 +391,8 @@ impl NodeTopology {
                 }
                 Err(e) => c.failure = Some((e.clone(), Instant::now())),
             }
+            drop(c);
+            guard.finished = true;
             res
         });
         let node = self.node.clone();
@@ -496,6 +543,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_read_that_panics_is_a_failure_and_read_again() {
+        let src = double();
+        src.panic_once();
+        let t = NodeTopology::new(spec(&[], &[ZONE], Some(ZONE)), "n1", Some(src.clone()))
+            .with_intervals(MISSING_LABEL_REREAD, Duration::ZERO);
+        let e = t.segments().await.unwrap_err();
+        assert_eq!(e.into_status().code(), tonic::Code::Unavailable);
+        // Not stuck on the dead read: the next caller asks the API again.
+        assert_eq!(t.segments().await.unwrap()[ZONE], "z-a");
+        assert_eq!(t.data_center().await.unwrap().as_deref(), Some("z-a"));
+        assert_eq!(src.calls(), 2);
+    }
+
+    #[tokio::test]
     async fn data_center_label_missing_or_empty_is_none() {
         let t = NodeTopology::new(spec(&[], &[], Some("nope")), "n1", Some(double()));
         assert_eq!(t.data_center().await.unwrap(), None);
@@ -522,7 +583,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_label_missing_from_the_read_is_read_again_after_the_interval() {
-        let interval = Duration::from_millis(300);
+        // Long enough that a loaded machine still makes the calls below within it.
+        let interval = Duration::from_secs(2);
         let src = Arc::new(StaticNodeLabels::new("n1", [("example.com/rack", "r7")]));
         let t = NodeTopology::new(
             spec(&[], &["example.com/rack", ZONE], Some(ZONE)),
@@ -551,7 +613,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_re_read_keeps_the_labels_read_before() {
-        let interval = Duration::from_millis(100);
+        let interval = Duration::from_secs(1);
         let src = Arc::new(StaticNodeLabels::new("n1", [("example.com/rack", "r7")]));
         let t = NodeTopology::new(
             spec(&[], &["example.com/rack", ZONE], None),
