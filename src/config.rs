@@ -29,7 +29,7 @@ impl std::str::FromStr for VolumeServerAccess {
 }
 
 /// Everything one mounted volume (one FUSE session) needs. Mirrors `weed mount` flags.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct MountOptions {
     /// Filer HTTP addresses (`host:port` or `host:port.grpcPort`).

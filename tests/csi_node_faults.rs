@@ -479,6 +479,57 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
     h.shutdown().await;
 }
 
+/// A NodePublish that repairs a dead staging mount re-binds only the dead publications of
+/// the session staged at that path: those of the same volume staged elsewhere stay as they
+/// are (they are not moved onto another staging path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repair_rebinds_only_the_publications_of_its_staging_path() {
+    let h = Harness::start().await;
+    let mut node = h.clients.node.clone();
+    let vol = volume("/buckets/moved", &[]);
+    let (staging_a, staging_b) = (h.staging("moved-a"), h.staging("moved-b"));
+    let (t1, t2) = (h.target("moved-one"), h.target("moved-two"));
+    let mode = Mode::MultiNodeMultiWriter;
+    node.node_stage_volume(stage_req(&vol, &staging_a, mode))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req(&vol, &staging_a, &t1, false, mode))
+        .await
+        .unwrap();
+    // Staged at a, whose session and bind die; a dead mount from elsewhere is at b.
+    for p in [&t1, &staging_a] {
+        mounts::unmount_all(p).unwrap();
+        mounts::mount_dead_fuse(p).unwrap();
+    }
+    mounts::mount_dead_fuse(&staging_b).unwrap();
+
+    node.node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+        .await
+        .unwrap();
+    assert_eq!(
+        mounts::mount_state(&staging_b).unwrap(),
+        MountState::Healthy
+    );
+    assert_eq!(mounts::mount_state(&t2).unwrap(), MountState::Healthy);
+    assert!(
+        matches!(mounts::mount_state(&t1).unwrap(), MountState::Dead(_)),
+        "a's publication was bound onto b"
+    );
+
+    for t in [&t1, &t2] {
+        node.node_unpublish_volume(unpublish_req(&vol, t))
+            .await
+            .unwrap();
+    }
+    for s in [&staging_a, &staging_b] {
+        node.node_unstage_volume(unstage_req(&vol, s))
+            .await
+            .unwrap();
+    }
+    assert!(h.mounts().is_empty(), "{:?}", h.mounts());
+    h.shutdown().await;
+}
+
 /// A node plugin generation of [`a_repair_after_a_restart_uses_the_recorded_data_center`]:
 /// `--dataLocality=write_preferLocalDc --dataCenterLabel=zone`, the state file in `state`,
 /// this node's labels from `labels`.
@@ -486,6 +537,16 @@ fn labelled_node(
     stager: Arc<FakeStager>,
     state: &Path,
     labels: Arc<seaweedfs_csi_driver::csi::topology::StaticNodeLabels>,
+) -> NodeService {
+    labelled_node_with_filer(stager, state, labels, "f:8888")
+}
+
+/// [`labelled_node`] with `--filer=filer` (an upgrade may change it).
+fn labelled_node_with_filer(
+    stager: Arc<FakeStager>,
+    state: &Path,
+    labels: Arc<seaweedfs_csi_driver::csi::topology::StaticNodeLabels>,
+    filer: &str,
 ) -> NodeService {
     let config = NodeConfig {
         node_id: "n1".into(),
@@ -496,7 +557,7 @@ fn labelled_node(
         },
         defaults: VolumeDefaults {
             base: seaweedfs_csi_driver::config::MountOptions {
-                filers: vec!["f:8888".into()],
+                filers: vec![filer.into()],
                 ..Default::default()
             },
             data_locality: seaweedfs_csi_driver::csi::params::DataLocality::WritePreferLocalDc,
@@ -551,7 +612,7 @@ async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
     mounts::mount_dead_fuse(&staging).unwrap();
     let second = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-b")]));
     second.fail();
-    let gen2 = labelled_node(stager.clone(), &state, second.clone());
+    let gen2 = labelled_node_with_filer(stager.clone(), &state, second.clone(), "g:8888");
     gen2.node_publish_volume(Request::new(publish_req(
         &vol,
         &staging,
@@ -567,6 +628,11 @@ async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
         "z-a",
         "the repaired session writes where the recorded one did"
     );
+    assert_eq!(
+        stager.session_options("/buckets/v").unwrap().filers,
+        vec!["g:8888".to_string()],
+        "the rest is resolved again with this generation's flags"
+    );
     assert_eq!(second.calls(), 0, "the API was not asked");
 
     gen2.node_unpublish_volume(Request::new(unpublish_req(&vol, &target("p"))))
@@ -575,6 +641,92 @@ async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
     gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
         .await
         .unwrap();
+    assert!(mounts_below(dir.path()).is_empty());
+}
+
+/// A dead staging mount that kubelet stages again (NodeStage) after a plugin upgrade, and
+/// one that the upgraded plugin's startup repair finds: both keep the recorded data center
+/// (the API is down and the label changed) and take the new plugin's flags (another filer).
+/// A healthy staged volume asked for again with another read-only mode is refused, also when
+/// only the state file knows its mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_stage_after_an_upgrade_keeps_its_data_center_and_takes_the_new_flags() {
+    use seaweedfs_csi_driver::csi::topology::StaticNodeLabels;
+    use seaweedfs_csi_driver::pb::csi::node_server::Node;
+    use tonic::Request;
+
+    let dir = tempfile::Builder::new()
+        .prefix("csiupgrade")
+        .tempdir()
+        .unwrap();
+    let _cleanup = scopeguard(dir.path().to_path_buf());
+    let stager = Arc::new(FakeStager::new(dir.path().join("scratch")).unwrap());
+    let state = dir.path().join("state");
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = |n: &str| {
+        let p = dir.path().join(format!("staging/{n}"));
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    };
+    let (va, sa) = (volume("/buckets/a", &[]), staging("a"));
+    let (vb, sb) = (volume("/buckets/b", &[]), staging("b"));
+
+    let first = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-a")]));
+    let gen1 = labelled_node(stager.clone(), &state, first.clone());
+    for (v, s) in [(&va, &sa), (&vb, &sb)] {
+        gen1.node_stage_volume(Request::new(stage_req(v, s, mode)))
+            .await
+            .unwrap();
+    }
+    drop(gen1);
+
+    // The upgraded plugin (nothing in memory, API down, label changed, another filer) finds
+    // a's session dead and b's healthy.
+    mounts::unmount_all(&sa).unwrap();
+    mounts::mount_dead_fuse(&sa).unwrap();
+    let second = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-b")]));
+    second.fail();
+    let gen2 = labelled_node_with_filer(stager.clone(), &state, second.clone(), "g:8888");
+    gen2.node_stage_volume(Request::new(stage_req(&va, &sa, mode)))
+        .await
+        .expect("a dead stage is staged again without the API");
+    assert_eq!(mounts::mount_state(&sa).unwrap(), MountState::Healthy);
+    let o = stager.session_options("/buckets/a").unwrap();
+    assert_eq!(o.data_center, "z-a", "recorded data center kept");
+    assert_eq!(o.filers, vec!["g:8888".to_string()], "new flags applied");
+
+    // b is healthy and read-write: a read-only request for it is refused, though only the
+    // state file knows how it was staged.
+    let err = gen2
+        .node_stage_volume(Request::new(stage_req(&vb, &sb, Mode::MultiNodeReaderOnly)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    assert_eq!(mounts::mount_state(&sb).unwrap(), MountState::Healthy);
+    drop(gen2);
+
+    // Another upgrade; b's session died meanwhile; the startup repair restarts it.
+    mounts::unmount_all(&sb).unwrap();
+    mounts::mount_dead_fuse(&sb).unwrap();
+    // A new process: a stager with no sessions.
+    let stager = Arc::new(FakeStager::new(dir.path().join("scratch3")).unwrap());
+    let gen3 = labelled_node_with_filer(stager.clone(), &state, second.clone(), "h:8888");
+    let repair = gen3.spawn_recovery().expect("recorded volumes");
+    tokio::time::timeout(Duration::from_secs(60), repair)
+        .await
+        .expect("repair finished")
+        .unwrap();
+    assert_eq!(mounts::mount_state(&sb).unwrap(), MountState::Healthy);
+    let o = stager.session_options("/buckets/b").unwrap();
+    assert_eq!(o.data_center, "z-a", "recorded data center kept");
+    assert_eq!(o.filers, vec!["h:8888".to_string()], "new flags applied");
+    assert_eq!(second.calls(), 0, "the API was never asked");
+
+    for (v, s) in [(&va, &sa), (&vb, &sb)] {
+        gen3.node_unstage_volume(Request::new(unstage_req(v, s)))
+            .await
+            .unwrap();
+    }
     assert!(mounts_below(dir.path()).is_empty());
 }
 

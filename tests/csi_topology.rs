@@ -485,6 +485,7 @@ async fn a_healthy_volume_staged_again_after_a_restart_keeps_its_data_center() {
         "--logLevel=info,seaweedfs_csi_driver=debug".to_string(),
         "--dataLocality=write_preferLocalDc".to_string(),
         format!("--dataCenterLabel={ZONE}"),
+        format!("--topologyKeys={ZONE}"),
     ];
     let env = vec![("KUBECONFIG".to_string(), api.kubeconfig())];
     let mut driver = Driver::start_raw(dir, socket, Stager::Fuse, args, env);
@@ -503,9 +504,21 @@ async fn a_healthy_volume_staged_again_after_a_restart_keeps_its_data_center() {
         .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
         .await
         .expect("a healthy volume needs no Kubernetes API");
-    // The API is back, with another zone: the live session still writes to z-a.
+    // The API is back, with another zone, and the plugin has read it (kubelet registered the
+    // restarted plugin): the live session still writes to z-a.
     api.fail(false);
     api.set_node("test-node", &[(ZONE, "z-b")]);
+    let info = c
+        .node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        info.accessible_topology.unwrap().segments,
+        segments(&[(ZONE, "z-b")])
+    );
+    let n = api.requests().len();
     c.node
         .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
         .await

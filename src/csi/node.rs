@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status};
 use super::mounts::{self, MountError, MountState};
 use super::params::{self, VolumeDefaults};
 use super::stager::{StageError, Stager};
-use super::state::{RecordedVolume, StateError, StateStore};
+use super::state::{RecordedRequest, RecordedVolume, StateError, StateStore};
 use super::topology::{KubeNodeLabels, NodeLabels, NodeTopology, TopologySpec};
 use super::{require_capability, require_field, CapabilityRequest, KeyedLocks};
 use crate::config::MountOptions;
@@ -302,27 +302,28 @@ impl NodeService {
         cap: &CapabilityRequest,
     ) -> Result<(), Status> {
         tracing::warn!(volume_id, staging = %staging.display(), "staging mount is dead; staging again");
+        // Resolved before anything is torn down: a failure leaves the dead mount as it was.
+        // The dead session's read-only mode is kept (this is a NodePublish request, whose
+        // own read-only flag is the bind's, not the session's).
+        let prior = self.prior_opts(volume_id, staging);
+        let read_only = prior
+            .as_ref()
+            .map_or(cap.read_only_mode() || cap.ro_flag(), |p| p.read_only);
+        let opts = self
+            .session_options(volume_id, ctx, &cap.mount_flags, read_only, prior.as_ref())
+            .await?;
         self.end_dead_session(volume_id, staging).await;
         self.unmount_all(staging).await?;
-        let known = self.volumes.lock().get(volume_id).cloned();
-        // The options the dead session had: this process's, else the recorded ones. Only a
-        // volume known to neither (staged by a version without the state file) resolves them
-        // from the request, which may read this node's labels from the Kubernetes API while
-        // this volume's lock is held: bounded by NODE_READ_TIMEOUT, and concurrent callers
-        // share one read and its failure (topology.rs), so the lock is not held for longer.
-        let recorded = || self.recorded_opts(volume_id, staging);
-        let opts = match known
-            .as_ref()
-            .and_then(|k| k.opts.clone())
-            .or_else(recorded)
-        {
-            Some(o) => o,
-            None => self.mount_options(volume_id, ctx, cap).await?,
-        };
-        let read_only = opts.read_only;
+        let known = self
+            .volumes
+            .lock()
+            .get(volume_id)
+            .filter(|k| k.staging == staging)
+            .cloned();
         self.stage_fresh(volume_id, opts.clone(), staging).await?;
+        let request = recorded_request(ctx, &cap.mount_flags);
         self.record(volume_id, |s| {
-            s.record_stage(volume_id, staging, read_only, &opts)
+            s.record_stage(volume_id, staging, read_only, &opts, &request)
         });
         let publications = known.map(|k| k.publications).unwrap_or_default();
         for (target, p) in &publications {
@@ -343,18 +344,8 @@ impl NodeService {
         Ok(())
     }
 
-    /// The options of a new session: node defaults, then the volume context, then the CSI
-    /// mount flags (PV `mountOptions`); anything invalid or unknown is INVALID_ARGUMENT.
-    async fn mount_options(
-        &self,
-        volume_id: &str,
-        ctx: &HashMap<String, String>,
-        cap: &CapabilityRequest,
-    ) -> Result<MountOptions, Status> {
-        let defaults = self.volume_defaults(ctx).await?;
-        Self::mount_options_with(volume_id, ctx, cap, &defaults)
-    }
-
+    /// The options of a session: node defaults, then the volume context, then the CSI mount
+    /// flags (PV `mountOptions`); anything invalid or unknown is INVALID_ARGUMENT.
     fn mount_options_with(
         volume_id: &str,
         ctx: &HashMap<String, String>,
@@ -362,11 +353,84 @@ impl NodeService {
         defaults: &VolumeDefaults,
     ) -> Result<MountOptions, Status> {
         let ro = cap.read_only_mode() || cap.ro_flag();
-        let mut opts = params::resolve_mount_options(volume_id, ctx, defaults, ro)
+        Self::resolve(volume_id, ctx, &cap.mount_flags, ro, defaults)
+    }
+
+    fn resolve(
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        mount_flags: &[String],
+        read_only: bool,
+        defaults: &VolumeDefaults,
+    ) -> Result<MountOptions, Status> {
+        let mut opts = params::resolve_mount_options(volume_id, ctx, defaults, read_only)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        params::apply_mount_flags(volume_id, &mut opts, &cap.mount_flags, defaults)
+        params::apply_mount_flags(volume_id, &mut opts, mount_flags, defaults)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(opts)
+    }
+
+    /// The options to start again a session this node ran with `prior`: resolved again from
+    /// this process's flags and the request, so what an upgrade changed (filer addresses,
+    /// cacheDir, ...) applies to the new session; only a data center that came from this
+    /// node's label is kept from `prior`, so starting again never waits for the Kubernetes API
+    /// and the volume's writes do not move to another data center under running pods. None
+    /// when that data center is needed and `prior` has none (ask the API).
+    fn options_again(
+        &self,
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        mount_flags: &[String],
+        read_only: bool,
+        prior: &MountOptions,
+    ) -> Option<Result<MountOptions, Status>> {
+        let defaults = match self.node_data_center_label(ctx) {
+            None => Cow::Borrowed(&self.config.defaults),
+            Some(_) if prior.data_center.is_empty() => return None,
+            Some(_) => Cow::Owned(VolumeDefaults {
+                data_center: prior.data_center.clone(),
+                ..self.config.defaults.clone()
+            }),
+        };
+        Some(Self::resolve(
+            volume_id,
+            ctx,
+            mount_flags,
+            read_only,
+            &defaults,
+        ))
+    }
+
+    /// The options of a session started at a staging path, again after `prior` when there
+    /// was one there ([`Self::options_again`]), else as for a new volume (which may read this
+    /// node's labels from the Kubernetes API: bounded by NODE_READ_TIMEOUT, and concurrent
+    /// callers share one read and its failure, see topology.rs).
+    async fn session_options(
+        &self,
+        volume_id: &str,
+        ctx: &HashMap<String, String>,
+        mount_flags: &[String],
+        read_only: bool,
+        prior: Option<&MountOptions>,
+    ) -> Result<MountOptions, Status> {
+        if let Some(r) =
+            prior.and_then(|p| self.options_again(volume_id, ctx, mount_flags, read_only, p))
+        {
+            return r;
+        }
+        let defaults = self.volume_defaults(ctx).await?;
+        Self::resolve(volume_id, ctx, mount_flags, read_only, &defaults)
+    }
+
+    /// The options of the session staged at `staging`, if this process or the state file
+    /// knows them.
+    fn prior_opts(&self, volume_id: &str, staging: &Path) -> Option<MountOptions> {
+        self.volumes
+            .lock()
+            .get(volume_id)
+            .filter(|k| k.staging == staging)
+            .and_then(|k| k.opts.clone())
+            .or_else(|| self.recorded_opts(volume_id, staging))
     }
 
     /// The node defaults for a volume with context `ctx`: with `--dataCenterLabel` and no
@@ -409,7 +473,7 @@ impl NodeService {
 
     /// Checks the request's options without asking the API: `Some` when they are complete,
     /// `None` when they need this node's data center from its Node object (checked with a
-    /// stand-in for it). INVALID_ARGUMENT as [`Self::mount_options`].
+    /// stand-in for it). INVALID_ARGUMENT as [`Self::mount_options_with`].
     fn offline_mount_options(
         &self,
         volume_id: &str,
@@ -580,6 +644,25 @@ impl NodeService {
                 return Ok(r);
             }
         }
+        // The recorded session's options, resolved again with this process's flags when the
+        // record has the request (an upgrade's new filer addresses apply); the recorded ones
+        // when it has not, or when they no longer resolve (logged).
+        let opts = match &rec.request {
+            Some(r) => {
+                let ctx: HashMap<String, String> = r.volume_context.clone().into_iter().collect();
+                match self.options_again(volume_id, &ctx, &r.mount_flags, rec.read_only, &rec.opts)
+                {
+                    Some(Ok(o)) => o,
+                    Some(Err(e)) => {
+                        tracing::warn!(volume_id, error = %e.message(),
+                            "the recorded request no longer resolves; using the recorded options");
+                        rec.opts.clone()
+                    }
+                    None => rec.opts.clone(),
+                }
+            }
+            None => rec.opts.clone(),
+        };
         match self.state(&rec.staging).await? {
             // A predecessor's live session (no keeper): not ours.
             MountState::Healthy if !*restaged => return Ok(Recovery::Done),
@@ -588,7 +671,7 @@ impl NodeService {
                 tracing::warn!(volume_id, staging = %rec.staging.display(), %errno,
                     "recorded volume's session is gone; staging it again");
                 self.unmount_all(&rec.staging).await?;
-                self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
+                self.stage_fresh(volume_id, opts.clone(), &rec.staging)
                     .await?;
                 *restaged = true;
             }
@@ -601,7 +684,7 @@ impl NodeService {
                 }
                 tracing::warn!(volume_id, staging = %rec.staging.display(),
                     "recorded volume is not mounted; staging it again");
-                self.stage_fresh(volume_id, rec.opts.clone(), &rec.staging)
+                self.stage_fresh(volume_id, opts.clone(), &rec.staging)
                     .await?;
                 *restaged = true;
             }
@@ -634,12 +717,18 @@ impl NodeService {
         }
         tracing::info!(volume_id, staging = %rec.staging.display(), publications = publications.len(),
             "recorded volume staged and bound again");
+        if opts != rec.opts {
+            let request = rec.request.clone().unwrap_or_default();
+            self.record(volume_id, |s| {
+                s.record_stage(volume_id, &rec.staging, rec.read_only, &opts, &request)
+            });
+        }
         self.volumes.lock().insert(
             volume_id.to_string(),
             StagedVolume {
                 staging: rec.staging.clone(),
                 read_only: rec.read_only,
-                opts: Some(rec.opts),
+                opts: Some(opts),
                 publications,
             },
         );
@@ -678,6 +767,22 @@ impl NodeService {
             .rev()
             .find(|m| m.mount_point == p)
             .map(|m| m.is_read_only()))
+    }
+}
+
+fn rw_name(read_only: bool) -> &'static str {
+    if read_only {
+        "read-only"
+    } else {
+        "read-write"
+    }
+}
+
+/// What the state file keeps of a request (see [`RecordedRequest`]).
+fn recorded_request(ctx: &HashMap<String, String>, mount_flags: &[String]) -> RecordedRequest {
+    RecordedRequest {
+        volume_context: ctx.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        mount_flags: mount_flags.to_vec(),
     }
 }
 
@@ -721,70 +826,83 @@ impl Node for NodeService {
                     )));
                 }
                 self.volumes.lock().remove(volume_id);
-            } else if k.read_only != read_only {
+            }
+        }
+        let request = recorded_request(ctx, &cap.mount_flags);
+        // The options of the session at this path: this process's, else the recorded ones
+        // (after a restart).
+        let prior = self.prior_opts(volume_id, &staging);
+        let state = self.state(&staging).await?;
+        let staged_read_only = known
+            .as_ref()
+            .filter(|k| k.staging == staging)
+            .map(|k| k.read_only)
+            .or(prior.as_ref().map(|p| p.read_only));
+        if !matches!(state, MountState::NotMounted) {
+            if let Some(ro) = staged_read_only.filter(|ro| *ro != read_only) {
                 return Err(Status::already_exists(format!(
                     "volume {volume_id} is staged {} at {}; the request asks for {}",
-                    if k.read_only {
-                        "read-only"
-                    } else {
-                        "read-write"
-                    },
+                    rw_name(ro),
                     staging.display(),
-                    if read_only { "read-only" } else { "read-write" },
+                    rw_name(read_only),
                 )));
             }
         }
 
-        match self.state(&staging).await? {
-            MountState::Healthy => {
-                tracing::info!(volume_id, staging = %staging.display(), "already staged");
-                // The options the session runs with: this process's, else the recorded ones
-                // (an adopted session keeps writing with them, and a later recovery restarts
-                // it with them), else what the request gives without asking the API.
-                let opts = known
-                    .as_ref()
-                    .filter(|k| k.staging == staging)
-                    .and_then(|k| k.opts.clone())
-                    .or_else(|| self.recorded_opts(volume_id, &staging))
-                    .or_else(|| {
-                        let defaults = self.known_volume_defaults();
-                        Self::mount_options_with(volume_id, ctx, &cap, &defaults).ok()
-                    });
-                match &opts {
-                    Some(o) => self.record(volume_id, |s| {
-                        s.record_stage(volume_id, &staging, read_only, o)
-                    }),
-                    None => tracing::warn!(
-                        volume_id,
-                        "staged volume not recorded: its data center is not known yet"
-                    ),
+        if state == MountState::Healthy {
+            tracing::info!(volume_id, staging = %staging.display(), "already staged");
+            // An adopted session keeps writing with its options, and a later recovery
+            // restarts it with them; without any, what the request gives without the API.
+            let opts = prior.or_else(|| {
+                let defaults = self.known_volume_defaults();
+                Self::mount_options_with(volume_id, ctx, &cap, &defaults).ok()
+            });
+            match &opts {
+                Some(o) => {
+                    let wanted = self
+                        .options_again(volume_id, ctx, &cap.mount_flags, read_only, o)
+                        .and_then(Result::ok);
+                    if wanted.as_ref().is_some_and(|w| w != o) {
+                        tracing::warn!(volume_id, staging = %staging.display(),
+                            "the volume context, mount flags or plugin flags differ from the running session's; they apply when the volume is staged again");
+                    }
+                    self.record(volume_id, |s| {
+                        s.record_stage(volume_id, &staging, read_only, o, &request)
+                    })
                 }
-                self.volumes
-                    .lock()
-                    .entry(volume_id.to_string())
-                    .or_insert_with(|| StagedVolume {
-                        staging: staging.clone(),
-                        read_only,
-                        opts,
-                        publications: HashMap::new(),
-                    });
-                return Ok(Response::new(NodeStageVolumeResponse {}));
+                None => tracing::warn!(
+                    volume_id,
+                    "staged volume not recorded: its data center is not known yet"
+                ),
             }
-            MountState::Dead(errno) => {
-                tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
-                self.end_dead_session(volume_id, &staging).await;
-                self.unmount_all(&staging).await?;
-            }
-            MountState::NotMounted => {}
+            self.volumes
+                .lock()
+                .entry(volume_id.to_string())
+                .or_insert_with(|| StagedVolume {
+                    staging: staging.clone(),
+                    read_only,
+                    opts,
+                    publications: HashMap::new(),
+                });
+            return Ok(Response::new(NodeStageVolumeResponse {}));
         }
 
-        let opts = match offline_opts {
-            Some(o) => o,
-            None => self.mount_options(volume_id, ctx, &cap).await?,
+        // Resolved before a dead mount is torn down: a failure leaves it as it was.
+        let opts = match (offline_opts, &prior) {
+            (Some(o), None) => o,
+            _ => {
+                self.session_options(volume_id, ctx, &cap.mount_flags, read_only, prior.as_ref())
+                    .await?
+            }
         };
+        if let MountState::Dead(errno) = state {
+            tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
+            self.end_dead_session(volume_id, &staging).await;
+            self.unmount_all(&staging).await?;
+        }
         self.stage_fresh(volume_id, opts.clone(), &staging).await?;
         self.record(volume_id, |s| {
-            s.record_stage(volume_id, &staging, read_only, &opts)
+            s.record_stage(volume_id, &staging, read_only, &opts, &request)
         });
         tracing::info!(
             volume_id,
@@ -950,7 +1068,8 @@ impl Node for NodeService {
             let defaults = self.known_volume_defaults();
             match Self::mount_options_with(volume_id, &req.volume_context, &cap, &defaults) {
                 Ok(opts) => {
-                    s.record_stage(volume_id, &staging, ro, &opts)?;
+                    let request = recorded_request(&req.volume_context, &cap.mount_flags);
+                    s.record_stage(volume_id, &staging, ro, &opts, &request)?;
                     s.record_publish(volume_id, &target, read_only).map(|_| ())
                 }
                 Err(e) => {

@@ -47,6 +47,14 @@ pub struct RecordedTarget {
     pub read_only: bool,
 }
 
+/// What a NodeStage (or NodePublish) request asked of a volume, kept so that a repair can
+/// resolve its options again with the flags of the plugin that does it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedRequest {
+    pub volume_context: BTreeMap<String, String>,
+    pub mount_flags: Vec<String>,
+}
+
 /// A staged volume as NodeStage resolved it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RecordedVolume {
@@ -54,6 +62,10 @@ pub struct RecordedVolume {
     pub read_only: bool,
     /// The complete options the session was started with.
     pub opts: MountOptions,
+    /// The request they were resolved from (None in records written before it was kept: a
+    /// repair then reuses `opts` as they are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RecordedRequest>,
     #[serde(default)]
     pub targets: BTreeMap<PathBuf, RecordedTarget>,
 }
@@ -182,6 +194,7 @@ impl StateStore {
         staging: &Path,
         read_only: bool,
         opts: &MountOptions,
+        request: &RecordedRequest,
     ) -> Result<(), StateError> {
         self.update(|v| {
             let targets = v
@@ -195,6 +208,7 @@ impl StateStore {
                     staging: staging.to_path_buf(),
                     read_only,
                     opts: opts.clone(),
+                    request: Some(request.clone()),
                     targets,
                 },
             );
@@ -245,18 +259,25 @@ mod tests {
         }
     }
 
+    fn req() -> RecordedRequest {
+        RecordedRequest {
+            volume_context: [("capacity".to_string(), "5".to_string())].into(),
+            mount_flags: vec!["ro".into()],
+        }
+    }
+
     #[test]
     fn records_survive_reopen_and_follow_the_rpcs() {
         let dir = tempfile::tempdir().unwrap();
         let s = StateStore::open(&dir.path().join("st")).unwrap();
         assert!(s.volumes().unwrap().is_empty());
-        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"))
+        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"), &req())
             .unwrap();
         assert!(s.record_publish("v1", Path::new("/t/a"), false).unwrap());
         assert!(s.record_publish("v1", Path::new("/t/b"), true).unwrap());
         assert!(!s.record_publish("nope", Path::new("/t/c"), false).unwrap());
         // Restaging at the same path keeps the publications.
-        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"))
+        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"), &req())
             .unwrap();
 
         let again = StateStore::open(&dir.path().join("st")).unwrap();
@@ -264,13 +285,14 @@ mod tests {
         assert_eq!(v.staging, PathBuf::from("/s/1"));
         assert_eq!(v.opts.filer_path, "/buckets/v1");
         assert_eq!(v.opts.quota_bytes, 5);
+        assert_eq!(v.request, Some(req()));
         assert_eq!(v.targets.len(), 2);
         assert!(v.targets[Path::new("/t/b")].read_only);
 
         again.record_unpublish("v1", Path::new("/t/a")).unwrap();
         assert_eq!(s.get("v1").unwrap().unwrap().targets.len(), 1);
         // Staged elsewhere: old publications are gone with the old staging.
-        s.record_stage("v1", Path::new("/s/2"), false, &opts("/buckets/v1"))
+        s.record_stage("v1", Path::new("/s/2"), false, &opts("/buckets/v1"), &req())
             .unwrap();
         assert!(s.get("v1").unwrap().unwrap().targets.is_empty());
         s.record_unstage("v1").unwrap();
@@ -301,7 +323,7 @@ mod tests {
             })
             .count();
         assert_eq!(aside, 1);
-        s.record_stage("v", Path::new("/s"), true, &opts("/x"))
+        s.record_stage("v", Path::new("/s"), true, &opts("/x"), &req())
             .unwrap();
         assert!(s.get("v").unwrap().unwrap().read_only);
     }
@@ -320,6 +342,7 @@ mod tests {
                         Path::new(&format!("/s/{i}")),
                         false,
                         &opts("/p"),
+                        &req(),
                     )
                     .unwrap()
                 })

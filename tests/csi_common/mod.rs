@@ -217,7 +217,12 @@ impl Driver {
         cmd.args(&self.args)
             .stdout(Stdio::null())
             .stderr(log)
-            .env_remove("RUST_LOG");
+            .env_remove("RUST_LOG")
+            // No Kubernetes API unless a test gives one (KUBECONFIG in `env`): a CI runner in
+            // a pod must not make the plugin read the real cluster.
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("KUBERNETES_SERVICE_PORT")
+            .env_remove("KUBECONFIG");
         for (k, v) in &self.env {
             cmd.env(k, v);
         }

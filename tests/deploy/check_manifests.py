@@ -505,6 +505,10 @@ def check_topology(p: Problems, flags: dict[str, set[str]] | None) -> None:
         ("helm dataCenter and go-style injection",
          {"node": {"dataCenter": "dc1", "injectTopologyInfoFromNodeLabel": {"enabled": True}}},
          off),
+        # YAML-significant characters reach the plugin as given (quoted), for it to judge.
+        ("helm topologyKeys with YAML syntax", {"node": {"topologyKeys": "rack=r1: x #y"}},
+         {**off, "topologyKeys": "rack=r1: x #y", "controllerKeys": "rack=r1: x #y",
+          "featureGate": True}),
         # Blank entries render nothing.
         ("helm blank topologyKeys", {"node": {"topologyKeys": " , "}}, off),
         ("helm empty topologyKeys list", {"node": {"topologyKeys": []}}, off),
