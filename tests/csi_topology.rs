@@ -504,6 +504,7 @@ async fn a_healthy_volume_staged_again_after_a_restart_keeps_its_data_center() {
         .node_stage_volume(stage_req(&vol, &staging, Mode::MultiNodeMultiWriter))
         .await
         .expect("a healthy volume needs no Kubernetes API");
+    assert_eq!(api.requests().len(), n, "NodeStage read the Node object");
     // The API is back, with another zone, and the plugin has read it (kubelet registered the
     // restarted plugin): the live session still writes to z-a.
     api.fail(false);
