@@ -119,6 +119,9 @@ impl ChunkStore for InstrumentedStore {
     async fn upload(&self, data: Bytes, opts: &UploadOptions) -> VolumeResult<pb::FileChunk> {
         timed!(volume_request, "upload", self.0.upload(data, opts))
     }
+    fn expedite(&self) {
+        self.0.expedite()
+    }
     async fn fetch_chunk(&self, chunk: &pb::FileChunk) -> VolumeResult<Bytes> {
         timed!(volume_request, "read_chunk", self.0.fetch_chunk(chunk))
     }

@@ -129,7 +129,8 @@ impl Fs {
         if let Some(size) = req.size {
             self.refresh_if_clean(ino, of).await?;
             let runs = of.seal_all();
-            self.start_uploads(of, runs).await;
+            self.start_uploads(of, runs, true).await;
+            self.store.expedite();
             of.wait_uploads().await;
             let cut = {
                 let s = of.state.lock();
@@ -146,7 +147,7 @@ impl Fs {
                 // bytes as a new chunk that hides it.
                 let kept = self.read_range(of, lo, size - lo).await?;
                 let runs = of.write(lo, &kept);
-                self.start_uploads(of, runs).await;
+                self.start_uploads(of, runs, true).await;
             }
             if req.mtime.is_none() {
                 let now = now_parts();

@@ -44,13 +44,19 @@ impl Fs {
             a.ctime_ns = ns;
         }
         if !runs.is_empty() {
-            self.start_uploads(&of, runs).await;
+            self.start_uploads(&of, runs, false).await;
         }
         Ok(data.len() as u32)
     }
 
     /// Starts background uploads; waits for an upload slot first (backpressure on writers).
-    pub(crate) async fn start_uploads(&self, of: &Arc<OpenFile>, runs: Vec<SealedRun>) {
+    /// `awaited`: the caller (a flush) waits for these, so the store must not hold them back.
+    pub(crate) async fn start_uploads(
+        &self,
+        of: &Arc<OpenFile>,
+        runs: Vec<SealedRun>,
+        awaited: bool,
+    ) {
         let path = of.path();
         for run in runs {
             let permit = match self.upload_sem.clone().acquire_owned().await {
@@ -61,7 +67,8 @@ impl Fs {
                 }
             };
             let store = self.store.clone();
-            let opts = self.upload_options(&path);
+            let mut opts = self.upload_options(&path);
+            opts.may_wait = !awaited;
             let of = of.clone();
             let stats_bytes = run.data.len() as u64;
             self.stats.uploads.fetch_add(1, Ordering::Relaxed);
@@ -106,8 +113,9 @@ impl Fs {
         let mut runs = of.retry_failed();
         runs.extend(of.seal_all());
         if !runs.is_empty() {
-            self.start_uploads(of, runs).await;
+            self.start_uploads(of, runs, true).await;
         }
+        self.store.expedite();
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
         let (dir, dirty, unlinked) = {

@@ -14,6 +14,7 @@ use super::compress::{self, detect_mime, maybe_gzip};
 use super::fid::{chunk_fid, FileId};
 use super::jwt::mint_read_jwt;
 use super::location::{ordered_hosts, LocationCache};
+use super::md5x;
 use super::{ChunkStore, Result, UploadOptions, VolumeError};
 use crate::config::VolumeServerAccess;
 use crate::filer::{FilerApi, FilerError};
@@ -23,7 +24,6 @@ use async_trait::async_trait;
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use bytes::Bytes;
-use md5::{Digest, Md5};
 use reqwest::header::{
     HeaderMap, AUTHORIZATION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, RANGE,
 };
@@ -760,7 +760,7 @@ impl ChunkStore for VolumeClient {
                 key,
             )
         } else {
-            md5 = B64.encode(Md5::digest(&data));
+            md5 = B64.encode(md5x::digest(data.clone(), opts.may_wait).await);
             let payload = match gz {
                 Some(z) => Bytes::from(z),
                 None => data.clone(),
@@ -822,6 +822,10 @@ impl ChunkStore for VolumeClient {
             tracing::debug!(path = %opts.path, error = %err, "chunk upload: re-assigning");
             tokio::time::sleep(backoff).await;
         }
+    }
+
+    fn expedite(&self) {
+        md5x::kick();
     }
 
     async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {

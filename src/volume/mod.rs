@@ -11,6 +11,7 @@ pub mod fid;
 pub mod http;
 pub mod jwt;
 pub mod location;
+pub mod md5x;
 pub mod mock;
 
 use crate::pb::filer as pb;
@@ -69,6 +70,9 @@ pub struct UploadOptions {
     pub path: String,
     /// Encrypt with AES-256-GCM (filer `cipher`).
     pub cipher: bool,
+    /// Nobody waits for this chunk yet (a full chunk written in passing, not one a flush
+    /// sealed): the store may hold it for a few milliseconds to hash it with others.
+    pub may_wait: bool,
 }
 
 /// Chunk storage as the filesystem sees it.
@@ -91,4 +95,8 @@ pub trait ChunkStore: Send + Sync + 'static {
     /// or truncated before their commit, files unlinked before it). Best effort: what is left
     /// is found by `volume.fsck`. Only call it for chunks no entry can reference.
     async fn delete_chunks(&self, file_ids: &[String]) -> Result<()>;
+
+    /// Someone is about to wait for the uploads started so far (a flush): stop holding any of
+    /// them back for batching.
+    fn expedite(&self) {}
 }
