@@ -237,6 +237,24 @@ class WeedCluster:
         except OSError as e:
             log("vacuum:", e)
 
+    def delete_tree(self, path):
+        """Deletes a directory of /bench through the filer (the write workloads' output; far
+        faster than unlinking 20,000 files through a mount)."""
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.filer}{path}?recursive=true&ignoreRecursiveError=true",
+            method="DELETE")
+        try:
+            urllib.request.urlopen(req, timeout=600).read()
+        except OSError as e:
+            log(f"delete {path}:", e)
+
+    def delete_collection(self, name):
+        try:
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{self.master}/col/delete?collection={name}", timeout=120).read()
+        except OSError as e:
+            log(f"delete collection {name}:", e)
+
     def log_tail(self):
         try:
             with open(os.path.join(self.dir, "server.log")) as f:
@@ -479,6 +497,135 @@ def parallel_read(paths, size_mb):
     return dt
 
 
+def record_block(ref, seed, i, size):
+    """Record i of a written file: `size` bytes of the reference data, the first 16 made unique
+    per file and record (so a record written at the wrong offset or twice is caught)."""
+    return struct.pack("<QQ", seed, i) + ref[16:size]
+
+
+def write_records(path, total, size, ref, seed, fsync_every=0, append=False):
+    """`total` bytes in `size`-byte write(2)s (O_APPEND if `append`), an fsync every
+    `fsync_every` bytes and at the end, then close. Returns the seconds it took."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_APPEND if append else 0)
+    n = total // size
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o644)
+    try:
+        since = 0
+        for i in range(n):
+            w = os.write(fd, record_block(ref, seed, i, size))
+            if w != size:
+                raise RuntimeError(f"{path}: short write {w} of {size}")
+            since += size
+            if fsync_every and since >= fsync_every:
+                os.fsync(fd)
+                since = 0
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def verify_records(path, total, size, ref, seed):
+    with open(path, "rb") as f:
+        for i in range(total // size):
+            if f.read(size) != record_block(ref, seed, i, size):
+                raise RuntimeError(f"{path}: record {i} of {size} bytes has wrong content")
+        if f.read(1):
+            raise RuntimeError(f"{path}: longer than {total} bytes")
+
+
+def parallel_writes(paths, total, ref, seeds):
+    """One thread per path, each writing `total` bytes in 1 MiB writes + fsync + close (the
+    GIL is released in write(2), so the writers overlap in the kernel and the FUSE daemon)."""
+    import threading
+    errs = []
+
+    def one(p, seed):
+        try:
+            write_records(p, total, MiB, ref, seed)
+        except Exception as e:  # reported below, after every writer has finished
+            errs.append(f"{p}: {e}")
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=one, args=(p, s)) for p, s in zip(paths, seeds)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    if errs:
+        raise RuntimeError("; ".join(errs))
+    return dt
+
+
+def make_source_tree_tar(path, files, ref, seed=42):
+    """A tarball like a source tree: `files` files in directories of 100, sizes mixed (74 % up
+    to 8 KiB, 25 % 8-64 KiB, 1 % 128 KiB-1 MiB). Returns (files, bytes)."""
+    import io
+    import tarfile
+    rnd = random.Random(seed)
+    total = 0
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        dirs = set()
+        for i in range(files):
+            d = f"src/d{i // 100:03d}"
+            if d not in dirs:
+                dirs.add(d)
+                ti = tarfile.TarInfo(d)
+                ti.type = tarfile.DIRTYPE
+                ti.mode = 0o755
+                tar.addfile(ti)
+            x = rnd.random()
+            if x < 0.74:
+                size = rnd.randint(0, 8 << 10)
+            elif x < 0.99:
+                size = rnd.randint(8 << 10, 64 << 10)
+            else:
+                size = rnd.randint(128 << 10, MiB)
+            off = rnd.randint(0, MiB - size)
+            data = struct.pack("<Q", i)[:size] + bytes(ref[off + min(size, 8):off + size])
+            ti = tarfile.TarInfo(f"{d}/f{i:05d}.c")
+            ti.size = len(data)
+            ti.mode = 0o644
+            tar.addfile(ti, io.BytesIO(data))
+            total += len(data)
+    return files, total
+
+
+def untar(tarball, d):
+    os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    r = subprocess.run(["tar", "-xf", tarball, "-C", d], capture_output=True)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"tar -x into {d}: {r.stderr[-500:]!r}")
+    return dt
+
+
+def untar_verify(tarball, d):
+    """tar's compare mode reads every file back and checks its size and content."""
+    r = subprocess.run(["tar", "-d", "-f", tarball, "-C", d], capture_output=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"tar -d in {d}: {(r.stdout + r.stderr)[-800:]!r}")
+
+
+def weed_benchmark(weed, master, workdir, size, count, concurrency):
+    """SeaweedFS's own write benchmark: `count` objects of `size` bytes straight to the
+    volume servers, `concurrency` at a time, no filer and no FUSE. MiB/s."""
+    out = subprocess.run(
+        [weed, "benchmark", f"-master=127.0.0.1:{master}", f"-c={concurrency}", f"-n={count}",
+         f"-size={size}", "-writeOnly", "-collection=benchceiling",
+         f"-list={os.path.join(workdir, 'benchmark_list.txt')}"],
+        capture_output=True, text=True, cwd=workdir, timeout=600)
+    text = out.stdout + out.stderr
+    m = re.search(r"Transfer rate:\s+([\d.]+) \[Kbytes/sec\]", text)
+    failed = re.search(r"Failed requests:\s+(\d+)", text)
+    if out.returncode != 0 or not m or (failed and int(failed.group(1)) != 0):
+        raise RuntimeError(f"weed benchmark failed (rc {out.returncode}): {text[-1500:]}")
+    return float(m.group(1)) / 1024
+
+
 # ---------------------------------------------------------------- the benchmark
 
 class Bench:
@@ -537,12 +684,19 @@ class Bench:
         log(f"weed server: filer 127.0.0.1:{self.cluster.filer}, metrics :{self.cluster.metrics_port}")
         # shared fixtures, created once: the ls directory and the cache-filling file
         m = self.mount("ours", "setup")
-        d = os.path.join(m.mnt, "ls5000")
-        os.makedirs(d)
-        for i in range(a.ls_entries):
-            os.close(os.open(os.path.join(d, f"entry-{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644))
-        write_seq(os.path.join(m.mnt, "fill"), a.size_mb, self.ref, 999)
+        if self.wants("ls"):
+            d = os.path.join(m.mnt, "ls5000")
+            os.makedirs(d)
+            for i in range(a.ls_entries):
+                os.close(os.open(os.path.join(d, f"entry-{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644))
+        if self.wants("cold"):
+            write_seq(os.path.join(m.mnt, "fill"), a.size_mb, self.ref, 999)
         m.stop()
+        if self.wants("writes"):
+            self.tarball = os.path.join(self.root, "tree.tar")
+            files, total = make_source_tree_tar(self.tarball, a.untar_files, self.ref)
+            self.meta["untar tree"] = {"files": files, "bytes": total}
+            log(f"source tree tarball: {files} files, {total / MiB:.0f} MiB")
         # memfs is optional: the ceiling is skipped without the test-support binary
         try:
             r = subprocess.run([self.memfs_bin, "memfs", "--help"], capture_output=True)
@@ -574,6 +728,15 @@ class Bench:
             self.record("small files CPU (s)", impl, self.cpu_of(m) - c1)
             self.record("write mount VmHWM (MiB)", impl, m.stats()[0])
             m.stop()
+        if a.ceiling:
+            # SeaweedFS's own write rate with the FUSE clients' object size, in the same round:
+            # what the volume server can ingest on this machine, the ceiling for seq write
+            try:
+                rate = weed_benchmark(self.weed, self.cluster.master, self.root, a.chunk_mb * MiB,
+                                      max(1, a.size_mb // a.chunk_mb), 8)
+                self.record("seq write (MiB/s)", "ceiling", rate)
+            finally:
+                self.cluster.delete_collection("benchceiling")
 
     def phase_remount(self, order, rnd, impls_ra):
         a = self.args
@@ -667,6 +830,62 @@ class Bench:
                 for m in mounts:
                     m.stop()
 
+    def phase_writes(self, order, rnd):
+        """The write workloads of a shared volume: 4 pods writing 4 files through one session,
+        a database log (64 KiB appends, fsync every MiB), a log writer (4 KiB writes), an
+        untar. Each on a fresh mount; the mount's CPU is counted; every file is read back and
+        checked after the timed part; the output is deleted through the filer."""
+        a = self.args
+        for impl in order:
+            seed = self.seed_of(impl, rnd) * 100
+            top = f"w-r{rnd}-{impl}"
+            m = self.mount(impl, "writes")
+            binds = []
+            try:
+                base = os.path.join(m.mnt, top)
+                os.makedirs(base)
+                # 4 writers, each on its own bind mount of the one session (as 4 pods would be)
+                for i in range(4):
+                    binds.append(BindMount(m.mnt, f"{m.mnt}-bind{i}").start())
+                paths = [os.path.join(b.dst, top, f"par{i}") for i, b in enumerate(binds)]
+                total = a.par_write_mb * MiB
+                c0 = self.cpu_of(m)
+                dt = parallel_writes(paths, total, self.ref, [seed + i for i in range(4)])
+                self.record("4 writers (MiB/s total)", impl, 4 * a.par_write_mb / dt)
+                self.record("4 writers CPU (s)", impl, self.cpu_of(m) - c0)
+                for i, p in enumerate(paths):
+                    verify_records(p, total, MiB, self.ref, seed + i)
+                # a database log: 64 KiB appends, fsync after every MiB
+                p = os.path.join(base, "wal")
+                total = a.append_mb * MiB
+                c0 = self.cpu_of(m)
+                dt = write_records(p, total, 64 << 10, self.ref, seed + 10, fsync_every=MiB,
+                                   append=True)
+                self.record("append+fsync (MiB/s)", impl, a.append_mb / dt)
+                self.record("append+fsync CPU (s)", impl, self.cpu_of(m) - c0)
+                verify_records(p, total, 64 << 10, self.ref, seed + 10)
+                # a log writer: 4 KiB writes, one fsync at the end
+                p = os.path.join(base, "log")
+                total = a.small_write_mb * MiB
+                c0 = self.cpu_of(m)
+                dt = write_records(p, total, 4 << 10, self.ref, seed + 11)
+                self.record("4k writes (MiB/s)", impl, a.small_write_mb / dt)
+                self.record("4k writes CPU (s)", impl, self.cpu_of(m) - c0)
+                verify_records(p, total, 4 << 10, self.ref, seed + 11)
+                # untar of a source tree
+                d = os.path.join(base, "tree")
+                c0 = self.cpu_of(m)
+                dt = untar(self.tarball, d)
+                self.record("untar (files/s)", impl, self.meta["untar tree"]["files"] / dt)
+                self.record("untar CPU (s)", impl, self.cpu_of(m) - c0)
+                untar_verify(self.tarball, d)
+                self.record("writes VmHWM (MiB)", impl, m.stats()[0])
+            finally:
+                for b in reversed(binds):
+                    b.stop()
+                m.stop()
+                self.cluster.delete_tree(f"/bench/{top}")
+
     def phase_memfs(self, rnd):
         a = self.args
         if not self.memfs_ok:
@@ -701,10 +920,16 @@ class Bench:
                 pass
         m.stop()
 
+    def wants(self, phase):
+        only = set(self.args.only.split(",")) if self.args.only else None
+        if only is None or phase in only:
+            return True
+        # the read phases read the file the write phase wrote
+        return phase == "write" and bool(only & {"remount", "cold", "random", "parallel"})
+
     def run(self):
         a = self.args
         self.setup()
-        only = set(a.only.split(",")) if a.only else None
         ra = ["weed-ra"] if a.weed_readahead else []
         self.recording = True
         for rnd in range(a.rounds):
@@ -717,12 +942,12 @@ class Bench:
                 ("random", lambda: self.phase_random(order, rnd)),
                 ("ls", lambda: self.phase_ls(order)),
                 ("parallel", lambda: self.phase_parallel(order, rnd, ra)),
+                ("writes", lambda: self.phase_writes(order, rnd)),
                 ("memfs", lambda: self.phase_memfs(rnd)),
             ]
             for name, fn in phases:
-                if only and name not in only and name != "write":
-                    continue
-                fn()
+                if self.wants(name):
+                    fn()
             if not a.keep_files:
                 self.cleanup_round(rnd)
                 self.cluster.vacuum()
@@ -743,6 +968,18 @@ TARGETS = {
     "ls -l cold (entries/s)": 1.5,
     "ls -l warm (entries/s)": 2.0,
     "4 readers (MiB/s total)": 1.2,
+    "4 writers (MiB/s total)": 1.5,
+    "append+fsync (MiB/s)": 1.5,
+    "4k writes (MiB/s)": 1.5,
+    "untar (files/s)": 1.5,
+}
+# workload -> highest acceptable ratio ours/weed where lower is better
+TARGETS_LOWER = {
+    "seq write CPU (s)": 0.7,
+}
+# workload -> lowest acceptable ratio ours/ceiling (weed benchmark, same object size)
+TARGETS_CEILING = {
+    "seq write (MiB/s)": 0.95,
 }
 LOWER_IS_BETTER = ("(ms)", "(MiB)", "CPU (s)", "GETs")
 
@@ -765,11 +1002,14 @@ def report(results, meta, args):
     rows = []
     has_ra = any("weed-ra" in v for v in results.values())
     has_mem = any("memfs" in v for v in results.values())
+    has_ceil = any("ceiling" in v for v in results.values())
     head = ["workload", "ours", "weed", "ours/weed"]
     if has_ra:
         head += ["weed (ra raised)", "ours/weed-ra"]
     if has_mem:
         head += ["memfs", "ours/memfs"]
+    if has_ceil:
+        head += ["weed benchmark", "ours/ceiling"]
     head += ["target", "met"]
     rows.append("| " + " | ".join(head) + " |")
     rows.append("|" + "---|" * len(head))
@@ -789,7 +1029,13 @@ def report(results, meta, args):
             mm = median(by.get("memfs", []))
             mem_ratio = o / mm if (o is not None and mm) else None
             cells += [fmt(mm), f"{mem_ratio * 100:.0f} %" if mem_ratio is not None else "–"]
+        ceil_ratio = None
+        if has_ceil:
+            c = median(by.get("ceiling", []))
+            ceil_ratio = o / c if (o is not None and c) else None
+            cells += [fmt(c), f"{ceil_ratio * 100:.0f} %" if ceil_ratio is not None else "–"]
         t = TARGETS.get(w)
+        tl = TARGETS_LOWER.get(w)
         met = "–"
         tgt = "–"
         if t is not None and ratio is not None:
@@ -798,7 +1044,14 @@ def report(results, meta, args):
             if w == "read plugin cache (MiB/s)" and mem_ratio is not None:
                 tgt += ", ≥ 70 % memfs"
                 ok = ok and mem_ratio >= 0.7
+            tc = TARGETS_CEILING.get(w)
+            if tc is not None and ceil_ratio is not None:
+                tgt += f", ≥ {tc * 100:.0f} % ceiling"
+                ok = ok and ceil_ratio >= tc
             met = "yes" if ok else "**no**"
+        elif tl is not None and ratio is not None:
+            tgt = f"≤ {tl}"
+            met = "yes" if ratio <= tl else "**no**"
         elif lower:
             tgt = "lower is better"
         cells += [tgt, met]
@@ -857,8 +1110,20 @@ def main():
                     help="read_ahead_kb for the weed-ra variant and memfs (ours raises its own)")
     ap.add_argument("--no-weed-readahead", dest="weed_readahead", action="store_false",
                     help="skip the weed mount variant with raised readahead")
+    ap.add_argument("--par-write-mb", type=int, default=128,
+                    help="MiB each of the 4 parallel writers writes")
+    ap.add_argument("--append-mb", type=int, default=128,
+                    help="MiB of 64 KiB appends (fsync every MiB)")
+    ap.add_argument("--small-write-mb", type=int, default=256, help="MiB of 4 KiB writes")
+    ap.add_argument("--untar-files", type=int, default=20000,
+                    help="files in the generated source tree that is untarred")
+    ap.add_argument("--chunk-mb", type=int, default=2,
+                    help="object size of the weed benchmark ceiling (both mounts' chunk size)")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="skip the weed benchmark ceiling after seq write")
     ap.add_argument("--only", default="",
-                    help="comma list of phases: remount,cold,random,ls,parallel,memfs (write always)")
+                    help="comma list of phases: write,remount,cold,random,ls,parallel,writes,memfs "
+                         "(write also runs for the read phases, which read its file)")
     ap.add_argument("--workdir", default="/tmp")
     ap.add_argument("--out", default=os.path.join(REPO, "target/bench"))
     ap.add_argument("--keep-files", action="store_true")
