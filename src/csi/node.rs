@@ -323,7 +323,7 @@ impl NodeService {
         self.stage_fresh(volume_id, opts.clone(), staging).await?;
         let request = recorded_request(ctx, &cap.mount_flags);
         self.record(volume_id, |s| {
-            s.record_stage(volume_id, staging, read_only, &opts, &request)
+            s.record_stage(volume_id, staging, read_only, &opts, Some(&request))
         });
         let publications = known.map(|k| k.publications).unwrap_or_default();
         for (target, p) in &publications {
@@ -720,7 +720,13 @@ impl NodeService {
         if opts != rec.opts {
             let request = rec.request.clone().unwrap_or_default();
             self.record(volume_id, |s| {
-                s.record_stage(volume_id, &rec.staging, rec.read_only, &opts, &request)
+                s.record_stage(
+                    volume_id,
+                    &rec.staging,
+                    rec.read_only,
+                    &opts,
+                    Some(&request),
+                )
             });
         }
         self.volumes.lock().insert(
@@ -867,7 +873,7 @@ impl Node for NodeService {
                             "the volume context, mount flags or plugin flags differ from the running session's; they apply when the volume is staged again");
                     }
                     self.record(volume_id, |s| {
-                        s.record_stage(volume_id, &staging, read_only, o, &request)
+                        s.record_stage(volume_id, &staging, read_only, o, Some(&request))
                     })
                 }
                 None => tracing::warn!(
@@ -902,7 +908,7 @@ impl Node for NodeService {
         }
         self.stage_fresh(volume_id, opts.clone(), &staging).await?;
         self.record(volume_id, |s| {
-            s.record_stage(volume_id, &staging, read_only, &opts, &request)
+            s.record_stage(volume_id, &staging, read_only, &opts, Some(&request))
         });
         tracing::info!(
             volume_id,
@@ -1069,7 +1075,7 @@ impl Node for NodeService {
             match Self::mount_options_with(volume_id, &req.volume_context, &cap, &defaults) {
                 Ok(opts) => {
                     let request = recorded_request(&req.volume_context, &cap.mount_flags);
-                    s.record_stage(volume_id, &staging, ro, &opts, &request)?;
+                    s.record_stage(volume_id, &staging, ro, &opts, Some(&request))?;
                     s.record_publish(volume_id, &target, read_only).map(|_| ())
                 }
                 Err(e) => {

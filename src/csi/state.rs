@@ -41,17 +41,26 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
     }
 }
 
+/// Fields a newer version wrote that this one does not know: kept, so that a rewrite by this
+/// version does not drop them.
+pub type UnknownFields = serde_json::Map<String, serde_json::Value>;
+
 /// A pod's bind of a staged volume.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecordedTarget {
     pub read_only: bool,
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// What a NodeStage (or NodePublish) request asked of a volume, kept so that a repair can
 /// resolve its options again with the flags of the plugin that does it.
+/// Missing fields are empty: a version that leaves an empty one out is still read.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordedRequest {
+    #[serde(default)]
     pub volume_context: BTreeMap<String, String>,
+    #[serde(default)]
     pub mount_flags: Vec<String>,
 }
 
@@ -68,6 +77,8 @@ pub struct RecordedVolume {
     pub request: Option<RecordedRequest>,
     #[serde(default)]
     pub targets: BTreeMap<PathBuf, RecordedTarget>,
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -75,6 +86,8 @@ struct StateFile {
     format: u32,
     #[serde(default)]
     volumes: BTreeMap<String, RecordedVolume>,
+    #[serde(flatten)]
+    unknown: UnknownFields,
 }
 
 /// The state file of one node plugin (see the module comment).
@@ -187,20 +200,22 @@ impl StateStore {
         Ok(self.volumes()?.remove(volume_id))
     }
 
-    /// Records a staged volume; its publications are kept when the staging path is the same.
+    /// Records a staged volume; its publications (and what a newer version recorded of it)
+    /// are kept when the staging path is the same. `request` None: not known (a record
+    /// written by an older version, started again).
     pub fn record_stage(
         &self,
         volume_id: &str,
         staging: &Path,
         read_only: bool,
         opts: &MountOptions,
-        request: &RecordedRequest,
+        request: Option<&RecordedRequest>,
     ) -> Result<(), StateError> {
         self.update(|v| {
-            let targets = v
+            let (targets, unknown) = v
                 .remove(volume_id)
                 .filter(|old| old.staging == staging)
-                .map(|old| old.targets)
+                .map(|old| (old.targets, old.unknown))
                 .unwrap_or_default();
             v.insert(
                 volume_id.to_string(),
@@ -208,10 +223,23 @@ impl StateStore {
                     staging: staging.to_path_buf(),
                     read_only,
                     opts: opts.clone(),
-                    request: Some(request.clone()),
+                    request: request.cloned(),
                     targets,
+                    unknown,
                 },
             );
+        })
+    }
+
+    /// Records the quota NodeExpandVolume gave a staged volume (the session started again
+    /// keeps it); false when the volume is not recorded.
+    pub fn record_quota(&self, volume_id: &str, quota_bytes: u64) -> Result<bool, StateError> {
+        self.update(|v| match v.get_mut(volume_id) {
+            Some(rec) => {
+                rec.opts.quota_bytes = quota_bytes;
+                true
+            }
+            None => false,
         })
     }
 
@@ -224,8 +252,14 @@ impl StateStore {
     ) -> Result<bool, StateError> {
         self.update(|v| match v.get_mut(volume_id) {
             Some(rec) => {
-                rec.targets
-                    .insert(target.to_path_buf(), RecordedTarget { read_only });
+                let t = rec
+                    .targets
+                    .entry(target.to_path_buf())
+                    .or_insert_with(|| RecordedTarget {
+                        read_only,
+                        unknown: UnknownFields::new(),
+                    });
+                t.read_only = read_only;
                 true
             }
             None => false,
@@ -271,14 +305,26 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = StateStore::open(&dir.path().join("st")).unwrap();
         assert!(s.volumes().unwrap().is_empty());
-        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"), &req())
-            .unwrap();
+        s.record_stage(
+            "v1",
+            Path::new("/s/1"),
+            false,
+            &opts("/buckets/v1"),
+            Some(&req()),
+        )
+        .unwrap();
         assert!(s.record_publish("v1", Path::new("/t/a"), false).unwrap());
         assert!(s.record_publish("v1", Path::new("/t/b"), true).unwrap());
         assert!(!s.record_publish("nope", Path::new("/t/c"), false).unwrap());
         // Restaging at the same path keeps the publications.
-        s.record_stage("v1", Path::new("/s/1"), false, &opts("/buckets/v1"), &req())
-            .unwrap();
+        s.record_stage(
+            "v1",
+            Path::new("/s/1"),
+            false,
+            &opts("/buckets/v1"),
+            Some(&req()),
+        )
+        .unwrap();
 
         let again = StateStore::open(&dir.path().join("st")).unwrap();
         let v = again.get("v1").unwrap().unwrap();
@@ -292,8 +338,14 @@ mod tests {
         again.record_unpublish("v1", Path::new("/t/a")).unwrap();
         assert_eq!(s.get("v1").unwrap().unwrap().targets.len(), 1);
         // Staged elsewhere: old publications are gone with the old staging.
-        s.record_stage("v1", Path::new("/s/2"), false, &opts("/buckets/v1"), &req())
-            .unwrap();
+        s.record_stage(
+            "v1",
+            Path::new("/s/2"),
+            false,
+            &opts("/buckets/v1"),
+            Some(&req()),
+        )
+        .unwrap();
         assert!(s.get("v1").unwrap().unwrap().targets.is_empty());
         s.record_unstage("v1").unwrap();
         assert!(again.volumes().unwrap().is_empty());
@@ -304,6 +356,56 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, vec![FILE_NAME.to_string(), LOCK_NAME.to_string()]);
+    }
+
+    /// A file a newer version wrote: fields left out are defaults, fields this version does
+    /// not know survive its rewrites.
+    #[test]
+    fn a_newer_versions_file_is_read_and_its_unknown_fields_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let newer = serde_json::json!({
+            "format": FORMAT,
+            "generation": 7,
+            "volumes": {"v": {
+                "staging": "/s", "read_only": false, "opts": {"filer_path": "/p"},
+                "request": {}, "keeper": {"slot": 3},
+                "targets": {"/t/a": {"read_only": true, "since": "x"}}
+            }}
+        });
+        std::fs::write(dir.path().join(FILE_NAME), newer.to_string()).unwrap();
+        let s = StateStore::open(dir.path()).unwrap();
+        let v = s.get("v").unwrap().expect("the volume is still recorded");
+        assert_eq!(v.request, Some(RecordedRequest::default()));
+        assert!(s.record_publish("v", Path::new("/t/a"), false).unwrap());
+        assert!(s.record_publish("v", Path::new("/t/b"), false).unwrap());
+        assert!(s.record_quota("v", 9).unwrap());
+        assert!(!s.record_quota("nope", 9).unwrap());
+        s.record_stage("v", Path::new("/s"), false, &opts("/p"), None)
+            .unwrap();
+        let again: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join(FILE_NAME)).unwrap()).unwrap();
+        assert_eq!(again["generation"], 7);
+        let v = &again["volumes"]["v"];
+        assert_eq!(v["keeper"]["slot"], 3);
+        assert_eq!(v["targets"]["/t/a"]["since"], "x");
+        assert_eq!(v["targets"]["/t/a"]["read_only"], false);
+        assert_eq!(
+            v["opts"]["quota_bytes"], 5,
+            "record_stage wrote its options"
+        );
+        assert!(v.get("request").is_none(), "no request: none recorded");
+        assert_eq!(s.get("v").unwrap().unwrap().targets.len(), 2);
+    }
+
+    #[test]
+    fn an_expanded_quota_is_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(dir.path()).unwrap();
+        s.record_stage("v", Path::new("/s"), false, &opts("/p"), Some(&req()))
+            .unwrap();
+        assert!(s.record_quota("v", 10 << 20).unwrap());
+        let again = StateStore::open(dir.path()).unwrap();
+        assert_eq!(again.get("v").unwrap().unwrap().opts.quota_bytes, 10 << 20);
     }
 
     #[test]
@@ -323,7 +425,7 @@ mod tests {
             })
             .count();
         assert_eq!(aside, 1);
-        s.record_stage("v", Path::new("/s"), true, &opts("/x"), &req())
+        s.record_stage("v", Path::new("/s"), true, &opts("/x"), Some(&req()))
             .unwrap();
         assert!(s.get("v").unwrap().unwrap().read_only);
     }
@@ -342,7 +444,7 @@ mod tests {
                         Path::new(&format!("/s/{i}")),
                         false,
                         &opts("/p"),
-                        &req(),
+                        Some(&req()),
                     )
                     .unwrap()
                 })
