@@ -11,14 +11,15 @@ use csi_common::*;
 use seaweedfs_csi_driver::csi::identity::IdentityService;
 use seaweedfs_csi_driver::csi::mounts::{self, MountState};
 use seaweedfs_csi_driver::csi::node::{NodeConfig, NodeService};
-use seaweedfs_csi_driver::csi::params::VolumeDefaults;
+use seaweedfs_csi_driver::csi::params::{DataLocality, VolumeDefaults};
 use seaweedfs_csi_driver::csi::server::{self, BoundListener, CsiServices, Endpoint};
 use seaweedfs_csi_driver::csi::stager::{FakeStager, StageError, StagerCall};
-use seaweedfs_csi_driver::csi::topology::TopologySpec;
+use seaweedfs_csi_driver::csi::topology::{StaticNodeLabels, TopologySpec};
 use seaweedfs_csi_driver::filer::mock::MockFiler;
+use seaweedfs_csi_driver::pb::csi::node_server::Node;
 use seaweedfs_csi_driver::pb::csi::volume_capability::access_mode::Mode;
 use seaweedfs_csi_driver::pb::csi::*;
-use tonic::Code;
+use tonic::{Code, Request};
 
 struct Harness {
     dir: tempfile::TempDir,
@@ -536,7 +537,7 @@ async fn a_repair_rebinds_only_the_publications_of_its_staging_path() {
 fn labelled_node(
     stager: Arc<FakeStager>,
     state: &Path,
-    labels: Arc<seaweedfs_csi_driver::csi::topology::StaticNodeLabels>,
+    labels: Arc<StaticNodeLabels>,
 ) -> NodeService {
     labelled_node_with_filer(stager, state, labels, "f:8888")
 }
@@ -545,28 +546,116 @@ fn labelled_node(
 fn labelled_node_with_filer(
     stager: Arc<FakeStager>,
     state: &Path,
-    labels: Arc<seaweedfs_csi_driver::csi::topology::StaticNodeLabels>,
+    labels: Arc<StaticNodeLabels>,
     filer: &str,
 ) -> NodeService {
+    node_generation(
+        stager,
+        state,
+        Flags {
+            filer,
+            label: true,
+            locality: DataLocality::WritePreferLocalDc,
+            ..Flags::default()
+        },
+    )
+    .with_node_labels(labels)
+}
+
+/// The node plugin flags the generations below differ in.
+struct Flags<'a> {
+    filer: &'a str,
+    cache_root: Option<&'a str>,
+    /// `--dataCenterLabel=zone`.
+    label: bool,
+    locality: DataLocality,
+}
+
+impl Default for Flags<'_> {
+    fn default() -> Self {
+        Flags {
+            filer: "f:8888",
+            cache_root: None,
+            label: false,
+            locality: DataLocality::None,
+        }
+    }
+}
+
+/// A node plugin generation with `flags`, its state file in `state`.
+fn node_generation(stager: Arc<FakeStager>, state: &Path, flags: Flags) -> NodeService {
     let config = NodeConfig {
         node_id: "n1".into(),
         max_volumes_per_node: 0,
         topology: TopologySpec {
-            data_center_label: Some("zone".into()),
+            data_center_label: flags.label.then(|| "zone".into()),
             ..Default::default()
         },
         defaults: VolumeDefaults {
             base: seaweedfs_csi_driver::config::MountOptions {
-                filers: vec![filer.into()],
+                filers: vec![flags.filer.into()],
                 ..Default::default()
             },
-            data_locality: seaweedfs_csi_driver::csi::params::DataLocality::WritePreferLocalDc,
+            data_locality: flags.locality,
+            cache_root: flags.cache_root.map(PathBuf::from),
             ..Default::default()
         },
     };
-    NodeService::new(stager, config)
-        .with_state_dir(Some(state))
-        .with_node_labels(labels)
+    NodeService::new(stager, config).with_state_dir(Some(state))
+}
+
+/// A directory for one test's node generations (state file, staging paths, pods), whose
+/// mounts go when it does.
+struct Site {
+    _cleanup: Unmounter,
+    dir: tempfile::TempDir,
+}
+
+impl Site {
+    fn new(prefix: &str) -> Site {
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+        Site {
+            _cleanup: scopeguard(dir.path().to_path_buf()),
+            dir,
+        }
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// A new process's stager (no sessions); the volumes' data stays in one scratch root.
+    fn stager(&self) -> Arc<FakeStager> {
+        Arc::new(FakeStager::new(self.dir.path().join("scratch")).unwrap())
+    }
+
+    fn staging(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join(format!("staging/{name}"));
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    fn target(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join(format!("pods/{name}/mount"));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p
+    }
+
+    fn state_file(&self) -> String {
+        std::fs::read_to_string(self.state().join("volumes.json")).unwrap()
+    }
+
+    fn mounts(&self) -> Vec<PathBuf> {
+        mounts_below(self.dir.path())
+    }
+}
+
+/// The FUSE sessions die (no keeper): each path's mount answers ENOTCONN.
+fn kill(paths: &[&Path]) {
+    for p in paths {
+        mounts::unmount_all(p).unwrap();
+        mounts::mount_dead_fuse(p).unwrap();
+    }
 }
 
 /// A NodePublish that finds the staging mount dead re-stages it. After a plugin restart
@@ -574,10 +663,6 @@ fn labelled_node_with_filer(
 /// (down here, read under the volume's lock) nor a label changed since decide the data center.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
-    use seaweedfs_csi_driver::csi::topology::StaticNodeLabels;
-    use seaweedfs_csi_driver::pb::csi::node_server::Node;
-    use tonic::Request;
-
     let dir = tempfile::Builder::new()
         .prefix("csirepair")
         .tempdir()
@@ -651,10 +736,6 @@ async fn a_repair_after_a_restart_uses_the_recorded_data_center() {
 /// only the state file knows its mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_stage_after_an_upgrade_keeps_its_data_center_and_takes_the_new_flags() {
-    use seaweedfs_csi_driver::csi::topology::StaticNodeLabels;
-    use seaweedfs_csi_driver::pb::csi::node_server::Node;
-    use tonic::Request;
-
     let dir = tempfile::Builder::new()
         .prefix("csiupgrade")
         .tempdir()
@@ -728,6 +809,73 @@ async fn a_dead_stage_after_an_upgrade_keeps_its_data_center_and_takes_the_new_f
             .unwrap();
     }
     assert!(mounts_below(dir.path()).is_empty());
+}
+
+/// kubelet's pod info in NodePublish's volume context (service account tokens among it) is
+/// not written to the state file, whether the request is recorded by a repair or because the
+/// volume was not recorded yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_state_file_keeps_no_pod_info() {
+    let site = Site::new("csipodinfo");
+    let token = "eyJhbGciOi-bearer-token";
+    let vol = volume(
+        "/buckets/podinfo",
+        &[
+            ("collection", "c5"),
+            ("csi.storage.k8s.io/pod.name", "web-0"),
+            (
+                "csi.storage.k8s.io/serviceAccount.tokens",
+                &format!(r#"{{"api":{{"token":"{token}"}}}}"#),
+            ),
+        ],
+    );
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("podinfo");
+    let (t1, t2) = (site.target("one"), site.target("two"));
+    // Staged by a plugin that recorded elsewhere (an older version): the first publish
+    // records the volume from its request.
+    let stager = site.stager();
+    let gen0 = node_generation(
+        stager.clone(),
+        &site.dir.path().join("other"),
+        Flags::default(),
+    );
+    gen0.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &staging, &t1, false, mode)))
+        .await
+        .unwrap();
+    let st = site.state_file();
+    assert!(st.contains("c5"), "{st}");
+    assert!(
+        !st.contains(token) && !st.contains("serviceAccount") && !st.contains("web-0"),
+        "{st}"
+    );
+
+    // A repair records the request again.
+    kill(&[&staging, &t1]);
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &staging, &t2, false, mode)))
+        .await
+        .unwrap();
+    assert_eq!(stager.stage_count(), 2);
+    let st = site.state_file();
+    assert!(st.contains("c5"), "{st}");
+    assert!(
+        !st.contains(token) && !st.contains("serviceAccount") && !st.contains("web-0"),
+        "{st}"
+    );
+
+    for t in [&t1, &t2] {
+        gen1.node_unpublish_volume(Request::new(unpublish_req(&vol, t)))
+            .await
+            .unwrap();
+    }
+    gen1.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
 /// Unmounts everything below the path on drop (a failed assertion leaves no mounts behind).

@@ -784,10 +784,18 @@ fn rw_name(read_only: bool) -> &'static str {
     }
 }
 
-/// What the state file keeps of a request (see [`RecordedRequest`]).
+/// Volume context keys kubelet adds to NodePublishVolume (pod name, uid, service account
+/// tokens, ...): no mount option comes from them, and tokens are credentials.
+const POD_INFO_PREFIX: &str = "csi.storage.k8s.io/";
+
+/// What the state file keeps of a request (see [`RecordedRequest`]): not the pod's info.
 fn recorded_request(ctx: &HashMap<String, String>, mount_flags: &[String]) -> RecordedRequest {
     RecordedRequest {
-        volume_context: ctx.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        volume_context: ctx
+            .iter()
+            .filter(|(k, _)| !k.starts_with(POD_INFO_PREFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
         mount_flags: mount_flags.to_vec(),
     }
 }

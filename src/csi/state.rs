@@ -7,7 +7,8 @@
 //! directory) on every change, under an advisory `flock` so two plugin generations that run at
 //! once during a rolling update never lose each other's updates. The file is the only source of
 //! truth: every change re-reads it. It holds mount options (filer addresses, paths, ids maps)
-//! but no secrets; it is still created with mode 0600.
+//! and requests, but no secrets (not kubelet's pod info either, whose service account tokens
+//! are credentials: node.rs leaves it out); it is still created with mode 0600.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
