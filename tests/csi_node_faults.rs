@@ -480,11 +480,12 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
     h.shutdown().await;
 }
 
-/// A NodePublish that repairs a dead staging mount re-binds only the dead publications of
-/// the session staged at that path: those of the same volume staged elsewhere stay as they
-/// are (they are not moved onto another staging path).
+/// The same volume at a second staging path: the stager runs one session per volume, so a
+/// repair there never ends the live session at the first one (refused, as NodeStage is). When
+/// the first one is dead too, its publications are bound to the new session and tracked with
+/// it, and kubelet's NodeUnstage of the old path leaves the new session alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_repair_rebinds_only_the_publications_of_its_staging_path() {
+async fn a_second_staging_path_never_ends_the_volumes_session_at_the_first() {
     let h = Harness::start().await;
     let mut node = h.clients.node.clone();
     let vol = volume("/buckets/moved", &[]);
@@ -497,36 +498,68 @@ async fn a_repair_rebinds_only_the_publications_of_its_staging_path() {
     node.node_publish_volume(publish_req(&vol, &staging_a, &t1, false, mode))
         .await
         .unwrap();
-    // Staged at a, whose session and bind die; a dead mount from elsewhere is at b.
+    std::fs::write(t1.join("keep"), b"k").unwrap();
+
+    // a is alive; a dead mount from elsewhere is at b.
+    mounts::mount_dead_fuse(&staging_b).unwrap();
+    let err = node
+        .node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(mounts::mount_state(&t1).unwrap(), MountState::Healthy);
+    assert_eq!(
+        mounts::mount_state(&staging_a).unwrap(),
+        MountState::Healthy
+    );
+    assert!(
+        !h.stager
+            .calls()
+            .iter()
+            .any(|c| matches!(c, StagerCall::Unstage { .. })),
+        "a's session was not ended"
+    );
+
+    // a's session and bind die: the repair at b takes its publication along.
     for p in [&t1, &staging_a] {
         mounts::unmount_all(p).unwrap();
         mounts::mount_dead_fuse(p).unwrap();
     }
-    mounts::mount_dead_fuse(&staging_b).unwrap();
-
     node.node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+        .await
+        .unwrap();
+    for p in [&staging_b, &t2, &t1] {
+        assert_eq!(
+            mounts::mount_state(p).unwrap(),
+            MountState::Healthy,
+            "{p:?}"
+        );
+    }
+    assert_eq!(std::fs::read(t1.join("keep")).unwrap(), b"k");
+
+    // kubelet ends a's pod and unstages a: b's session and pod stay.
+    node.node_unpublish_volume(unpublish_req(&vol, &t1))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging_a))
         .await
         .unwrap();
     assert_eq!(
         mounts::mount_state(&staging_b).unwrap(),
         MountState::Healthy
     );
-    assert_eq!(mounts::mount_state(&t2).unwrap(), MountState::Healthy);
+    assert_eq!(std::fs::read(t2.join("keep")).unwrap(), b"k");
     assert!(
-        matches!(mounts::mount_state(&t1).unwrap(), MountState::Dead(_)),
-        "a's publication was bound onto b"
+        h.stager.session_options(&vol.volume_id).is_some(),
+        "session kept"
     );
 
-    for t in [&t1, &t2] {
-        node.node_unpublish_volume(unpublish_req(&vol, t))
-            .await
-            .unwrap();
-    }
-    for s in [&staging_a, &staging_b] {
-        node.node_unstage_volume(unstage_req(&vol, s))
-            .await
-            .unwrap();
-    }
+    node.node_unpublish_volume(unpublish_req(&vol, &t2))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_req(&vol, &staging_b))
+        .await
+        .unwrap();
     assert!(h.mounts().is_empty(), "{:?}", h.mounts());
     h.shutdown().await;
 }
@@ -656,6 +689,10 @@ fn kill(paths: &[&Path]) {
         mounts::unmount_all(p).unwrap();
         mounts::mount_dead_fuse(p).unwrap();
     }
+}
+
+fn healthy(p: &Path) -> bool {
+    mounts::mount_state(p).unwrap() == MountState::Healthy
 }
 
 /// A NodePublish that finds the staging mount dead re-stages it. After a plugin restart
@@ -809,6 +846,115 @@ async fn a_dead_stage_after_an_upgrade_keeps_its_data_center_and_takes_the_new_f
             .unwrap();
     }
     assert!(mounts_below(dir.path()).is_empty());
+}
+
+/// After a restart without the sessions (no keeper), the NodePublish of a new pod that finds
+/// the staging mount dead stages the volume again and binds it again over every recorded
+/// publication, not only those this process knows (none); so does NodeStage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repair_after_a_restart_binds_every_recorded_publication_again() {
+    let site = Site::new("csirebind");
+    let vol = volume("/buckets/rebind", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("rebind");
+    let (t1, t2, t3) = (site.target("one"), site.target("two"), site.target("three"));
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    for t in [&t1, &t2] {
+        gen1.node_publish_volume(Request::new(publish_req(&vol, &staging, t, false, mode)))
+            .await
+            .unwrap();
+    }
+    std::fs::write(t1.join("keep"), b"k").unwrap();
+    drop((gen1, stager));
+    kill(&[&staging, &t1, &t2]);
+
+    // The next generation; kubelet publishes a third pod before any startup repair.
+    let stager = site.stager();
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen2.node_publish_volume(Request::new(publish_req(&vol, &staging, &t3, false, mode)))
+        .await
+        .unwrap();
+    for p in [&staging, &t1, &t2, &t3] {
+        assert!(healthy(p), "{p:?} is not bound again");
+    }
+    assert_eq!(std::fs::read(t2.join("keep")).unwrap(), b"k");
+    drop((gen2, stager));
+
+    // Again, and this time kubelet's NodeStage finds the dead mount.
+    kill(&[&staging, &t1, &t2, &t3]);
+    let stager = site.stager();
+    let gen3 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen3.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    for p in [&staging, &t1, &t2, &t3] {
+        assert!(healthy(p), "{p:?} is not bound again");
+    }
+
+    for t in [&t1, &t2, &t3] {
+        gen3.node_unpublish_volume(Request::new(unpublish_req(&vol, t)))
+            .await
+            .unwrap();
+    }
+    gen3.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// After a restart only the state file knows where a volume is staged: a NodeStage or a
+/// NodePublish repair at a second staging path is refused while the volume's session at the
+/// first is alive, and leaves it (and its pod) alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_restart_a_second_staging_path_leaves_the_live_session_alone() {
+    let site = Site::new("csisecond");
+    let vol = volume("/buckets/second", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let (a, b, c) = (site.staging("a"), site.staging("b"), site.staging("c"));
+    let (t1, t2) = (site.target("one"), site.target("two"));
+    // The session outlives the generation that staged it (an adopted one, say).
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &a, mode)))
+        .await
+        .unwrap();
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &a, &t1, false, mode)))
+        .await
+        .unwrap();
+    drop(gen1);
+
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    mounts::mount_dead_fuse(&b).unwrap();
+    let err = gen2
+        .node_publish_volume(Request::new(publish_req(&vol, &b, &t2, false, mode)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let err = gen2
+        .node_stage_volume(Request::new(stage_req(&vol, &c, mode)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(healthy(&a) && healthy(&t1), "the live session was ended");
+    assert_eq!(stager.stage_count(), 1);
+    assert!(!stager
+        .calls()
+        .iter()
+        .any(|c| matches!(c, StagerCall::Unstage { .. })));
+
+    gen2.node_unpublish_volume(Request::new(unpublish_req(&vol, &t1)))
+        .await
+        .unwrap();
+    for s in [&a, &b, &c] {
+        gen2.node_unstage_volume(Request::new(unstage_req(&vol, s)))
+            .await
+            .unwrap();
+    }
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
 /// kubelet's pod info in NodePublish's volume context (service account tokens among it) is

@@ -292,16 +292,18 @@ impl NodeService {
         Ok(())
     }
 
-    /// Replaces a dead staging mount with a new session, then re-binds the publications this
-    /// process knows about whose binds died with it.
+    /// Replaces a dead staging mount (NodePublishVolume found it) with a new session, then
+    /// re-binds the publications whose binds died with it.
     async fn repair_staging(
         &self,
         volume_id: &str,
         staging: &Path,
         ctx: &HashMap<String, String>,
         cap: &CapabilityRequest,
+        dead: MountState,
     ) -> Result<(), Status> {
         tracing::warn!(volume_id, staging = %staging.display(), "staging mount is dead; staging again");
+        let moved = self.take_over_elsewhere(volume_id, staging).await?;
         // Resolved before anything is torn down: a failure leaves the dead mount as it was.
         // The dead session's read-only mode is kept (this is a NodePublish request, whose
         // own read-only flag is the bind's, not the session's).
@@ -312,27 +314,58 @@ impl NodeService {
         let opts = self
             .session_options(volume_id, ctx, &cap.mount_flags, read_only, prior.as_ref())
             .await?;
-        self.end_dead_session(volume_id, staging).await;
-        self.unmount_all(staging).await?;
-        let known = self
-            .volumes
-            .lock()
-            .get(volume_id)
-            .filter(|k| k.staging == staging)
-            .cloned();
-        self.stage_fresh(volume_id, opts.clone(), staging).await?;
         let request = recorded_request(ctx, &cap.mount_flags);
-        self.record(volume_id, |s| {
-            s.record_stage(volume_id, staging, read_only, &opts, Some(&request))
-        });
-        let publications = known.map(|k| k.publications).unwrap_or_default();
-        for (target, p) in &publications {
-            if matches!(self.state(target).await, Ok(MountState::Dead(_))) {
-                self.bind_over_dead(staging, target, p.read_only).await?;
-                tracing::info!(volume_id, target = %target.display(), "re-bound publication");
-            }
+        self.start_session(volume_id, staging, dead, read_only, opts, &request, moved)
+            .await
+    }
+
+    /// Starts the session of `volume_id` at `staging`, where `state` (dead or nothing) is
+    /// mounted, with `opts` (resolved before: a failure to resolve them tears nothing down),
+    /// records it, and binds it again over the publications whose binds died with the old
+    /// session: those of this path that this process or the state file knows (after a
+    /// restart only the file does), and `moved` (those of a dead staging path elsewhere,
+    /// [`Self::take_over_elsewhere`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn start_session(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        state: MountState,
+        read_only: bool,
+        opts: MountOptions,
+        request: &RecordedRequest,
+        moved: HashMap<PathBuf, Publication>,
+    ) -> Result<(), Status> {
+        if let MountState::Dead(errno) = state {
+            tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
+            self.end_dead_session(volume_id, staging).await;
+            self.unmount_all(staging).await?;
         }
-        self.volumes.lock().insert(
+        let mut publications = self.publications_at(volume_id, staging);
+        self.stage_fresh(volume_id, opts.clone(), staging).await?;
+        self.record(volume_id, |s| {
+            s.record_stage(volume_id, staging, read_only, &opts, Some(request))
+        });
+        self.rebind_dead(volume_id, staging, &publications).await;
+        self.rebind_dead(volume_id, staging, &moved).await;
+        for (target, p) in &moved {
+            self.record(volume_id, |s| {
+                s.record_publish(volume_id, target, p.read_only).map(|_| ())
+            });
+        }
+        publications.extend(moved);
+        tracing::info!(
+            volume_id,
+            staging = %staging.display(),
+            filer_path = %opts.filer_path,
+            read_only,
+            quota_bytes = opts.quota_bytes,
+            data_center = %opts.data_center,
+            publications = publications.len(),
+            "volume staged"
+        );
+        let mut vols = self.volumes.lock();
+        vols.insert(
             volume_id.to_string(),
             StagedVolume {
                 staging: staging.to_path_buf(),
@@ -341,7 +374,97 @@ impl NodeService {
                 publications,
             },
         );
+        set_published_gauge(&vols);
         Ok(())
+    }
+
+    /// Binds `staging` over those of `publications` whose mount is dead. A failure is only
+    /// logged: it is another pod's mount, not the caller's, and stays dead as it was.
+    async fn rebind_dead(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        publications: &HashMap<PathBuf, Publication>,
+    ) {
+        for (target, p) in publications {
+            if !matches!(self.state(target).await, Ok(MountState::Dead(_))) {
+                continue;
+            }
+            match self.bind_over_dead(staging, target, p.read_only).await {
+                Ok(()) => {
+                    tracing::info!(volume_id, target = %target.display(), "re-bound publication")
+                }
+                Err(e) => {
+                    tracing::error!(volume_id, target = %target.display(), error = %e.message(),
+                        "re-binding a dead publication failed")
+                }
+            }
+        }
+    }
+
+    /// The publications of `volume_id` staged at `staging` that this process or the state
+    /// file knows.
+    fn publications_at(&self, volume_id: &str, staging: &Path) -> HashMap<PathBuf, Publication> {
+        let mut out: HashMap<PathBuf, Publication> = self
+            .recorded(volume_id)
+            .filter(|r| r.staging == staging)
+            .map(|r| {
+                r.targets
+                    .into_iter()
+                    .map(|(t, rt)| {
+                        (
+                            t,
+                            Publication {
+                                read_only: rt.read_only,
+                            },
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(k) = self
+            .volumes
+            .lock()
+            .get(volume_id)
+            .filter(|k| k.staging == staging)
+        {
+            out.extend(k.publications.clone());
+        }
+        out
+    }
+
+    /// Before a session of `volume_id` starts at `staging`: the stager runs one session per
+    /// volume, so one at another staging path (known to this process or the state file)
+    /// would end under its pods. FAILED_PRECONDITION when that mount is alive; when it is
+    /// dead, its publications, to be bound to the new session (kept in the state file until
+    /// the new one is recorded there).
+    async fn take_over_elsewhere(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+    ) -> Result<HashMap<PathBuf, Publication>, Status> {
+        let in_memory = self
+            .volumes
+            .lock()
+            .get(volume_id)
+            .map(|k| k.staging.clone());
+        let recorded = self.recorded(volume_id).map(|r| r.staging);
+        let mut moved = HashMap::new();
+        let mut others: Vec<PathBuf> = in_memory.into_iter().chain(recorded).collect();
+        others.retain(|p| p != staging);
+        others.dedup();
+        for other in others {
+            if self.state(&other).await? == MountState::Healthy {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume_id} is already staged at {}",
+                    other.display()
+                )));
+            }
+            tracing::warn!(volume_id, staging = %staging.display(), old = %other.display(),
+                "the volume's session at another staging path is gone; its publications move here");
+            moved.extend(self.publications_at(volume_id, &other));
+        }
+        Ok(moved)
     }
 
     /// The options of a session: node defaults, then the volume context, then the CSI mount
@@ -490,17 +613,20 @@ impl NodeService {
         Self::mount_options_with(volume_id, ctx, cap, &stand_in).map(|_| None)
     }
 
+    /// The state file's record of `volume_id`, if any (an unreadable file is logged).
+    fn recorded(&self, volume_id: &str) -> Option<RecordedVolume> {
+        let store = self.store.as_ref()?;
+        store.get(volume_id).unwrap_or_else(|e| {
+            tracing::warn!(volume_id, error = %e, "cannot read the state file");
+            None
+        })
+    }
+
     /// The options recorded for `volume_id` staged at `staging` (state file), if any.
     fn recorded_opts(&self, volume_id: &str, staging: &Path) -> Option<MountOptions> {
-        let store = self.store.as_ref()?;
-        match store.get(volume_id) {
-            Ok(Some(r)) if r.staging == staging => Some(r.opts),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::warn!(volume_id, error = %e, "cannot read the state file");
-                None
-            }
-        }
+        self.recorded(volume_id)
+            .filter(|r| r.staging == staging)
+            .map(|r| r.opts)
     }
 
     /// [`Self::volume_defaults`] from what is already known, never asking the API (for
@@ -830,26 +956,20 @@ impl Node for NodeService {
         let offline_opts = self.offline_mount_options(volume_id, ctx, &cap)?;
 
         let _guard = self.locks.lock(volume_id).await;
-        let known = self.volumes.lock().get(volume_id).cloned();
-        if let Some(k) = &known {
-            if k.staging != staging {
-                if matches!(self.state(&k.staging).await?, MountState::Healthy) {
-                    return Err(Status::failed_precondition(format!(
-                        "volume {volume_id} is already staged at {}",
-                        k.staging.display()
-                    )));
-                }
-                self.volumes.lock().remove(volume_id);
-            }
-        }
-        let request = recorded_request(ctx, &cap.mount_flags);
         // The options of the session at this path: this process's, else the recorded ones
         // (after a restart).
         let prior = self.prior_opts(volume_id, &staging);
+        let moved = self.take_over_elsewhere(volume_id, &staging).await?;
+        let known = self
+            .volumes
+            .lock()
+            .get(volume_id)
+            .filter(|k| k.staging == staging)
+            .cloned();
+        let request = recorded_request(ctx, &cap.mount_flags);
         let state = self.state(&staging).await?;
         let staged_read_only = known
             .as_ref()
-            .filter(|k| k.staging == staging)
             .map(|k| k.read_only)
             .or(prior.as_ref().map(|p| p.read_only));
         if !matches!(state, MountState::NotMounted) {
@@ -889,15 +1009,27 @@ impl Node for NodeService {
                     "staged volume not recorded: its data center is not known yet"
                 ),
             }
-            self.volumes
-                .lock()
-                .entry(volume_id.to_string())
-                .or_insert_with(|| StagedVolume {
-                    staging: staging.clone(),
-                    read_only,
-                    opts,
-                    publications: HashMap::new(),
+            // Publications of a dead staging path elsewhere: bound to the live session here.
+            self.rebind_dead(volume_id, &staging, &moved).await;
+            for (target, p) in &moved {
+                self.record(volume_id, |s| {
+                    s.record_publish(volume_id, target, p.read_only).map(|_| ())
                 });
+            }
+            let fresh = || StagedVolume {
+                staging: staging.clone(),
+                read_only,
+                opts: None,
+                publications: HashMap::new(),
+            };
+            let mut vols = self.volumes.lock();
+            let k = vols.entry(volume_id.to_string()).or_insert_with(&fresh);
+            if k.staging != staging {
+                *k = fresh();
+            }
+            k.opts = k.opts.take().or(opts);
+            k.publications.extend(moved);
+            set_published_gauge(&vols);
             return Ok(Response::new(NodeStageVolumeResponse {}));
         }
 
@@ -909,37 +1041,8 @@ impl Node for NodeService {
                     .await?
             }
         };
-        if let MountState::Dead(errno) = state {
-            tracing::warn!(volume_id, staging = %staging.display(), %errno, "dead staging mount; replacing it");
-            self.end_dead_session(volume_id, &staging).await;
-            self.unmount_all(&staging).await?;
-        }
-        self.stage_fresh(volume_id, opts.clone(), &staging).await?;
-        self.record(volume_id, |s| {
-            s.record_stage(volume_id, &staging, read_only, &opts, Some(&request))
-        });
-        tracing::info!(
-            volume_id,
-            staging = %staging.display(),
-            filer_path = %opts.filer_path,
-            read_only,
-            quota_bytes = opts.quota_bytes,
-            data_center = %opts.data_center,
-            "volume staged"
-        );
-        let publications = known
-            .filter(|k| k.staging == staging)
-            .map(|k| k.publications)
-            .unwrap_or_default();
-        self.volumes.lock().insert(
-            volume_id.to_string(),
-            StagedVolume {
-                staging,
-                read_only,
-                opts: Some(opts),
-                publications,
-            },
-        );
+        self.start_session(volume_id, &staging, state, read_only, opts, &request, moved)
+            .await?;
         Ok(Response::new(NodeStageVolumeResponse {}))
     }
 
@@ -953,7 +1056,16 @@ impl Node for NodeService {
         let volume_id = req.volume_id.as_str();
 
         let _guard = self.locks.lock(volume_id).await;
-        if self.stager.health(volume_id).is_some() {
+        // The volume's session runs at another staging path (this one is what an earlier
+        // session left): only this path goes, the session and its records stay.
+        let current = self
+            .volumes
+            .lock()
+            .get(volume_id)
+            .map(|k| k.staging.clone())
+            .or_else(|| self.recorded(volume_id).map(|r| r.staging));
+        let elsewhere = current.filter(|c| *c != staging);
+        if elsewhere.is_none() && self.stager.health(volume_id).is_some() {
             if let Err(e) = with_timeout(
                 self.timeouts.stage,
                 self.stager.unstage(volume_id, &staging),
@@ -978,6 +1090,11 @@ impl Node for NodeService {
             Err(e) => {
                 tracing::warn!(volume_id, staging = %staging.display(), error = %e, "staging dir left in place")
             }
+        }
+        if let Some(current) = elsewhere {
+            tracing::info!(volume_id, staging = %staging.display(), current = %current.display(),
+                "old staging path removed; the volume stays staged at its current one");
+            return Ok(Response::new(NodeUnstageVolumeResponse {}));
         }
         self.volumes.lock().remove(volume_id);
         self.record(volume_id, |s| s.record_unstage(volume_id));
@@ -1014,8 +1131,8 @@ impl Node for NodeService {
         let _guard = self.locks.lock(volume_id).await;
         match self.state(&staging).await? {
             MountState::Healthy => {}
-            MountState::Dead(_) => {
-                self.repair_staging(volume_id, &staging, &req.volume_context, &cap)
+            dead @ MountState::Dead(_) => {
+                self.repair_staging(volume_id, &staging, &req.volume_context, &cap, dead)
                     .await?
             }
             MountState::NotMounted => {

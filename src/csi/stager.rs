@@ -259,6 +259,12 @@ impl FakeStager {
         if delay > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
+        // One session per volume, as the real stager: a session still held for it ends first
+        // (its mount with it, wherever it is).
+        let stale = self.state.lock().sessions.remove(volume_id);
+        if let Some(old) = stale {
+            let _ = mounts::unmount_all(&old.staging_path);
+        }
         let scratch = self.scratch_dir(volume_id);
         std::fs::create_dir_all(&scratch)
             .map_err(|e| StageError::Mount(format!("scratch dir: {e}")))?;
