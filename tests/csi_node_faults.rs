@@ -957,6 +957,255 @@ async fn after_a_restart_a_second_staging_path_leaves_the_live_session_alone() {
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
+/// A static PV's size is its volume context's, which NodeExpandVolume outgrows: a session
+/// started again keeps the expanded quota, after a restart (the state file has it) and by the
+/// same process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expanded_quota_survives_a_restart_and_a_repair() {
+    const MI: u64 = 1 << 20;
+    let site = Site::new("csiquota");
+    let vol = volume(
+        "static-quota",
+        &[("volumeCapacity", "1048576"), ("path", "/data/static")],
+    );
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("q");
+    let (t1, t2, t3) = (site.target("one"), site.target("two"), site.target("three"));
+    let expand = |target: &Path, bytes: u64| {
+        Request::new(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: target.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: bytes as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+    };
+    let quota = |stager: &FakeStager| stager.session_options("static-quota").unwrap().quota_bytes;
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &staging, &t1, false, mode)))
+        .await
+        .unwrap();
+    assert_eq!(quota(&stager), MI);
+    gen1.node_expand_volume(expand(&t1, 10 * MI)).await.unwrap();
+    assert_eq!(quota(&stager), 10 * MI);
+    drop((gen1, stager));
+
+    kill(&[&staging, &t1]);
+    let stager = site.stager();
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen2.node_publish_volume(Request::new(publish_req(&vol, &staging, &t2, false, mode)))
+        .await
+        .unwrap();
+    assert_eq!(quota(&stager), 10 * MI, "after a restart");
+
+    gen2.node_expand_volume(expand(&t2, 20 * MI)).await.unwrap();
+    kill(&[&staging, &t1, &t2]);
+    gen2.node_publish_volume(Request::new(publish_req(&vol, &staging, &t3, false, mode)))
+        .await
+        .unwrap();
+    assert_eq!(quota(&stager), 20 * MI, "repaired by the same process");
+
+    for t in [&t1, &t2, &t3] {
+        gen2.node_unpublish_volume(Request::new(unpublish_req(&vol, t)))
+            .await
+            .unwrap();
+    }
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// A record written before the state file kept requests: the startup repair of the upgraded
+/// plugin starts the session with its `--filer` and `--cacheDir`, the rest as recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_startup_repair_of_a_record_without_its_request_takes_the_new_flags() {
+    let site = Site::new("csilegacy");
+    let vol = volume("/buckets/legacy", &[("collection", "c7")]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("legacy");
+    let old = Flags {
+        cache_root: Some("/var/cache/old"),
+        ..Flags::default()
+    };
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), old);
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    drop((gen1, stager));
+    // What an older version wrote: no request.
+    let file = site.state().join("volumes.json");
+    let mut st: serde_json::Value = serde_json::from_str(&site.state_file()).unwrap();
+    st["volumes"]["/buckets/legacy"]
+        .as_object_mut()
+        .unwrap()
+        .remove("request")
+        .expect("recorded with its request");
+    std::fs::write(&file, st.to_string()).unwrap();
+    kill(&[&staging]);
+
+    let stager = site.stager();
+    let new = Flags {
+        filer: "g:8888",
+        cache_root: Some("/var/cache/new"),
+        ..Flags::default()
+    };
+    let gen2 = node_generation(stager.clone(), &site.state(), new);
+    let repair = gen2.spawn_recovery().expect("recorded volumes");
+    tokio::time::timeout(Duration::from_secs(60), repair)
+        .await
+        .expect("repair finished")
+        .unwrap();
+    assert!(healthy(&staging));
+    let o = stager.session_options("/buckets/legacy").unwrap();
+    assert_eq!(o.filers, vec!["g:8888".to_string()], "new --filer");
+    assert!(
+        o.cache_dir.as_ref().unwrap().starts_with("/var/cache/new"),
+        "new --cacheDir: {:?}",
+        o.cache_dir
+    );
+    assert_eq!(
+        (o.collection.as_str(), o.filer_path.as_str()),
+        ("c7", "/buckets/legacy")
+    );
+    let st: serde_json::Value = serde_json::from_str(&site.state_file()).unwrap();
+    let rec = &st["volumes"]["/buckets/legacy"];
+    assert_eq!(rec["opts"]["filers"][0], "g:8888", "what runs is recorded");
+    assert!(rec.get("request").is_none(), "no request made up");
+
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// A recorded session without a data center, started again by a plugin that now takes it
+/// from this node's label: the startup repair asks the API for it rather than reusing the
+/// recorded options whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_startup_repair_reads_a_data_center_its_record_lacks() {
+    let site = Site::new("csinodc");
+    let vol = volume("/buckets/nodc", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("nodc");
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    assert_eq!(
+        stager.session_options("/buckets/nodc").unwrap().data_center,
+        ""
+    );
+    drop((gen1, stager));
+    kill(&[&staging]);
+
+    let labels = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-b")]));
+    let stager = site.stager();
+    let gen2 = labelled_node_with_filer(stager.clone(), &site.state(), labels.clone(), "g:8888");
+    let repair = gen2.spawn_recovery().expect("recorded volumes");
+    tokio::time::timeout(Duration::from_secs(60), repair)
+        .await
+        .expect("repair finished")
+        .unwrap();
+    let o = stager.session_options("/buckets/nodc").unwrap();
+    assert_eq!(o.data_center, "z-b");
+    assert_eq!(o.filers, vec!["g:8888".to_string()]);
+    assert_eq!(labels.calls(), 1);
+
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// `--dataCenterLabel` removed by an upgrade: the recorded request no longer resolves
+/// (write_preferLocalDc without a data center). Like the startup repair, NodePublish's repair
+/// and NodeStage (live or dead mount) keep the session's recorded options instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_the_new_flags_no_longer_resolve_keeps_its_recorded_options() {
+    let site = Site::new("csinolabel");
+    let vol = volume("/buckets/nolabel", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("nolabel");
+    let (t1, t2) = (site.target("one"), site.target("two"));
+    let labels = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-a")]));
+    let stager = site.stager();
+    let gen1 = labelled_node(stager.clone(), &site.state(), labels);
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &staging, &t1, false, mode)))
+        .await
+        .unwrap();
+    drop((gen1, stager));
+    kill(&[&staging, &t1]);
+
+    let no_label = || Flags {
+        locality: DataLocality::WritePreferLocalDc,
+        ..Flags::default()
+    };
+    let stager = site.stager();
+    let gen2 = node_generation(stager.clone(), &site.state(), no_label());
+    gen2.node_publish_volume(Request::new(publish_req(&vol, &staging, &t2, false, mode)))
+        .await
+        .expect("repaired with the recorded options");
+    assert!(healthy(&staging) && healthy(&t1) && healthy(&t2));
+    assert_eq!(
+        stager
+            .session_options("/buckets/nolabel")
+            .unwrap()
+            .data_center,
+        "z-a"
+    );
+    gen2.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .expect("a live session keeps its options");
+    drop((gen2, stager));
+
+    kill(&[&staging, &t1, &t2]);
+    let stager = site.stager();
+    let gen3 = node_generation(stager.clone(), &site.state(), no_label());
+    gen3.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .expect("staged again with the recorded options");
+    assert!(healthy(&staging) && healthy(&t1) && healthy(&t2));
+    assert_eq!(
+        stager
+            .session_options("/buckets/nolabel")
+            .unwrap()
+            .data_center,
+        "z-a"
+    );
+    // A volume this node never staged is still refused.
+    let err = gen3
+        .node_stage_volume(Request::new(stage_req(
+            &volume("/buckets/new", &[]),
+            &site.staging("new"),
+            mode,
+        )))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    for t in [&t1, &t2] {
+        gen3.node_unpublish_volume(Request::new(unpublish_req(&vol, t)))
+            .await
+            .unwrap();
+    }
+    gen3.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
 /// kubelet's pod info in NodePublish's volume context (service account tokens among it) is
 /// not written to the state file, whether the request is recorded by a repair or because the
 /// volume was not recorded yet.

@@ -524,10 +524,10 @@ impl NodeService {
         ))
     }
 
-    /// The options of a session started at a staging path, again after `prior` when there
-    /// was one there ([`Self::options_again`]), else as for a new volume (which may read this
-    /// node's labels from the Kubernetes API: bounded by NODE_READ_TIMEOUT, and concurrent
-    /// callers share one read and its failure, see topology.rs).
+    /// The options of a session started at a staging path: after `prior` when one ran there
+    /// ([`Self::options_after`], which never fails), else as for a new volume (which may read
+    /// this node's labels from the Kubernetes API: bounded by NODE_READ_TIMEOUT, and
+    /// concurrent callers share one read and its failure, see topology.rs).
     async fn session_options(
         &self,
         volume_id: &str,
@@ -536,13 +536,63 @@ impl NodeService {
         read_only: bool,
         prior: Option<&MountOptions>,
     ) -> Result<MountOptions, Status> {
-        if let Some(r) =
-            prior.and_then(|p| self.options_again(volume_id, ctx, mount_flags, read_only, p))
-        {
-            return r;
+        if let Some(p) = prior {
+            return Ok(self
+                .options_after(volume_id, Some((ctx, mount_flags)), read_only, p)
+                .await);
         }
         let defaults = self.volume_defaults(ctx).await?;
         Self::resolve(volume_id, ctx, mount_flags, read_only, &defaults)
+    }
+
+    /// The options to start again a session this node ran with `prior`, with the mode
+    /// `read_only`. With the request: resolved again ([`Self::options_again`], or as for a
+    /// new volume when that needs the API), keeping `prior`'s quota (the volume context's,
+    /// or NodeExpandVolume's since). Without it (recorded by a version that did not keep
+    /// it): `prior` with this plugin's `--filer` and `--cacheDir`, the context it came from
+    /// being unknown. When the request no longer resolves (a flag it needs was removed, the
+    /// API is down), `prior` as it is (logged): the volume's pods get their mounts back
+    /// rather than an error that no retry cures.
+    async fn options_after(
+        &self,
+        volume_id: &str,
+        request: Option<(&HashMap<String, String>, &[String])>,
+        read_only: bool,
+        prior: &MountOptions,
+    ) -> MountOptions {
+        let Some((ctx, mount_flags)) = request else {
+            let d = &self.config.defaults;
+            return MountOptions {
+                filers: d.base.filers.clone(),
+                cache_dir: d
+                    .cache_root
+                    .as_deref()
+                    .map(|r| params::cache_dir_for(r, volume_id)),
+                read_only,
+                ..prior.clone()
+            };
+        };
+        let resolved = match self.options_again(volume_id, ctx, mount_flags, read_only, prior) {
+            Some(r) => r,
+            None => match self.volume_defaults(ctx).await {
+                Ok(d) => Self::resolve(volume_id, ctx, mount_flags, read_only, &d),
+                Err(e) => Err(e),
+            },
+        };
+        match resolved {
+            Ok(o) => MountOptions {
+                quota_bytes: prior.quota_bytes,
+                ..o
+            },
+            Err(e) => {
+                tracing::warn!(volume_id, error = %e.message(),
+                    "the volume's request does not resolve with this plugin's flags; starting its session again with the options it had");
+                MountOptions {
+                    read_only,
+                    ..prior.clone()
+                }
+            }
+        }
     }
 
     /// The options of the session staged at `staging`, if this process or the state file
@@ -760,7 +810,7 @@ impl NodeService {
             return Ok(Recovery::Done);
         };
         let _guard = self.locks.lock(volume_id).await;
-        let rec: RecordedVolume = match store.get(volume_id) {
+        let mut rec: RecordedVolume = match store.get(volume_id) {
             Ok(Some(r)) => r,
             Ok(None) => return Ok(Recovery::Done), // unstaged meanwhile
             Err(e) => return Err(Status::internal(e.to_string())),
@@ -770,49 +820,51 @@ impl NodeService {
                 return Ok(r);
             }
         }
-        // The recorded session's options, resolved again with this process's flags when the
-        // record has the request (an upgrade's new filer addresses apply); the recorded ones
-        // when it has not, or when they no longer resolve (logged).
-        let opts = match &rec.request {
-            Some(r) => {
-                let ctx: HashMap<String, String> = r.volume_context.clone().into_iter().collect();
-                match self.options_again(volume_id, &ctx, &r.mount_flags, rec.read_only, &rec.opts)
-                {
-                    Some(Ok(o)) => o,
-                    Some(Err(e)) => {
-                        tracing::warn!(volume_id, error = %e.message(),
-                            "the recorded request no longer resolves; using the recorded options");
-                        rec.opts.clone()
-                    }
-                    None => rec.opts.clone(),
-                }
-            }
-            None => rec.opts.clone(),
-        };
-        match self.state(&rec.staging).await? {
+        let state = self.state(&rec.staging).await?;
+        match state {
             // A predecessor's live session (no keeper): not ours.
             MountState::Healthy if !*restaged => return Ok(Recovery::Done),
             MountState::Healthy => {}
-            MountState::Dead(errno) => {
-                tracing::warn!(volume_id, staging = %rec.staging.display(), %errno,
-                    "recorded volume's session is gone; staging it again");
-                self.unmount_all(&rec.staging).await?;
-                self.stage_fresh(volume_id, opts.clone(), &rec.staging)
-                    .await?;
-                *restaged = true;
-            }
-            MountState::NotMounted => {
-                if !rec.staging.exists() {
-                    tracing::warn!(volume_id, staging = %rec.staging.display(),
-                        "recorded staging directory is gone; forgetting the volume");
-                    self.record(volume_id, |s| s.record_unstage(volume_id));
-                    return Ok(Recovery::Done);
-                }
+            MountState::NotMounted if !rec.staging.exists() => {
                 tracing::warn!(volume_id, staging = %rec.staging.display(),
-                    "recorded volume is not mounted; staging it again");
+                    "recorded staging directory is gone; forgetting the volume");
+                self.record(volume_id, |s| s.record_unstage(volume_id));
+                return Ok(Recovery::Done);
+            }
+            MountState::Dead(_) | MountState::NotMounted => {
+                tracing::warn!(volume_id, staging = %rec.staging.display(), ?state,
+                    "recorded volume's session is gone; staging it again");
+                // The recorded session's options, resolved again with this process's flags
+                // (options_after), before the dead mount goes.
+                let ctx: Option<HashMap<String, String>> = rec
+                    .request
+                    .as_ref()
+                    .map(|r| r.volume_context.clone().into_iter().collect());
+                let request = rec
+                    .request
+                    .as_ref()
+                    .zip(ctx.as_ref())
+                    .map(|(r, c)| (c, r.mount_flags.as_slice()));
+                let opts = self
+                    .options_after(volume_id, request, rec.read_only, &rec.opts)
+                    .await;
+                if matches!(state, MountState::Dead(_)) {
+                    self.unmount_all(&rec.staging).await?;
+                }
                 self.stage_fresh(volume_id, opts.clone(), &rec.staging)
                     .await?;
                 *restaged = true;
+                // Recorded now: a later attempt (binding failed) knows what runs.
+                self.record(volume_id, |s| {
+                    s.record_stage(
+                        volume_id,
+                        &rec.staging,
+                        rec.read_only,
+                        &opts,
+                        rec.request.as_ref(),
+                    )
+                });
+                rec.opts = opts;
             }
         }
         let mut publications = HashMap::new();
@@ -843,24 +895,12 @@ impl NodeService {
         }
         tracing::info!(volume_id, staging = %rec.staging.display(), publications = publications.len(),
             "recorded volume staged and bound again");
-        if opts != rec.opts {
-            let request = rec.request.clone().unwrap_or_default();
-            self.record(volume_id, |s| {
-                s.record_stage(
-                    volume_id,
-                    &rec.staging,
-                    rec.read_only,
-                    &opts,
-                    Some(&request),
-                )
-            });
-        }
         self.volumes.lock().insert(
             volume_id.to_string(),
             StagedVolume {
                 staging: rec.staging.clone(),
                 read_only: rec.read_only,
-                opts: Some(opts),
+                opts: Some(rec.opts),
                 publications,
             },
         );
@@ -888,6 +928,21 @@ impl NodeService {
             }
         })
         .await
+    }
+
+    /// Keeps NodeExpandVolume's quota for the sessions started again (options_after), in
+    /// memory and in the state file: a static PV's volume context keeps its size at creation,
+    /// and nothing records an expansion on its filer directory.
+    fn keep_quota(&self, volume_id: &str, quota: u64) {
+        if let Some(o) = self
+            .volumes
+            .lock()
+            .get_mut(volume_id)
+            .and_then(|v| v.opts.as_mut())
+        {
+            o.quota_bytes = quota;
+        }
+        self.record(volume_id, |s| s.record_quota(volume_id, quota).map(|_| ()));
     }
 
     /// Read-only flag of the top mount at `path`, from the mount table.
@@ -948,17 +1003,28 @@ impl Node for NodeService {
         let cap = require_capability(req.volume_capability.as_ref())?;
         let volume_id = req.volume_id.as_str();
         let read_only = cap.read_only_mode() || cap.ro_flag();
-        // Everything is checked now (INVALID_ARGUMENT before anything else), but the node's
-        // data center from its Node object is resolved only when a session is started: a
-        // healthy volume (kubelet repeats NodeStage after a plugin restart) keeps its own and
-        // must not depend on the Kubernetes API.
+        // Everything is checked now, but the node's data center from its Node object is
+        // resolved only when a session is started: a healthy volume (kubelet repeats
+        // NodeStage after a plugin restart) keeps its own and must not depend on the
+        // Kubernetes API.
         let ctx = &req.volume_context;
-        let offline_opts = self.offline_mount_options(volume_id, ctx, &cap)?;
+        let offline = self.offline_mount_options(volume_id, ctx, &cap);
 
         let _guard = self.locks.lock(volume_id).await;
         // The options of the session at this path: this process's, else the recorded ones
         // (after a restart).
         let prior = self.prior_opts(volume_id, &staging);
+        let offline_opts = match offline {
+            Ok(o) => o,
+            // A volume staged here keeps its options (see options_after), as in the repairs:
+            // a flag the request needs, removed since, does not take its pods' mounts away.
+            Err(e) if prior.is_some() => {
+                tracing::warn!(volume_id, staging = %staging.display(), error = %e.message(),
+                    "the request does not resolve with this plugin's flags; the volume keeps the options it was staged with");
+                None
+            }
+            Err(e) => return Err(e),
+        };
         let moved = self.take_over_elsewhere(volume_id, &staging).await?;
         let known = self
             .volumes
@@ -995,7 +1061,11 @@ impl Node for NodeService {
                 Some(o) => {
                     let wanted = self
                         .options_again(volume_id, ctx, &cap.mount_flags, read_only, o)
-                        .and_then(Result::ok);
+                        .and_then(Result::ok)
+                        .map(|w| MountOptions {
+                            quota_bytes: o.quota_bytes,
+                            ..w
+                        });
                     if wanted.as_ref().is_some_and(|w| w != o) {
                         tracing::warn!(volume_id, staging = %staging.display(),
                             "the volume context, mount flags or plugin flags differ from the running session's; they apply when the volume is staged again");
@@ -1394,14 +1464,7 @@ impl Node for NodeService {
             with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
                 .await
                 .map_err(stage_status)?;
-            if let Some(o) = self
-                .volumes
-                .lock()
-                .get_mut(volume_id)
-                .and_then(|v| v.opts.as_mut())
-            {
-                o.quota_bytes = quota;
-            }
+            self.keep_quota(volume_id, quota);
             tracing::info!(volume_id, quota, "quota applied");
             return Ok(Response::new(NodeExpandVolumeResponse {
                 capacity_bytes: bytes,
@@ -1416,14 +1479,7 @@ impl Node for NodeService {
         match self.state(&path).await {
             Ok(MountState::Healthy) => {
                 // Mounted but not served by this process: the quota applies at the next stage.
-                if let Some(o) = self
-                    .volumes
-                    .lock()
-                    .get_mut(volume_id)
-                    .and_then(|v| v.opts.as_mut())
-                {
-                    o.quota_bytes = quota;
-                }
+                self.keep_quota(volume_id, quota);
                 tracing::warn!(
                     volume_id,
                     quota,
