@@ -1273,6 +1273,50 @@ async fn the_state_file_keeps_no_pod_info() {
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
+/// NodeStage over a dead mount of a volume this node has no record of, whose data center
+/// must come from the API, which is down: UNAVAILABLE (kubelet retries), and nothing is torn
+/// down first (the options are resolved before): the dead mount stays, the stager is not
+/// asked to end its session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_stage_whose_data_center_cannot_be_read_is_left_as_it_was() {
+    let site = Site::new("csinoapi");
+    let vol = volume("/buckets/noapi", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("noapi");
+    let stager = site.stager();
+    let up = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-a")]));
+    let gen1 = labelled_node(stager.clone(), &site.dir.path().join("state1"), up);
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    drop(gen1);
+
+    // Another generation with no record of it (the stager still holds the session).
+    let down = Arc::new(StaticNodeLabels::new("n1", [("zone", "z-a")]));
+    down.fail();
+    let gen2 = labelled_node(stager.clone(), &site.state(), down.clone());
+    kill(&[&staging]);
+    let before = stager.calls().len();
+    let err = gen2
+        .node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(down.calls(), 1);
+    assert!(matches!(
+        mounts::mount_state(&staging).unwrap(),
+        MountState::Dead(_)
+    ));
+    let after: Vec<_> = stager.calls()[before..].to_vec();
+    assert!(after.is_empty(), "the stager was called: {after:?}");
+
+    down.recover();
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
 /// Unmounts everything below the path on drop (a failed assertion leaves no mounts behind).
 struct Unmounter(PathBuf);
 
