@@ -556,6 +556,25 @@ mod tests {
         assert_eq!(src.calls(), 2);
     }
 
+    /// The panicked read is a failure like any other: remembered for `failure_memory`, so
+    /// callers meanwhile get it without asking the API again.
+    #[tokio::test]
+    async fn a_read_that_panics_is_a_failure_remembered_as_any() {
+        let src = double();
+        src.panic_once();
+        let t = NodeTopology::new(spec(&[], &[ZONE], Some(ZONE)), "n1", Some(src.clone()))
+            .with_intervals(MISSING_LABEL_REREAD, Duration::from_secs(60));
+        for _ in 0..2 {
+            let e = t.segments().await.unwrap_err();
+            assert_eq!(e.into_status().code(), tonic::Code::Unavailable);
+        }
+        assert_eq!(
+            t.data_center().await.unwrap_err().into_status().code(),
+            tonic::Code::Unavailable
+        );
+        assert_eq!(src.calls(), 1);
+    }
+
     #[tokio::test]
     async fn data_center_label_missing_or_empty_is_none() {
         let t = NodeTopology::new(spec(&[], &[], Some("nope")), "n1", Some(double()));
