@@ -233,7 +233,8 @@ def container(d: Doc, name: str) -> Doc | None:
 
 def arg_value(c: Doc, flag: str) -> str | None:
     for a in c.get("args", []):
-        if a.startswith(flag + "="):
+        # An unquoted arg with YAML syntax in it renders as something else than a string.
+        if isinstance(a, str) and a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
 
@@ -463,6 +464,7 @@ def topology_facts(docs: list[Doc]) -> dict[str, Any]:
         # The provisioner asks the controller's Identity whether to do topology.
         "controllerKeys": arg_value(controller, "--topologyKeys"),
         "dataCenterLabel": arg_value(plugin, "--dataCenterLabel"),
+        "dataCenter": arg_value(plugin, "--dataCenter"),
         "featureGate": "--feature-gates=Topology=true" in prov["args"],
         "token": pod_spec(node).get("automountServiceAccountToken"),
         "nodeRules": rules,
@@ -477,13 +479,13 @@ def check_topology(p: Problems, flags: dict[str, set[str]] | None) -> None:
     got = topology_facts(docs)
     want = {"topologyKeys": "topology.kubernetes.io/zone,example.com/rack=r1",
             "controllerKeys": "topology.kubernetes.io/zone,example.com/rack=r1",
-            "dataCenterLabel": "topology.kubernetes.io/zone", "featureGate": True,
-            "token": True,
+            "dataCenterLabel": "topology.kubernetes.io/zone", "dataCenter": None,
+            "featureGate": True, "token": True,
             "nodeRules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]}
     if got != want:
         p.add("helm topology", f"got {got}, want {want}")
     off = {"topologyKeys": None, "controllerKeys": None, "dataCenterLabel": None,
-           "featureGate": False, "token": False, "nodeRules": []}
+           "dataCenter": None, "featureGate": False, "token": False, "nodeRules": []}
     cases = [
         ("helm defaults", {}, off),
         # Fixed segments only: no API access needed.
@@ -501,10 +503,13 @@ def check_topology(p: Problems, flags: dict[str, set[str]] | None) -> None:
           "nodeRules": want["nodeRules"]}),
         # node.dataCenter wins: no label is read, so no flag, token or RBAC for it.
         ("helm dataCenter and dataCenterLabel",
-         {"node": {"dataCenter": "dc1", "dataCenterLabel": "topology.kubernetes.io/zone"}}, off),
+         {"node": {"dataCenter": "dc1", "dataCenterLabel": "topology.kubernetes.io/zone"}},
+         {**off, "dataCenter": "dc1"}),
         ("helm dataCenter and go-style injection",
          {"node": {"dataCenter": "dc1", "injectTopologyInfoFromNodeLabel": {"enabled": True}}},
-         off),
+         {**off, "dataCenter": "dc1"}),
+        ("helm dataCenter with YAML syntax", {"node": {"dataCenter": "dc: 1 #x"}},
+         {**off, "dataCenter": "dc: 1 #x"}),
         # YAML-significant characters reach the plugin as given (quoted), for it to judge.
         ("helm topologyKeys with YAML syntax", {"node": {"topologyKeys": "rack=r1: x #y"}},
          {**off, "topologyKeys": "rack=r1: x #y", "controllerKeys": "rack=r1: x #y",
