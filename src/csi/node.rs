@@ -561,9 +561,11 @@ impl NodeService {
         prior: &MountOptions,
     ) -> MountOptions {
         let Some((ctx, mount_flags)) = request else {
+            // An older build's record: its filer may be the volume's own (`filer` key), which
+            // cannot be told from that build's --filer, and a wrong guess would show the pods
+            // another cluster's files. The filer is kept; the cache root is this plugin's.
             let d = &self.config.defaults;
             return MountOptions {
-                filers: d.base.filers.clone(),
                 cache_dir: d
                     .cache_root
                     .as_deref()
