@@ -252,6 +252,8 @@ impl Fs {
             }
         }
         if flags & libc::O_TRUNC != 0 && writable {
+            // the truncate waits for uploads in flight: none may be held back for batching
+            self.store.expedite();
             of.truncate(0).await;
             self.verifier.dirtied(ino);
             {

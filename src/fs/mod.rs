@@ -435,7 +435,7 @@ impl Fs {
             data_center: self.cfg.data_center.clone(),
             path: path.to_string(),
             cipher: self.cfg.cipher,
-            may_wait: false,
+            may_wait: None,
         }
     }
 }

@@ -129,8 +129,8 @@ impl Fs {
         if let Some(size) = req.size {
             self.refresh_if_clean(ino, of).await?;
             let runs = of.seal_all();
-            self.start_uploads(of, runs, true).await;
             self.store.expedite();
+            self.start_uploads(of, runs, true).await;
             of.wait_uploads().await;
             let cut = {
                 let s = of.state.lock();
@@ -140,6 +140,7 @@ impl Fs {
                     None
                 }
             };
+            self.store.expedite();
             of.truncate(size).await;
             if let Some(lo) = cut {
                 // A chunk cut in the middle would be recorded with a size smaller than its

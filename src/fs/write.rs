@@ -58,8 +58,18 @@ impl Fs {
         awaited: bool,
     ) {
         let path = of.path();
+        let sealed_at = crate::volume::md5x::generation();
         for run in runs {
-            let permit = match self.upload_sem.clone().acquire_owned().await {
+            let permit = match self.upload_sem.clone().try_acquire_owned() {
+                Ok(p) => Ok(p),
+                Err(_) => {
+                    // every slot is taken: chunks held back for batching must go now, or
+                    // this writer waits out their batching delay for a slot
+                    self.store.expedite();
+                    self.upload_sem.clone().acquire_owned().await
+                }
+            };
+            let permit = match permit {
                 Ok(p) => p,
                 Err(_) => {
                     of.upload_done(run.id, Err("shutting down".into()));
@@ -68,7 +78,7 @@ impl Fs {
             };
             let store = self.store.clone();
             let mut opts = self.upload_options(&path);
-            opts.may_wait = !awaited;
+            opts.may_wait = (!awaited).then_some(sealed_at);
             let of = of.clone();
             let stats_bytes = run.data.len() as u64;
             self.stats.uploads.fetch_add(1, Ordering::Relaxed);
@@ -112,10 +122,11 @@ impl Fs {
         // what an earlier flush could not place is tried again first (same order stamps)
         let mut runs = of.retry_failed();
         runs.extend(of.seal_all());
+        // chunks written earlier and held back for batching are waited for now
+        self.store.expedite();
         if !runs.is_empty() {
             self.start_uploads(of, runs, true).await;
         }
-        self.store.expedite();
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
         let (dir, dirty, unlinked) = {

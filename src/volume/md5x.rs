@@ -9,6 +9,7 @@
 use bytes::Bytes;
 use md5::{Digest, Md5};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -61,8 +62,15 @@ pub fn md5_many(inputs: &[&[u8]]) -> Vec<[u8; 16]> {
     md5_lanes(inputs, lanes())
 }
 
-/// [`md5_many`] with a given kernel width (8 only where AVX2 is present, 4 on any x86-64).
+/// [`md5_many`] with at most `lanes` lanes (8 only where AVX2 is present, 4 on any x86-64,
+/// 1: the scalar hasher).
 fn md5_lanes(inputs: &[&[u8]], lanes: usize) -> Vec<[u8; 16]> {
+    // a kernel width this CPU runs, never wider, whatever the caller asked for
+    let lanes = match lanes.min(self::lanes()) {
+        l if l >= 8 => 8,
+        l if l >= 4 => 4,
+        _ => 1,
+    };
     let mut out = Vec::with_capacity(inputs.len());
     for group in inputs.chunks(lanes.max(1)) {
         if group.len() == 1 {
@@ -70,28 +78,10 @@ fn md5_lanes(inputs: &[&[u8]], lanes: usize) -> Vec<[u8; 16]> {
             out.push(Md5::digest(group[0]).into());
             continue;
         }
-        // whole blocks every lane has (none without a SIMD kernel: `finish` does them all)
-        let blocks = if cfg!(target_arch = "x86_64") {
-            group.iter().map(|d| d.len() / 64).min().unwrap_or(0)
-        } else {
-            0
-        };
-        let mut states = [INIT; 8];
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `lanes()` saw AVX2 for 8 lanes; SSE2 is baseline on x86-64; every input of
-        // the group holds at least `blocks` whole blocks; lanes past the group re-read input 0
-        // and their states are dropped.
-        unsafe {
-            // a half-full 8-lane pass costs as much as a full one; 4 lanes cost about half
-            if lanes == 8 && group.len() > 4 {
-                x86::compress8(&mut states, group, blocks);
-            } else {
-                x86::compress4(&mut states, group, blocks);
-            }
-        }
-        for (state, data) in states.iter_mut().zip(group) {
-            out.push(finish(state, data, blocks * 64));
-        }
+        out.extend(x86::group(group, lanes));
+        #[cfg(not(target_arch = "x86_64"))]
+        out.extend(group.iter().map(|d| <[u8; 16]>::from(Md5::digest(d))));
     }
     out
 }
@@ -104,10 +94,19 @@ const BATCH_MIN: usize = 256 << 10;
 /// ms) should meet; the uploads in flight (`concurrentWriters`) cover the delay.
 const MAX_WAIT: Duration = Duration::from_millis(50);
 
-/// The MD5 of an upload's chunk. `may_wait`: nobody is waiting for this chunk yet (it was
-/// written in passing, not sealed by a flush), so it may wait up to [`MAX_WAIT`] to be hashed
-/// with others. [`kick`] ends every wait (a flush that needs those chunks).
-pub async fn digest(data: Bytes, may_wait: bool) -> [u8; 16] {
+/// Kicks so far; a chunk sealed before the latest kick never waits.
+static KICKS: AtomicU64 = AtomicU64::new(0);
+
+/// The kick generation now: what a chunk sealed now passes to [`digest`] as `may_wait`.
+pub fn generation() -> u64 {
+    KICKS.load(Ordering::SeqCst)
+}
+
+/// The MD5 of an upload's chunk. `may_wait: Some(generation at sealing)`: nobody waits for
+/// this chunk yet (it was written in passing, not sealed by a flush), so it may wait up to
+/// [`MAX_WAIT`] to be hashed with others, unless [`kick`] was called since it was sealed (a
+/// flush about to wait for it), however late it reaches the queue.
+pub async fn digest(data: Bytes, may_wait: Option<u64>) -> [u8; 16] {
     if data.len() < BATCH_MIN || lanes() == 1 {
         return Md5::digest(&data).into();
     }
@@ -128,16 +127,21 @@ pub async fn digest(data: Bytes, may_wait: bool) -> [u8; 16] {
     }
 }
 
-/// Ends the wait of every chunk queued now (a flush is about to wait for its uploads).
+/// Ends the wait of every chunk sealed until now, queued or not yet (a flush is about to wait
+/// for its uploads).
 pub fn kick() {
-    if let Some(b) = BATCHER.get() {
-        b.kick();
+    match BATCHER.get() {
+        Some(b) => b.kick(),
+        None => {
+            KICKS.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
 struct Job {
     data: Bytes,
-    may_wait: bool,
+    /// Some(kick generation at sealing): see [`digest`].
+    may_wait: Option<u64>,
     since: Instant,
     reply: oneshot::Sender<[u8; 16]>,
 }
@@ -199,7 +203,8 @@ impl Batcher {
         if q.threads == 0 {
             return Err(job);
         }
-        if !job.may_wait {
+        // compared under the lock that kick() takes to count: no kick slips in between
+        if job.may_wait != Some(generation()) {
             q.kicked = q.jobs.len() + 1;
         }
         q.jobs.push_back(job);
@@ -210,6 +215,7 @@ impl Batcher {
 
     fn kick(&self) {
         let mut q = self.lock();
+        KICKS.fetch_add(1, Ordering::SeqCst);
         q.kicked = q.jobs.len();
         drop(q);
         self.ready.notify_one();
@@ -313,8 +319,54 @@ fn compress_scalar(state: &mut [u32; 4], block: &[u8; 64]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{K, S, W};
+    use super::{finish, INIT, K, S, W};
     use std::arch::x86_64::*;
+
+    /// The digests of 2..=`lanes` inputs: passes over the whole blocks all unfinished inputs
+    /// still have, until fewer than two have any (lanes drop out as their inputs end), then
+    /// each input's rest and padding. `lanes` is 8 only where AVX2 was detected.
+    pub(super) fn group(group: &[&[u8]], lanes: usize) -> Vec<[u8; 16]> {
+        let n = group.len();
+        debug_assert!((2..=lanes).contains(&n) && (lanes == 4 || lanes == 8));
+        let mut states = [INIT; 8];
+        let mut done = [0usize; 8];
+        loop {
+            let active: Vec<usize> = (0..n).filter(|&l| group[l].len() - done[l] >= 64).collect();
+            if active.len() < 2 {
+                break;
+            }
+            let blocks = active
+                .iter()
+                .map(|&l| (group[l].len() - done[l]) / 64)
+                .min()
+                .unwrap_or(0);
+            let mut st = [INIT; 8];
+            // unused lanes re-read the first active input, which has `blocks` blocks too
+            let mut ptrs = [group[active[0]][done[active[0]]..].as_ptr(); 8];
+            for (i, &l) in active.iter().enumerate() {
+                st[i] = states[l];
+                ptrs[i] = group[l][done[l]..].as_ptr();
+            }
+            // SAFETY: every pointer has at least `blocks * 64` readable bytes after it (the
+            // minimum over the active inputs); AVX2 is used only with `lanes == 8`, which
+            // `lanes()` gives only where it detected AVX2; SSE2 is part of x86-64.
+            unsafe {
+                // a half-full 8-lane pass costs as much as a full one; 4 lanes about half
+                if lanes == 8 && active.len() > 4 {
+                    compress8(&mut st, &ptrs, blocks);
+                } else {
+                    compress4(&mut st, &ptrs, blocks);
+                }
+            }
+            for (i, &l) in active.iter().enumerate() {
+                states[l] = st[i];
+                done[l] += blocks * 64;
+            }
+        }
+        (0..n)
+            .map(|l| finish(&mut states[l], group[l], done[l]))
+            .collect()
+    }
 
     /// The 64 steps over `blocks` blocks of every lane; `$load` gathers message word i of
     /// every lane into `m[i]`. One body for both widths, so they cannot drift apart.
@@ -323,9 +375,8 @@ mod x86 {
          $loadu:path, $storeu:path, $set1:path, $add:path, $and:path, $or:path, $xor:path,
          $andnot:path, $sll:path, $srl:path, $count:path) => {
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $name(state: &mut [[u32; 4]; 8], data: &[&[u8]], blocks: usize) {
-                let ptrs: [*const u8; $lanes] =
-                    std::array::from_fn(|l| data.get(l).unwrap_or(&data[0]).as_ptr());
+            unsafe fn $name(state: &mut [[u32; 4]; 8], ptrs: &[*const u8; 8], blocks: usize) {
+                let ptrs: [*const u8; $lanes] = std::array::from_fn(|l| ptrs[l]);
                 let mut v = [$set1(0); 4];
                 for (w, v) in v.iter_mut().enumerate() {
                     let mut words = [0u32; $lanes];
@@ -548,22 +599,65 @@ mod tests {
         let tasks: Vec<_> = bufs
             .iter()
             .enumerate()
-            .map(|(i, b)| tokio::spawn(digest(b.clone(), i % 3 != 0)))
+            .map(|(i, b)| tokio::spawn(digest(b.clone(), (i % 3 != 0).then(generation))))
             .collect();
         for (t, b) in tasks.into_iter().zip(&bufs) {
             assert_eq!(t.await.unwrap(), reference(b));
         }
         // one chunk that may wait, alone: answered once its wait is over
-        let lone = tokio::time::timeout(Duration::from_secs(10), digest(bufs[0].clone(), true));
+        let lone = tokio::time::timeout(
+            Duration::from_secs(10),
+            digest(bufs[0].clone(), Some(generation())),
+        );
         assert_eq!(
             lone.await.expect("a lone chunk is hashed"),
             reference(&bufs[0])
         );
-        // a kick releases a waiting chunk
-        let t = tokio::spawn(digest(bufs[1].clone(), true));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        kick();
-        assert_eq!(t.await.unwrap(), reference(&bufs[1]));
+    }
+
+    fn job(may_wait: Option<u64>) -> Job {
+        Job {
+            data: Bytes::from_static(b"x"),
+            may_wait,
+            since: Instant::now(),
+            reply: oneshot::channel().0,
+        }
+    }
+
+    #[test]
+    fn a_chunk_sealed_before_a_kick_never_waits_however_late_it_is_queued() {
+        let b = Batcher {
+            queue: Mutex::new(Queue {
+                threads: 1,
+                ..Queue::default()
+            }),
+            ready: Condvar::new(),
+        };
+        // sealed now, nobody waiting: it may wait (other tests may kick meanwhile; retry)
+        let waits = (0..5).any(|_| {
+            b.lock().kicked = 0;
+            b.lock().jobs.clear();
+            assert!(b.push(job(Some(generation()))).is_ok());
+            b.lock().kicked == 0
+        });
+        assert!(waits, "a chunk sealed at the current generation may wait");
+        // sealed, then a flush kicks before its upload reaches the queue: it must not wait
+        b.lock().jobs.clear();
+        b.lock().kicked = 0;
+        let sealed = generation();
+        b.kick();
+        assert!(b.push(job(Some(sealed))).is_ok());
+        assert_eq!(b.lock().kicked, 1, "the late chunk is due at once");
+        // a flush's own chunk never waits, and takes the queue ahead of it along
+        b.lock().kicked = 0;
+        assert!(b.push(job(Some(generation()))).is_ok());
+        assert!(b.push(job(None)).is_ok());
+        let q = b.lock();
+        assert_eq!(q.kicked, q.jobs.len());
+        drop(q);
+        // with no hashing thread left, callers get their job back and hash it themselves
+        b.lock().threads = 0;
+        assert!(b.push(job(None)).is_err());
     }
 
     #[test]

@@ -70,9 +70,10 @@ pub struct UploadOptions {
     pub path: String,
     /// Encrypt with AES-256-GCM (filer `cipher`).
     pub cipher: bool,
-    /// Nobody waits for this chunk yet (a full chunk written in passing, not one a flush
-    /// sealed): the store may hold it for a few milliseconds to hash it with others.
-    pub may_wait: bool,
+    /// Some(`md5x::generation()` when the chunk was sealed): nobody waits for it yet (a full
+    /// chunk written in passing, not one a flush sealed), so the store may hold it for a few
+    /// milliseconds to hash it with others, unless `expedite` is called after that.
+    pub may_wait: Option<u64>,
 }
 
 /// Chunk storage as the filesystem sees it.
