@@ -481,9 +481,9 @@ async fn dead_session_is_restaged_and_dead_binds_rebound() {
 }
 
 /// The same volume at a second staging path: the stager runs one session per volume, so a
-/// repair there never ends the live session at the first one (refused, as NodeStage is). When
-/// the first one is dead too, its publications are bound to the new session and tracked with
-/// it, and kubelet's NodeUnstage of the old path leaves the new session alone.
+/// repair there never ends the live session at the first one (refused, as NodeStage is), nor
+/// takes over the first one's pods when it is dead (refused while it has any); the first
+/// path's own publish repairs it, and once it is unstaged the second path works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_second_staging_path_never_ends_the_volumes_session_at_the_first() {
     let h = Harness::start().await;
@@ -520,39 +520,45 @@ async fn a_second_staging_path_never_ends_the_volumes_session_at_the_first() {
         "a's session was not ended"
     );
 
-    // a's session and bind die: the repair at b takes its publication along.
+    // a's session and bind die: b is still refused while a has a pod (that pod is the
+    // other PV's: its options may differ, and its NodeUnstage of b would end it).
     for p in [&t1, &staging_a] {
         mounts::unmount_all(p).unwrap();
         mounts::mount_dead_fuse(p).unwrap();
     }
-    node.node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+    let err = node
+        .node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(matches!(
+        mounts::mount_state(&t1).unwrap(),
+        MountState::Dead(_)
+    ));
+    // a's own publish repairs a, with its pod
+    node.node_publish_volume(publish_req(&vol, &staging_a, &t1, false, mode))
         .await
         .unwrap();
-    for p in [&staging_b, &t2, &t1] {
-        assert_eq!(
-            mounts::mount_state(p).unwrap(),
-            MountState::Healthy,
-            "{p:?}"
-        );
-    }
     assert_eq!(std::fs::read(t1.join("keep")).unwrap(), b"k");
 
-    // kubelet ends a's pod and unstages a: b's session and pod stay.
+    // once a's pod is gone and a is unstaged, b stages and publishes
     node.node_unpublish_volume(unpublish_req(&vol, &t1))
         .await
         .unwrap();
     node.node_unstage_volume(unstage_req(&vol, &staging_a))
         .await
         .unwrap();
-    assert_eq!(
-        mounts::mount_state(&staging_b).unwrap(),
-        MountState::Healthy
-    );
+    node.node_publish_volume(publish_req(&vol, &staging_b, &t2, false, mode))
+        .await
+        .unwrap();
+    for p in [&staging_b, &t2] {
+        assert_eq!(
+            mounts::mount_state(p).unwrap(),
+            MountState::Healthy,
+            "{p:?}"
+        );
+    }
     assert_eq!(std::fs::read(t2.join("keep")).unwrap(), b"k");
-    assert!(
-        h.stager.session_options(&vol.volume_id).is_some(),
-        "session kept"
-    );
 
     node.node_unpublish_volume(unpublish_req(&vol, &t2))
         .await

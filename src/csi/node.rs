@@ -435,9 +435,11 @@ impl NodeService {
 
     /// Before a session of `volume_id` starts at `staging`: the stager runs one session per
     /// volume, so one at another staging path (known to this process or the state file)
-    /// would end under its pods. FAILED_PRECONDITION when that mount is alive; when it is
-    /// dead, its publications, to be bound to the new session (kept in the state file until
-    /// the new one is recorded there).
+    /// would end under its pods. FAILED_PRECONDITION when that mount is alive, and also when
+    /// it is dead but still has publications: those pods belong to the other PV, whose
+    /// options (path, filer, read-only, quota) may differ, and whose NodeUnstage would end
+    /// a session they shared; a NodePublishVolume at that path or the startup repair starts
+    /// it again there. No publication is moved (the returned map stays empty).
     async fn take_over_elsewhere(
         &self,
         volume_id: &str,
@@ -449,7 +451,7 @@ impl NodeService {
             .get(volume_id)
             .map(|k| k.staging.clone());
         let recorded = self.recorded(volume_id).map(|r| r.staging);
-        let mut moved = HashMap::new();
+        let moved = HashMap::new();
         let mut others: Vec<PathBuf> = in_memory.into_iter().chain(recorded).collect();
         others.retain(|p| p != staging);
         others.dedup();
@@ -460,9 +462,16 @@ impl NodeService {
                     other.display()
                 )));
             }
-            tracing::warn!(volume_id, staging = %staging.display(), old = %other.display(),
-                "the volume's session at another staging path is gone; its publications move here");
-            moved.extend(self.publications_at(volume_id, &other));
+            let pods = self.publications_at(volume_id, &other);
+            if !pods.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume_id} still has {} publication(s) at staging path {} (its \
+                     session is gone; a NodePublishVolume there or the plugin's startup repair \
+                     starts it again)",
+                    pods.len(),
+                    other.display()
+                )));
+            }
         }
         Ok(moved)
     }
