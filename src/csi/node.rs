@@ -976,16 +976,12 @@ fn rw_name(read_only: bool) -> &'static str {
     }
 }
 
-/// Volume context keys kubelet adds to NodePublishVolume (pod name, uid, service account
-/// tokens, ...): no mount option comes from them, and tokens are credentials.
-const POD_INFO_PREFIX: &str = "csi.storage.k8s.io/";
-
 /// What the state file keeps of a request (see [`RecordedRequest`]): not the pod's info.
 fn recorded_request(ctx: &HashMap<String, String>, mount_flags: &[String]) -> RecordedRequest {
     RecordedRequest {
         volume_context: ctx
             .iter()
-            .filter(|(k, _)| !k.starts_with(POD_INFO_PREFIX))
+            .filter(|(k, _)| !super::state::is_pod_info(k))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
         mount_flags: mount_flags.to_vec(),

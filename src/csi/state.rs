@@ -57,6 +57,12 @@ pub struct RecordedTarget {
 /// What a NodeStage (or NodePublish) request asked of a volume, kept so that a repair can
 /// resolve its options again with the flags of the plugin that does it.
 /// Missing fields are empty: a version that leaves an empty one out is still read.
+/// Volume context keys kubelet adds to NodePublishVolume (pod name, uid, service account
+/// tokens, ...): no mount option comes from them, and tokens are credentials, never kept.
+pub fn is_pod_info(key: &str) -> bool {
+    key.starts_with("csi.storage.k8s.io/")
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordedRequest {
     #[serde(default)]
@@ -148,8 +154,14 @@ impl StateStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateFile::default()),
             Err(e) => return Err(io_err(&self.file)(e)),
         };
-        let st: StateFile = serde_json::from_slice(&bytes)
+        let mut st: StateFile = serde_json::from_slice(&bytes)
             .map_err(|e| io_err(&self.file)(std::io::Error::other(e)))?;
+        // an earlier build kept pod info (tokens among it): dropped at the next rewrite
+        for v in st.volumes.values_mut() {
+            if let Some(r) = v.request.as_mut() {
+                r.volume_context.retain(|k, _| !is_pod_info(k));
+            }
+        }
         if st.format != FORMAT {
             return Err(io_err(&self.file)(std::io::Error::other(format!(
                 "state format {} not supported (want {FORMAT})",
@@ -299,6 +311,31 @@ mod tests {
             volume_context: [("capacity".to_string(), "5".to_string())].into(),
             mount_flags: vec!["ro".into()],
         }
+    }
+
+    #[test]
+    fn pod_info_an_earlier_build_recorded_is_dropped_at_the_next_rewrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(&dir.path().join("st")).unwrap();
+        let mut r = req();
+        r.volume_context.insert(
+            "csi.storage.k8s.io/serviceAccount.tokens".into(),
+            "secret-token".into(),
+        );
+        r.volume_context
+            .insert("csi.storage.k8s.io/pod.name".into(), "p".into());
+        s.record_stage("v1", Path::new("/s/1"), false, &opts("/b"), Some(&r))
+            .unwrap();
+        // written as an earlier build wrote it: the pod info is in the file
+        let raw = std::fs::read_to_string(&s.file).unwrap();
+        assert!(raw.contains("secret-token"), "{raw}");
+        assert!(s.record_publish("v1", Path::new("/t/1"), false).unwrap());
+        let raw = std::fs::read_to_string(&s.file).unwrap();
+        assert!(!raw.contains("secret-token"), "{raw}");
+        assert!(!raw.contains("pod.name"), "{raw}");
+        let v = s.volumes().unwrap();
+        let kept = &v["v1"].request.as_ref().unwrap().volume_context;
+        assert_eq!(kept.get("capacity").map(String::as_str), Some("5"));
     }
 
     #[test]
