@@ -286,6 +286,45 @@ fn directories() {
     assert!(filer_entry(&rt, &fc, &root, "d").is_none());
 }
 
+/// `cp -a`, rsync and tar set a directory's times after filling it: those times stand, on the
+/// mount and on the filer, although the contents changed just before; a later change moves
+/// them on again.
+#[test]
+fn a_directory_keeps_the_times_utimes_gave_it_after_its_contents_changed() {
+    let w = shared_server();
+    let root = unique_path("dirtimes");
+    let m = mount_ours(&w, &root, &[]);
+    let rt = runtime();
+    let fc = filer_client(&rt, &w);
+    let d = m.join("d");
+    fs::create_dir(&d).unwrap();
+    fs::write(d.join("f"), b"1").unwrap();
+    let old = 978_307_200; // 2001-01-01
+    utimens(&d, ts(old, 0), ts(old, 5)).unwrap();
+    let st = lstat(&d).unwrap();
+    assert_eq!((st.st_mtime, st.st_mtime_nsec), (old, 5), "on the mount");
+    // fsyncdir writes pending directory times back
+    File::open(&d).unwrap().sync_all().unwrap();
+    let a = filer_entry(&rt, &fc, &root, "d")
+        .unwrap()
+        .attributes
+        .unwrap();
+    assert_eq!((a.mtime, a.mtime_ns), (old, 5), "on the filer");
+    assert_eq!(lstat(&d).unwrap().st_mtime, old, "after the write-back");
+    // a change after the utimes moves the time on
+    fs::write(d.join("g"), b"2").unwrap();
+    File::open(&d).unwrap().sync_all().unwrap();
+    assert!(lstat(&d).unwrap().st_mtime >= now_secs() - 60);
+    let a = filer_entry(&rt, &fc, &root, "d")
+        .unwrap()
+        .attributes
+        .unwrap();
+    assert!(
+        a.mtime >= now_secs() - 60,
+        "a later change reaches the filer"
+    );
+}
+
 #[test]
 fn create_mknod_fifo_unlink() {
     let w = shared_server();

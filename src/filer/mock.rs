@@ -55,6 +55,27 @@ struct Shared {
     calls: Mutex<HashMap<&'static str, u64>>,
     next_key: AtomicU64,
     total_size: AtomicU64,
+    /// Lookups to hold after they read (see [`MockFiler::hold_next_lookup`]).
+    holds: Mutex<Vec<(String, Arc<LookupHold>)>>,
+}
+
+/// A lookup held between reading its entry and answering, as a slow network holds it.
+#[derive(Default)]
+pub struct LookupHold {
+    arrived: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+impl LookupHold {
+    /// Waits until the held lookup has read its entry.
+    pub async fn arrived(&self) {
+        self.arrived.notified().await;
+    }
+
+    /// Lets the held lookup answer (with what it read before).
+    pub fn release(&self) {
+        self.release.notify_one();
+    }
 }
 
 struct State {
@@ -263,6 +284,7 @@ impl MockFiler {
                 calls: Mutex::new(HashMap::new()),
                 next_key: AtomicU64::new(1),
                 total_size: AtomicU64::new(1 << 40),
+                holds: Mutex::new(Vec::new()),
             }),
             signature: random_signature(),
         }
@@ -294,6 +316,14 @@ impl MockFiler {
     /// How many times `op` (the trait method name, e.g. `"lookup_entry"`) was called.
     pub fn calls(&self, op: &str) -> u64 {
         self.shared.calls.lock().get(op).copied().unwrap_or(0)
+    }
+
+    /// The next lookup of `path` (full path) reads the entry, then waits for
+    /// [`LookupHold::release`] before it answers with what it read.
+    pub fn hold_next_lookup(&self, path: &str) -> Arc<LookupHold> {
+        let h = Arc::new(LookupHold::default());
+        self.shared.holds.lock().push((path.to_string(), h.clone()));
+        h
     }
 
     /// Total bytes reported by `statistics`.
@@ -369,13 +399,17 @@ impl FilerApi for MockFiler {
     async fn lookup_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
         self.enter("lookup_entry")?;
         let path = join(&norm_dir(dir), name);
-        self.shared
-            .state
-            .lock()
-            .entries
-            .get(&path)
-            .cloned()
-            .ok_or(FilerError::NotFound(path))
+        let found = self.shared.state.lock().entries.get(&path).cloned();
+        let hold = {
+            let mut holds = self.shared.holds.lock();
+            let i = holds.iter().position(|(p, _)| *p == path);
+            i.map(|i| holds.remove(i).1)
+        };
+        if let Some(h) = hold {
+            h.arrived.notify_one();
+            h.release.notified().await;
+        }
+        found.ok_or(FilerError::NotFound(path))
     }
 
     async fn list_page(

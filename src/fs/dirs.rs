@@ -35,37 +35,57 @@ impl Fs {
             .insert(dir.to_string(), SystemTime::now());
     }
 
-    /// Writes pending directory times to the filer (called periodically).
+    /// Writes pending directory times to the filer (called periodically). Each write is a
+    /// read-modify-write of the directory's entry, in turn with this node's other changes
+    /// of it (a chmod or utimes meanwhile is neither undone nor overtaken).
     pub async fn flush_dir_times(&self) {
-        let pending: Vec<(String, SystemTime)> = self.dir_times.lock().drain().collect();
-        for (path, t) in pending {
-            if path == "/" {
-                continue;
-            }
+        let paths: Vec<String> = self.dir_times.lock().keys().cloned().collect();
+        for path in paths {
             let (dir, name) = split(&path);
-            let e = match self.filer.lookup_entry(&dir, &name).await {
-                Ok(e) => e,
-                Err(_) => continue,
-            };
-            let mut e = e;
-            let a = e.attributes.get_or_insert_with(Default::default);
-            let (s, ns) = attr::split_ts(t);
-            if (a.mtime, a.mtime_ns) >= (s, ns) {
+            let _turn = self.entry_lock(&dir, &name).lock().await;
+            // read under the lock: a utimes since the listing above removed it, and its time
+            // stands
+            let Some(t) = self.dir_times.lock().get(&path).copied() else {
                 continue;
-            }
-            a.mtime = s;
-            a.mtime_ns = ns;
-            a.ctime = s;
-            a.ctime_ns = ns;
-            if let Err(err) = self.update_entry(&dir, e).await {
-                tracing::debug!(path, error = %err, "directory time write-back failed");
+            };
+            if path != "/" {
+                self.write_dir_time(&dir, &name, t).await;
             }
             if path == self.cfg.root {
                 let mut r = self.root_attr.lock();
                 r.mtime = r.mtime.max(t);
                 r.ctime = r.ctime.max(t);
             }
+            // kept when a child changed meanwhile (a newer time); a failed write is dropped,
+            // as the kernel's own directory times are not retried either
+            let mut times = self.dir_times.lock();
+            if times.get(&path) == Some(&t) {
+                times.remove(&path);
+            }
         }
+    }
+
+    async fn write_dir_time(&self, dir: &str, name: &str, t: SystemTime) {
+        let mut e = match self.filer.lookup_entry(dir, name).await {
+            Ok(e) => e,
+            Err(_) => return,
+        };
+        let a = e.attributes.get_or_insert_with(Default::default);
+        let (s, ns) = attr::split_ts(t);
+        if (a.mtime, a.mtime_ns) >= (s, ns) {
+            return;
+        }
+        (a.mtime, a.mtime_ns) = (s, ns);
+        (a.ctime, a.ctime_ns) = (s, ns);
+        if let Err(err) = self.update_entry(dir, e).await {
+            tracing::debug!(dir, name, error = %err, "directory time write-back failed");
+        }
+    }
+
+    /// An explicit mtime of directory `path` (utimes) replaces the pending time of its
+    /// contents' last change. Call with the entry's lock held.
+    pub(super) fn dir_time_set(&self, path: &str) {
+        self.dir_times.lock().remove(path);
     }
 
     /// Checks that `ino` is a directory; the listing is taken when it is read from its start.

@@ -26,6 +26,15 @@ impl Fs {
         }
     }
 
+    /// The lock of `dir/name`'s read-modify-write cycles. Never held across another
+    /// entry's lock (two paths may share a stripe).
+    pub(super) fn entry_lock(&self, dir: &str, name: &str) -> &tokio::sync::Mutex<()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (dir, name).hash(&mut h);
+        &self.entry_locks[h.finish() as usize % self.entry_locks.len()]
+    }
+
     fn dir_lock(&self, dir: &str) -> Arc<tokio::sync::Mutex<()>> {
         self.dir_locks
             .lock()
@@ -396,12 +405,17 @@ impl Fs {
     /// a cached entry: its chunk list may predate another node's write, and the filer deletes
     /// every chunk an update leaves out. (The filer has no compare-and-swap; what is left is
     /// the round trip between this lookup and the update.)
+    ///
+    /// This node's own cycles of one entry take turns ([`Self::entry_lock`]): a chmod that
+    /// lands between another cycle's lookup and update (a directory's time write-back, a
+    /// utimes from another thread) would otherwise be undone by it.
     pub(super) async fn update_fresh(
         &self,
         dir: &str,
         name: &str,
         f: impl FnOnce(&mut pb::Entry) -> Result<()>,
     ) -> Result<pb::Entry> {
+        let _turn = self.entry_lock(dir, name).lock().await;
         let mut e = self.fresh_entry(dir, name).await?;
         f(&mut e)?;
         self.update_entry(dir, e.clone()).await?;

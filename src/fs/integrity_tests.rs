@@ -623,3 +623,40 @@ async fn uploads_retry_through_a_short_outage() {
     assert_eq!(referenced(&filer, "/f"), 1);
     assert_eq!(store.len(), 1);
 }
+
+/// tar (as root) chmods a directory right after its last file: a write-back of the
+/// directory's time that read the entry before the chmod must not store the old mode.
+#[tokio::test]
+async fn a_directory_time_write_back_does_not_undo_a_chmod() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let d = fs.mkdir(ROOT_INO, "d", 0o700, 0, 0, 0).await.unwrap();
+    let (f, fh) = fs
+        .create(d.ino, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+        .await
+        .unwrap();
+    fs.release(fh, f.ino).await.unwrap();
+    let held = filer.hold_next_lookup("/d");
+    let flusher = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.flush_dir_times().await })
+    };
+    held.arrived().await;
+    let chmod = {
+        let fs = fs.clone();
+        let ino = d.ino;
+        tokio::spawn(async move {
+            let req = SetAttr {
+                mode: Some(0o755),
+                ..Default::default()
+            };
+            fs.setattr(ino, req).await
+        })
+    };
+    // the chmod runs to its end here unless it waits for the write-back's turn
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    flusher.await.unwrap();
+    chmod.await.unwrap().unwrap();
+    let mode = filer.get("/d").unwrap().attributes.unwrap().file_mode & 0o7777;
+    assert_eq!(mode, 0o755, "the chmod was undone by the time write-back");
+}

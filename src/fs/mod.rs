@@ -29,6 +29,8 @@ pub use attr::{Attr, IdMap, Kind};
 /// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
 /// `xattr-`, so FUSE clients do not list it as a user xattr.
 pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
+/// Stripes of [`Fs`]'s entry locks (two paths sharing one only wait for each other).
+const ENTRY_LOCK_STRIPES: usize = 256;
 pub use dirs::{DirEntryOut, DirListing};
 pub use setattr::SetAttr;
 pub use space::StatFs;
@@ -280,6 +282,9 @@ pub struct Fs {
     /// Filer lookups of open files re-read after events, at once (a resync asks for all).
     rereads: Semaphore,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serialize this node's read-modify-write cycles of one filer entry (see
+    /// [`Fs::update_fresh`]); striped by path, so memory stays fixed.
+    entry_locks: Box<[tokio::sync::Mutex<()>]>,
     /// Pending parent-directory time updates (written back in the background).
     dir_times: Mutex<HashMap<String, SystemTime>>,
     /// Bumped per inode when another client changes its content (kernel page-cache validity).
@@ -351,6 +356,9 @@ impl Fs {
                 .map(|d| d.as_nanos() as i64)
                 .unwrap_or(0),
             dir_locks: Mutex::new(HashMap::new()),
+            entry_locks: (0..ENTRY_LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
             dir_times: Mutex::new(HashMap::new()),
             content_gen: Mutex::new(HashMap::new()),
             opened_gen: Mutex::new(HashMap::new()),

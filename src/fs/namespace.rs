@@ -629,24 +629,36 @@ impl Fs {
         }
         let ndir = self.parent_dir(newparent).await?;
         self.ensure_absent(&ndir, newname).await?;
-        let src = self.filer.lookup_entry(&dir, &name).await?;
-        if src.is_directory {
-            return Err(errno(libc::EPERM, "hard link to a directory"));
-        }
-        let mut updated = src.clone();
-        if updated.hard_link_id.is_empty() {
-            let mut id: Vec<u8> = (0..16).map(|_| rand::random::<u8>()).collect();
-            id.push(1);
-            updated.hard_link_id = id;
-            updated.hard_link_counter = 1;
-        }
-        updated.hard_link_counter += 1;
-        let a = updated.attributes.get_or_insert_with(Default::default);
-        (a.ctime, a.ctime_ns) = now_parts();
-        self.update_entry(&dir, updated.clone()).await?;
+        // the link group is set on the filer's current entry (a cached one may miss another
+        // node's write, whose chunks the update would delete)
+        let mut prior = (Vec::new(), 0);
+        let updated = self
+            .update_fresh(&dir, &name, |e| {
+                if e.is_directory {
+                    return Err(errno(libc::EPERM, "hard link to a directory"));
+                }
+                prior = (e.hard_link_id.clone(), e.hard_link_counter);
+                if e.hard_link_id.is_empty() {
+                    let mut id: Vec<u8> = (0..16).map(|_| rand::random::<u8>()).collect();
+                    id.push(1);
+                    e.hard_link_id = id;
+                    e.hard_link_counter = 1;
+                }
+                e.hard_link_counter += 1;
+                let a = e.attributes.get_or_insert_with(Default::default);
+                (a.ctime, a.ctime_ns) = now_parts();
+                Ok(())
+            })
+            .await?;
         let newe = entry_with_name(&updated, newname);
         if let Err(e) = self.create_on_filer(&ndir, &newe, true).await {
-            let _ = self.update_entry(&dir, src).await;
+            // undo only the link group, on the entry as it is now
+            let _ = self
+                .update_fresh(&dir, &name, |e| {
+                    (e.hard_link_id, e.hard_link_counter) = prior;
+                    Ok(())
+                })
+                .await;
             return Err(e);
         }
         self.meta.upsert(&ndir, Arc::new(newe.clone()));

@@ -35,9 +35,15 @@ impl Fs {
         }
         if ino == ROOT_INO {
             let (pdir, pname) = split(&self.cfg.root);
-            let mut e = self.filer.lookup_entry(&pdir, &pname).await?;
-            self.apply_setattr(&mut e, &req);
-            self.update_entry(&pdir, e.clone()).await?;
+            let e = self
+                .update_fresh(&pdir, &pname, |e| {
+                    self.apply_setattr(e, &req);
+                    if req.mtime.is_some() {
+                        self.dir_time_set(&self.cfg.root);
+                    }
+                    Ok(())
+                })
+                .await?;
             let mut a = entry_attr(ROOT_INO, &e, &self.cfg.ids);
             a.ino = ROOT_INO;
             *self.root_attr.lock() = a.clone();
@@ -67,6 +73,9 @@ impl Fs {
         let e = self
             .update_fresh(&dir, &name, |e| {
                 self.apply_setattr(e, &req);
+                if e.is_directory && req.mtime.is_some() {
+                    self.dir_time_set(&path);
+                }
                 Ok(())
             })
             .await?;
