@@ -203,6 +203,8 @@ impl Fs {
                     Ok(_) | Err(_) if moved_on => Err(None),
                     Err(e) => Err(Some(e)),
                     Ok(Some((e, resolved))) => {
+                        // found under its name, with nothing of ours or of events since
+                        s.name_doubt = false;
                         let same = s.entry == e && *s.resolved == resolved;
                         if s.is_clean() && !same {
                             s.replace_entry(e, resolved);
@@ -432,7 +434,12 @@ impl Fs {
         }
         let open: Vec<Arc<OpenFile>> = self.files.lock().values().map(|o| o.file.clone()).collect();
         for of in open {
-            if of.state.lock().want_resync(false) {
+            let start = {
+                let mut s = of.state.lock();
+                s.name_doubt = true;
+                s.want_resync(false)
+            };
+            if start {
                 self.spawn_resync(of);
             }
         }
@@ -501,7 +508,13 @@ impl Fs {
                 nt.inval_inode(ino);
             }
             if let Some(of) = self.open_file(ino) {
-                if of.state.lock().want_resync(gone) {
+                let start = {
+                    let mut s = of.state.lock();
+                    // the event's move is not taken: it may have moved the file
+                    s.name_doubt = true;
+                    s.want_resync(gone)
+                };
+                if start {
                     self.spawn_resync(of);
                 }
             }

@@ -155,6 +155,10 @@ pub struct FileState {
     pub local_inflight: u32,
     /// Re-reads of the entry asked for by events of doubtful order (one runs per file).
     pub resync: Resync,
+    /// Another client may have moved or removed the file unseen (a subscription gap, a
+    /// replayed event whose move is not taken): until a re-read finds it under its name, a
+    /// commit first checks that the name still leads to it.
+    pub name_doubt: bool,
 }
 
 /// See [`FileState::resync`].
@@ -325,6 +329,7 @@ impl OpenFile {
                 local_at: None,
                 local_inflight: 0,
                 resync: Resync::default(),
+                name_doubt: false,
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),

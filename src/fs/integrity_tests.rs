@@ -660,3 +660,73 @@ async fn a_directory_time_write_back_does_not_undo_a_chmod() {
     let mode = filer.get("/d").unwrap().attributes.unwrap().file_mode & 0o7777;
     assert_eq!(mode, 0o755, "the chmod was undone by the time write-back");
 }
+
+/// Renames "/f" to "/g" as another client would, without its event reaching us (a gap).
+async fn rename_f_to_g_unseen(filer: &MockFiler) {
+    filer
+        .other_client()
+        .rename_entry(pb::StreamRenameEntryRequest {
+            old_directory: "/".into(),
+            old_name: "f".into(),
+            new_directory: "/".into(),
+            new_name: "g".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// An open file moved by another client while this node missed the event (a subscription
+/// gap) is not created again at its old name by its next commit: that entry would share
+/// chunks with the moved one. The commit says ESTALE; a file not moved commits as before.
+#[tokio::test]
+async fn a_file_moved_unseen_during_a_gap_is_not_created_again_at_its_old_name() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB + 5]).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let (b, bfh) = fs
+        .create(ROOT_INO, "stay", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(bfh, b.ino, 0, b"kept").await.unwrap();
+    fs.flush(bfh, b.ino).await.unwrap();
+    rename_f_to_g_unseen(&filer).await;
+    fs.resync();
+    fs.write(fh, a.ino, 0, b"after").await.unwrap();
+    fs.write(bfh, b.ino, 4, b" too").await.unwrap();
+    let e = fs.flush(fh, a.ino).await.unwrap_err();
+    assert_eq!(e.errno, libc::ESTALE, "{e}");
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+    let g = filer.get("/g").unwrap();
+    assert_eq!(crate::chunks::file_size(&g), (MIB + 5) as u64);
+    // the file that was not moved commits as before
+    fs.flush(bfh, b.ino).await.unwrap();
+    let stay = filer.get("/stay").unwrap();
+    let of = fs.handle(bfh, b.ino).await.unwrap().file.clone();
+    assert_eq!(crate::chunks::file_size(&stay), 8);
+    assert_eq!(&fs.read_range(&of, 0, 8).await.unwrap()[..], b"kept too");
+    let _ = fs.release(fh, a.ino).await;
+    fs.release(bfh, b.ino).await.unwrap();
+    assert!(
+        filer.get("/f").is_none(),
+        "the last close created the old name"
+    );
+}
+
+/// The same through a replayed event (a recheck), whose move is not taken here.
+#[tokio::test]
+async fn a_file_moved_in_a_replayed_event_is_not_created_again_at_its_old_name() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let old = filer.get("/f").unwrap();
+    rename_f_to_g_unseen(&filer).await;
+    fs.recheck_event(&event(Some(old), filer.get("/g")));
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    assert_eq!(fs.flush(fh, a.ino).await.unwrap_err().errno, libc::ESTALE);
+    let _ = fs.release(fh, a.ino).await;
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+    assert!(filer.get("/g").is_some());
+}

@@ -1,7 +1,9 @@
 //! The write path of [`Fs`]: writes into open files, background chunk uploads (retried
 //! through short outages), and commits of the entry to the filer (chunk manifests, orphans).
 
+use super::events::Identity;
 use super::file::{CommitSnapshot, OpenFile, SealedRun};
+use super::inode::join;
 use super::{errno, now_parts, Fs, Result};
 use crate::pb::filer as pb;
 use crate::volume::VolumeError;
@@ -129,15 +131,36 @@ impl Fs {
         }
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
-        let (dir, dirty, unlinked) = {
+        let (dir, dirty, unlinked, doubt) = {
             let s = of.state.lock();
-            (s.dir.clone(), s.meta_dirty, s.unlinked)
+            // (a hard-linked file's names share its content through the filer's link count:
+            // a name removed meanwhile is given back, and the data reaches the others)
+            let doubt = (s.name_doubt && !s.pending_create && s.entry.hard_link_id.is_empty())
+                .then(|| (s.entry.name.clone(), Identity::of(&s.entry)));
+            (s.dir.clone(), s.meta_dirty, s.unlinked, doubt)
         };
         if let Some(e) = of.unplaced() {
             return Err(errno(libc::EIO, format!("upload failed: {e}")));
         }
         if !dirty || unlinked {
             return Ok(());
+        }
+        if let Some((name, known)) = doubt {
+            // The commit creates or replaces the entry at its name: after another client
+            // moved the file unseen, that would bring the old name back with chunks the
+            // moved entry also lists (deleting either then deletes the other's data).
+            let path = join(&dir, &name);
+            if self
+                .look_again(&path, &dir, &name, of.ino, &known)
+                .await?
+                .is_none()
+            {
+                return Err(errno(
+                    libc::ESTALE,
+                    format!("{path}: moved or removed by another client while this node missed its events; not created again"),
+                ));
+            }
+            of.state.lock().name_doubt = false;
         }
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
