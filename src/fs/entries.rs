@@ -161,7 +161,7 @@ impl Fs {
         a
     }
 
-    fn open_file_attr(&self, ino: u64, of: &OpenFile) -> Attr {
+    pub(super) fn open_file_attr(&self, ino: u64, of: &OpenFile) -> Attr {
         let s = of.state.lock();
         let mut a = entry_attr(ino, &s.entry, &self.cfg.ids);
         a.size = s.size;

@@ -730,3 +730,42 @@ async fn a_file_moved_in_a_replayed_event_is_not_created_again_at_its_old_name()
     assert!(filer.get("/f").is_none(), "the old name was created again");
     assert!(filer.get("/g").is_some());
 }
+
+/// tar sets times, owner and mode on each file it extracts before it closes it: on a file
+/// with changes to commit they go with the close's commit (one CreateEntry per file, not
+/// four), and they all reach the filer.
+#[tokio::test]
+async fn attributes_set_on_an_open_file_being_written_go_with_its_commit() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"source").await.unwrap();
+    let writes = || filer.calls("create_entry") + filer.calls("update_entry");
+    let base = writes();
+    let old = std::time::UNIX_EPOCH + Duration::from_secs(978_307_200);
+    for req in [
+        SetAttr {
+            mtime: Some(old),
+            ..Default::default()
+        },
+        SetAttr {
+            uid: Some(1234),
+            gid: Some(5678),
+            ..Default::default()
+        },
+        SetAttr {
+            mode: Some(0o640),
+            ..Default::default()
+        },
+    ] {
+        fs.setattr(a.ino, req).await.unwrap();
+    }
+    let seen = fs.getattr(a.ino).await.unwrap();
+    assert_eq!((seen.perm, seen.uid, seen.mtime), (0o640, 1234, old));
+    assert_eq!(writes(), base, "the setattrs committed the file themselves");
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert_eq!(writes(), base + 1, "the close commits the file once");
+    let a2 = filer.get("/f").unwrap().attributes.unwrap();
+    assert_eq!(a2.file_mode & 0o7777, 0o640);
+    assert_eq!((a2.uid, a2.gid, a2.mtime), (1234, 5678, 978_307_200));
+}

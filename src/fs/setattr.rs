@@ -107,7 +107,22 @@ impl Fs {
         }
     }
 
-    /// setattr through an open file's state; the change is committed at once.
+    /// An open file with changes of ours to commit takes the attributes with them, at the
+    /// next flush, fsync or close, as it takes the data (tar sets times, owner and mode on
+    /// every file before it closes it: one commit instead of four). False when the file is
+    /// clean: its filer entry is changed instead (ours may predate another node's write).
+    fn defer_setattr(&self, of: &OpenFile, req: &SetAttr) -> bool {
+        let mut st = of.state.lock();
+        if st.is_clean() && !st.unlinked {
+            return false;
+        }
+        self.apply_setattr(&mut st.entry, req);
+        st.touch();
+        true
+    }
+
+    /// setattr through an open file's state: attributes with the file's next commit (or on
+    /// the filer's entry when there is nothing to commit), a truncate committed at once.
     async fn setattr_open(
         &self,
         ino: u64,
@@ -115,25 +130,25 @@ impl Fs {
         of: &Arc<OpenFile>,
         req: &SetAttr,
     ) -> Result<Attr> {
-        let clean = {
-            let s = of.state.lock();
-            s.is_clean() && !s.unlinked
-        };
-        if req.size.is_none() && clean {
+        if req.size.is_none() {
+            if self.defer_setattr(of, req) {
+                return Ok(self.open_file_attr(ino, of));
+            }
             // nothing of ours to commit: change the filer's entry, never our copy of it. The
             // commit lock keeps this node's own commits of the file out of the lookup→update.
             let _commit = of.commit.lock().await;
-            if of.state.lock().is_clean() {
-                let (dir, name) = split(path);
-                let e = self
-                    .update_fresh(&dir, &name, |e| {
-                        self.apply_setattr(e, req);
-                        Ok(())
-                    })
-                    .await?;
-                self.adopt_if_clean(ino, of, e.clone()).await;
-                return Ok(self.attr_of(ino, path, &e));
+            if self.defer_setattr(of, req) {
+                return Ok(self.open_file_attr(ino, of));
             }
+            let (dir, name) = split(path);
+            let e = self
+                .update_fresh(&dir, &name, |e| {
+                    self.apply_setattr(e, req);
+                    Ok(())
+                })
+                .await?;
+            self.adopt_if_clean(ino, of, e.clone()).await;
+            return Ok(self.attr_of(ino, path, &e));
         }
         if let Some(size) = req.size {
             self.refresh_if_clean(ino, of).await?;
