@@ -13,7 +13,7 @@ use seaweedfs_csi_driver::csi::mounts::{self, MountState};
 use seaweedfs_csi_driver::csi::node::{NodeConfig, NodeService};
 use seaweedfs_csi_driver::csi::params::{DataLocality, VolumeDefaults};
 use seaweedfs_csi_driver::csi::server::{self, BoundListener, CsiServices, Endpoint};
-use seaweedfs_csi_driver::csi::stager::{FakeStager, StageError, StagerCall};
+use seaweedfs_csi_driver::csi::stager::{FakeStager, StageError, Stager, StagerCall};
 use seaweedfs_csi_driver::csi::topology::{StaticNodeLabels, TopologySpec};
 use seaweedfs_csi_driver::filer::mock::MockFiler;
 use seaweedfs_csi_driver::pb::csi::node_server::Node;
@@ -960,6 +960,102 @@ async fn after_a_restart_a_second_staging_path_leaves_the_live_session_alone() {
             .await
             .unwrap();
     }
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// The state file lost the volume's record (or an older build wrote none) and this process
+/// has no memory of it, but the stager serves it at a: a NodeStage at another path, a
+/// NodePublish repair at a dead one and a NodeUnstage of a stale one all leave that session
+/// (and its pod) alone; the stager is asked where its session is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_session_only_the_stager_knows_is_left_alone_by_other_staging_paths() {
+    let site = Site::new("csiunknown");
+    let vol = volume("/buckets/unknown", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let (a, b, c) = (site.staging("a"), site.staging("b"), site.staging("c"));
+    let (t1, t2) = (site.target("one"), site.target("two"));
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &a, mode)))
+        .await
+        .unwrap();
+    gen1.node_publish_volume(Request::new(publish_req(&vol, &a, &t1, false, mode)))
+        .await
+        .unwrap();
+    drop(gen1);
+    std::fs::remove_file(site.state().join("volumes.json")).unwrap();
+
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    let err = gen2
+        .node_stage_volume(Request::new(stage_req(&vol, &c, mode)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    mounts::mount_dead_fuse(&b).unwrap();
+    let err = gen2
+        .node_publish_volume(Request::new(publish_req(&vol, &b, &t2, false, mode)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &b)))
+        .await
+        .unwrap();
+    assert!(!mounts::is_mount_point(&b).unwrap());
+    assert!(healthy(&a) && healthy(&t1), "the live session was ended");
+    assert_eq!(stager.staging_path(&vol.volume_id), Some(a.clone()));
+    assert_eq!(stager.stage_count(), 1);
+    assert!(!stager
+        .calls()
+        .iter()
+        .any(|c| matches!(c, StagerCall::Unstage { .. })));
+
+    gen2.node_unpublish_volume(Request::new(unpublish_req(&vol, &t1)))
+        .await
+        .unwrap();
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &a)))
+        .await
+        .unwrap();
+    assert_eq!(stager.health(&vol.volume_id), None, "the session ended");
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
+/// The records say b, but the stager's session runs at a (started where nothing recorded
+/// it): NodeUnstage of a ends that session instead of unmounting it under the stager, which
+/// would keep serving nothing; b's records stay until b is unstaged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unstaging_the_stagers_session_path_ends_it_whatever_the_records_say() {
+    let site = Site::new("csistale");
+    let vol = volume("/buckets/stale", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let (a, b) = (site.staging("a"), site.staging("b"));
+    let stager = site.stager();
+    let node = node_generation(stager.clone(), &site.state(), Flags::default());
+    node.node_stage_volume(Request::new(stage_req(&vol, &b, mode)))
+        .await
+        .unwrap();
+    stager
+        .stage(
+            &vol.volume_id,
+            seaweedfs_csi_driver::config::MountOptions::default(),
+            &a,
+        )
+        .await
+        .unwrap();
+    assert!(site.state_file().contains(&*b.to_string_lossy()));
+
+    node.node_unstage_volume(Request::new(unstage_req(&vol, &a)))
+        .await
+        .unwrap();
+    assert_eq!(stager.health(&vol.volume_id), None, "the session ended");
+    assert!(stager.calls().iter().any(|c| matches!(c,
+        StagerCall::Unstage { staging_path, .. } if *staging_path == a)));
+    assert!(!mounts::is_mount_point(&a).unwrap());
+    assert!(site.state_file().contains(&*b.to_string_lossy()));
+
+    node.node_unstage_volume(Request::new(unstage_req(&vol, &b)))
+        .await
+        .unwrap();
+    assert!(!site.state_file().contains(&*vol.volume_id));
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 

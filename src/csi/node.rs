@@ -434,8 +434,9 @@ impl NodeService {
     }
 
     /// Before a session of `volume_id` starts at `staging`: the stager runs one session per
-    /// volume, so one at another staging path (known to this process or the state file)
-    /// would end under its pods. FAILED_PRECONDITION when that mount is alive, and also when
+    /// volume, so one at another staging path (known to this process, the state file or the
+    /// stager itself, which alone knows it when the records are stale or lost) would end
+    /// under its pods. FAILED_PRECONDITION when that mount is alive, and also when
     /// it is dead but still has publications: those pods belong to the other PV, whose
     /// options (path, filer, read-only, quota) may differ, and whose NodeUnstage would end
     /// a session they shared; a NodePublishVolume at that path or the startup repair starts
@@ -451,10 +452,14 @@ impl NodeService {
             .get(volume_id)
             .map(|k| k.staging.clone());
         let recorded = self.recorded(volume_id).map(|r| r.staging);
+        let served = self.stager.staging_path(volume_id);
         let moved = HashMap::new();
-        let mut others: Vec<PathBuf> = in_memory.into_iter().chain(recorded).collect();
-        others.retain(|p| p != staging);
-        others.dedup();
+        let mut others: Vec<PathBuf> = Vec::new();
+        for p in in_memory.into_iter().chain(recorded).chain(served) {
+            if p != staging && !others.contains(&p) {
+                others.push(p);
+            }
+        }
         for other in others {
             if self.state(&other).await? == MountState::Healthy {
                 return Err(Status::failed_precondition(format!(
@@ -1142,7 +1147,15 @@ impl Node for NodeService {
             .map(|k| k.staging.clone())
             .or_else(|| self.recorded(volume_id).map(|r| r.staging));
         let elsewhere = current.filter(|c| *c != staging);
-        if elsewhere.is_none() && self.stager.health(volume_id).is_some() {
+        // Where the stager's session is mounted decides whether it ends, over records that
+        // may be stale or lost: the stager ends its one session wherever it is mounted.
+        let served = self.stager.staging_path(volume_id);
+        let end_session = match &served {
+            Some(at) => *at == staging,
+            // none, or one still being adopted (its path not known yet): as the records say
+            None => elsewhere.is_none() && self.stager.health(volume_id).is_some(),
+        };
+        if end_session {
             if let Err(e) = with_timeout(
                 self.timeouts.stage,
                 self.stager.unstage(volume_id, &staging),
@@ -1172,6 +1185,11 @@ impl Node for NodeService {
             tracing::info!(volume_id, staging = %staging.display(), current = %current.display(),
                 "old staging path removed; the volume stays staged at its current one");
             return Ok(Response::new(NodeUnstageVolumeResponse {}));
+        }
+        if let Some(at) = served.filter(|at| *at != staging) {
+            // What this process knew of the volume was about this path; its session is not.
+            tracing::warn!(volume_id, staging = %staging.display(), session = %at.display(),
+                "staging path removed; the volume's session runs at another path and stays");
         }
         self.volumes.lock().remove(volume_id);
         self.record(volume_id, |s| s.record_unstage(volume_id));

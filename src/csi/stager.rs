@@ -96,6 +96,11 @@ pub trait Stager: Send + Sync + 'static {
     /// must not block on the filesystem.
     fn health(&self, volume_id: &str) -> Option<VolumeHealth>;
 
+    /// Where this process's session of the volume is mounted (None: no session, or one whose
+    /// adoption has not finished). The node service's records can be stale or lost; this is
+    /// what `stage` elsewhere or `unstage` would end. Cheap, never blocks on the filesystem.
+    fn staging_path(&self, volume_id: &str) -> Option<PathBuf>;
+
     /// Applies a new quota (bytes, 0 = none) to a staged volume.
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError>;
 }
@@ -339,6 +344,11 @@ impl Stager for FakeStager {
         })
     }
 
+    fn staging_path(&self, volume_id: &str) -> Option<PathBuf> {
+        let st = self.state.lock();
+        st.sessions.get(volume_id).map(|s| s.staging_path.clone())
+    }
+
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
         let mut st = self.state.lock();
         st.calls.push(StagerCall::SetQuota {
@@ -387,6 +397,8 @@ mod tests {
         assert!(mounts::is_mount_point(&staging).unwrap());
         assert_eq!(stager.health("vol-1"), Some(VolumeHealth::healthy()));
         assert_eq!(stager.health("other"), None);
+        assert_eq!(stager.staging_path("vol-1"), Some(staging.clone()));
+        assert_eq!(stager.staging_path("other"), None);
         std::fs::write(staging.join("f"), b"data").unwrap();
         assert_eq!(
             std::fs::read(stager.scratch_dir("vol-1").join("f")).unwrap(),
@@ -406,6 +418,7 @@ mod tests {
         stager.unstage("vol-1", &staging).await.unwrap();
         assert!(!mounts::is_mount_point(&staging).unwrap());
         assert_eq!(stager.health("vol-1"), None);
+        assert_eq!(stager.staging_path("vol-1"), None);
         stager.unstage("vol-1", &staging).await.unwrap();
 
         stager.fail_next_stage(StageError::Unavailable("injected".into()));

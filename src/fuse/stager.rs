@@ -259,6 +259,13 @@ impl Stager for FuseStager {
         })
     }
 
+    fn staging_path(&self, volume_id: &str) -> Option<PathBuf> {
+        self.sessions
+            .lock()
+            .get(volume_id)
+            .map(|m| m.mountpoint.clone())
+    }
+
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
         let s = self.sessions.lock();
         let m = s
