@@ -28,6 +28,19 @@ impl std::str::FromStr for VolumeServerAccess {
     }
 }
 
+/// Options a newer version wrote (state file, keeper blob) that this one does not know:
+/// kept, so that a rewrite by this version (a rollback) does not drop them.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct UnknownOptions(pub serde_json::Map<String, serde_json::Value>);
+
+/// Never makes two options differ: this version does not apply them.
+impl PartialEq for UnknownOptions {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// Everything one mounted volume (one FUSE session) needs. Mirrors `weed mount` flags.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
@@ -69,6 +82,8 @@ pub struct MountOptions {
     pub fuse_threads: usize,
     /// Data chunks per manifest chunk; only tests lower it.
     pub manifest_batch: usize,
+    #[serde(flatten)]
+    pub unknown: UnknownOptions,
 }
 
 impl Default for MountOptions {
@@ -98,6 +113,7 @@ impl Default for MountOptions {
             read_retry_secs: 6,
             fuse_threads: 4,
             manifest_batch: crate::chunks::MANIFEST_BATCH,
+            unknown: UnknownOptions::default(),
         }
     }
 }
@@ -135,6 +151,22 @@ mod tests {
         assert_eq!(parse_id_map("").unwrap(), vec![]);
         assert!(parse_id_map("1000").is_err());
         assert!(parse_id_map("a:1").is_err());
+    }
+
+    #[test]
+    fn unknown_options_are_kept_and_never_compared() {
+        let json = r#"{"filer_path":"/p","writeback":{"mode":"async"}}"#;
+        let o: MountOptions = serde_json::from_str(json).unwrap();
+        assert_eq!(o.filer_path, "/p");
+        assert_eq!(o.quota_bytes, 0, "a missing field is its default");
+        let again = serde_json::to_value(&o).unwrap();
+        assert_eq!(again["writeback"]["mode"], "async");
+        let plain = MountOptions {
+            filer_path: "/p".into(),
+            ..Default::default()
+        };
+        assert_eq!(o, plain);
+        assert_ne!(o, MountOptions::default());
     }
 
     #[test]

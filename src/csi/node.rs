@@ -990,6 +990,7 @@ fn recorded_request(ctx: &HashMap<String, String>, mount_flags: &[String]) -> Re
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
         mount_flags: mount_flags.to_vec(),
+        unknown: Default::default(),
     }
 }
 

@@ -54,21 +54,23 @@ pub struct RecordedTarget {
     pub unknown: UnknownFields,
 }
 
-/// What a NodeStage (or NodePublish) request asked of a volume, kept so that a repair can
-/// resolve its options again with the flags of the plugin that does it.
-/// Missing fields are empty: a version that leaves an empty one out is still read.
 /// Volume context keys kubelet adds to NodePublishVolume (pod name, uid, service account
 /// tokens, ...): no mount option comes from them, and tokens are credentials, never kept.
 pub fn is_pod_info(key: &str) -> bool {
     key.starts_with("csi.storage.k8s.io/")
 }
 
+/// What a NodeStage (or NodePublish) request asked of a volume, kept so that a repair can
+/// resolve its options again with the flags of the plugin that does it.
+/// Missing fields are empty: a version that leaves an empty one out is still read.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordedRequest {
     #[serde(default)]
     pub volume_context: BTreeMap<String, String>,
     #[serde(default)]
     pub mount_flags: Vec<String>,
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// A staged volume as NodeStage resolved it.
@@ -213,9 +215,10 @@ impl StateStore {
         Ok(self.volumes()?.remove(volume_id))
     }
 
-    /// Records a staged volume; its publications (and what a newer version recorded of it)
-    /// are kept when the staging path is the same. `request` None: not known (a record
-    /// written by an older version, started again).
+    /// Records a staged volume; its publications (and what a newer version recorded of it
+    /// and of its request, which kubelet repeats unchanged for one staging path) are kept
+    /// when the staging path is the same. `request` None: not known (a record written by an
+    /// older version, started again).
     pub fn record_stage(
         &self,
         volume_id: &str,
@@ -225,18 +228,24 @@ impl StateStore {
         request: Option<&RecordedRequest>,
     ) -> Result<(), StateError> {
         self.update(|v| {
-            let (targets, unknown) = v
+            let (targets, unknown, request_unknown) = v
                 .remove(volume_id)
                 .filter(|old| old.staging == staging)
-                .map(|old| (old.targets, old.unknown))
+                .map(|old| (old.targets, old.unknown, old.request.map(|r| r.unknown)))
                 .unwrap_or_default();
+            let request = request.cloned().map(|mut r| {
+                if r.unknown.is_empty() {
+                    r.unknown = request_unknown.unwrap_or_default();
+                }
+                r
+            });
             v.insert(
                 volume_id.to_string(),
                 RecordedVolume {
                     staging: staging.to_path_buf(),
                     read_only,
                     opts: opts.clone(),
-                    request: request.cloned(),
+                    request,
                     targets,
                     unknown,
                 },
@@ -310,6 +319,7 @@ mod tests {
         RecordedRequest {
             volume_context: [("capacity".to_string(), "5".to_string())].into(),
             mount_flags: vec!["ro".into()],
+            ..Default::default()
         }
     }
 
@@ -433,6 +443,53 @@ mod tests {
         );
         assert!(v.get("request").is_none(), "no request: none recorded");
         assert_eq!(s.get("v").unwrap().unwrap().targets.len(), 2);
+    }
+
+    /// Options and a request a newer version wrote keep what this version does not know
+    /// through its rewrites, and through a repeated NodeStage at the same path.
+    #[test]
+    fn a_newer_versions_fields_in_options_and_request_survive_rewrites() {
+        let dir = tempfile::tempdir().unwrap();
+        let newer = serde_json::json!({
+            "format": FORMAT,
+            "volumes": {"v": {
+                "staging": "/s", "read_only": false,
+                "opts": {"filer_path": "/p", "quota_bytes": 3, "writeback": {"mode": "async"}},
+                "request": {"volume_context": {"k": "v"}, "access_type": "mount"}
+            }}
+        });
+        let file = dir.path().join(FILE_NAME);
+        std::fs::write(&file, newer.to_string()).unwrap();
+        let raw = || -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap()
+        };
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(s.record_publish("v", Path::new("/t/a"), false).unwrap());
+        assert!(s.record_quota("v", 9).unwrap());
+        s.record_unpublish("v", Path::new("/t/a")).unwrap();
+        let v = &raw()["volumes"]["v"];
+        assert_eq!(v["opts"]["writeback"]["mode"], "async", "{v}");
+        assert_eq!(v["opts"]["quota_bytes"], 9);
+        assert_eq!(v["request"]["access_type"], "mount", "{v}");
+
+        // kubelet repeats NodeStage: node.rs records the session's options as they are
+        let rec = s.get("v").unwrap().unwrap();
+        let again = RecordedRequest {
+            volume_context: [("k".to_string(), "v".to_string())].into(),
+            ..Default::default()
+        };
+        s.record_stage("v", Path::new("/s"), false, &rec.opts, Some(&again))
+            .unwrap();
+        let v = &raw()["volumes"]["v"];
+        assert_eq!(v["opts"]["writeback"]["mode"], "async", "{v}");
+        assert_eq!(v["request"]["access_type"], "mount", "{v}");
+
+        // another path: another session, with only what this version gave it
+        s.record_stage("v", Path::new("/s2"), false, &opts("/p"), Some(&again))
+            .unwrap();
+        let v = &raw()["volumes"]["v"];
+        assert!(v["opts"].get("writeback").is_none(), "{v}");
+        assert!(v["request"].get("access_type").is_none(), "{v}");
     }
 
     #[test]
