@@ -1059,6 +1059,47 @@ async fn unstaging_the_stagers_session_path_ends_it_whatever_the_records_say() {
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
+/// A rollback: the state file is a newer version's, which this one cannot read. The plugin
+/// serves its RPCs all the same and leaves the file as it was, for the version that reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_newer_versions_state_file_survives_an_older_plugin() {
+    let site = Site::new("csirollback");
+    let vol = volume("/buckets/rollback", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let (a, t1) = (site.staging("a"), site.target("one"));
+    std::fs::create_dir_all(site.state()).unwrap();
+    let newer = br#"{"format": 2, "volumes": {"/buckets/kept": {"sessions": ["/x"]}}}"#;
+    let file = site.state().join("volumes.json");
+    std::fs::write(&file, newer).unwrap();
+
+    let node = node_generation(site.stager(), &site.state(), Flags::default());
+    assert!(node.spawn_recovery().is_none());
+    node.node_stage_volume(Request::new(stage_req(&vol, &a, mode)))
+        .await
+        .unwrap();
+    node.node_publish_volume(Request::new(publish_req(&vol, &a, &t1, false, mode)))
+        .await
+        .unwrap();
+    assert!(healthy(&a) && healthy(&t1));
+    node.node_unpublish_volume(Request::new(unpublish_req(&vol, &t1)))
+        .await
+        .unwrap();
+    node.node_unstage_volume(Request::new(unstage_req(&vol, &a)))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        newer,
+        "the file was rewritten"
+    );
+    let names: Vec<_> = std::fs::read_dir(site.state())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 2, "the file and its lock only: {names:?}");
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
 /// A static PV's size is its volume context's, which NodeExpandVolume outgrows: a session
 /// started again keeps the expanded quota, after a restart (the state file has it) and by the
 /// same process.

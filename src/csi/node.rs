@@ -205,11 +205,13 @@ impl NodeService {
     }
 
     /// Updates the state file; a failure only costs the self-repair of this volume, so it is
-    /// logged, not returned.
+    /// logged, not returned (a file this version leaves alone is logged once by the store).
     fn record(&self, volume_id: &str, f: impl FnOnce(&StateStore) -> Result<(), StateError>) {
         if let Some(s) = &self.store {
-            if let Err(e) = f(s) {
-                tracing::error!(volume_id, error = %e, "cannot update the state file");
+            match f(s) {
+                Ok(()) => {}
+                Err(e) if e.is_unsupported() => {}
+                Err(e) => tracing::error!(volume_id, error = %e, "cannot update the state file"),
             }
         }
     }
@@ -683,7 +685,9 @@ impl NodeService {
     fn recorded(&self, volume_id: &str) -> Option<RecordedVolume> {
         let store = self.store.as_ref()?;
         store.get(volume_id).unwrap_or_else(|e| {
-            tracing::warn!(volume_id, error = %e, "cannot read the state file");
+            if !e.is_unsupported() {
+                tracing::warn!(volume_id, error = %e, "cannot read the state file");
+            }
             None
         })
     }
@@ -757,6 +761,7 @@ impl NodeService {
         let store = self.store.clone()?;
         let recorded = match store.volumes() {
             Ok(v) => v,
+            Err(e) if e.is_unsupported() => return None,
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the state file; nothing repaired");
                 return None;
@@ -829,6 +834,8 @@ impl NodeService {
         let mut rec: RecordedVolume = match store.get(volume_id) {
             Ok(Some(r)) => r,
             Ok(None) => return Ok(Recovery::Done), // unstaged meanwhile
+            // a newer plugin generation (rolling update) rewrote it: its records are its own
+            Err(e) if e.is_unsupported() => return Ok(Recovery::Done),
             Err(e) => return Err(Status::internal(e.to_string())),
         };
         if !*restaged {

@@ -9,12 +9,17 @@
 //! truth: every change re-reads it. It holds mount options (filer addresses, paths, ids maps)
 //! and requests, but no secrets (not kubelet's pod info either, whose service account tokens
 //! are credentials: node.rs leaves it out); it is still created with mode 0600.
+//!
+//! Rollbacks: what a newer version wrote and this one does not know (fields at every level,
+//! the mount options and requests included) is kept through this version's rewrites, and a
+//! file in a format it cannot read is left alone rather than replaced (see [`StateStore::open`]).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +38,20 @@ pub enum StateError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// JSON this version cannot read: a newer version's format, most likely. Left as it is
+    /// and never written, so its records wait for a version that reads them.
+    #[error("{path}: {reason} (left as it is: this version neither uses nor updates it)")]
+    Unsupported { path: PathBuf, reason: String },
+    /// Not JSON at all: no version wrote it (writes are atomic), so nothing can read it.
+    #[error("{path}: not JSON: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+impl StateError {
+    /// The file is one this version leaves alone (logged once by the store, see `read`).
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, StateError::Unsupported { .. })
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
@@ -104,14 +123,18 @@ struct StateFile {
 pub struct StateStore {
     dir: PathBuf,
     file: PathBuf,
+    /// An unsupported file was logged (once while it stays unsupported).
+    unsupported_logged: AtomicBool,
 }
 
 /// Holds the advisory lock of the state directory while alive.
 struct Locked(#[allow(dead_code)] nix::fcntl::Flock<File>);
 
 impl StateStore {
-    /// Opens (creating if needed) the state directory. A corrupt state file is set aside, not
-    /// fatal: the plugin then only misses the self-repair of what it recorded.
+    /// Opens (creating if needed) the state directory. A state file this version cannot
+    /// read is not fatal: one that is JSON (a newer version's) stays as it is and is not
+    /// written while it stays so; one that is not JSON is set aside under a new name, and the
+    /// plugin only misses the self-repair of what it recorded.
     pub fn open(dir: &Path) -> Result<Self, StateError> {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -121,15 +144,36 @@ impl StateStore {
         let s = StateStore {
             dir: dir.to_path_buf(),
             file: dir.join(FILE_NAME),
+            unsupported_logged: AtomicBool::new(false),
         };
         let _l = s.lock()?;
-        if let Err(e) = s.read() {
-            let aside = dir.join(format!("{FILE_NAME}.corrupt-{}", std::process::id()));
-            tracing::error!(file = %s.file.display(), error = %e, aside = %aside.display(),
-                "unreadable state file set aside; recorded volumes are not repaired");
-            std::fs::rename(&s.file, &aside).map_err(io_err(&s.file))?;
+        match s.read() {
+            Ok(_) | Err(StateError::Unsupported { .. }) => {}
+            Err(e @ StateError::Corrupt { .. }) => {
+                let aside = s.aside_name();
+                tracing::error!(file = %s.file.display(), error = %e, aside = %aside.display(),
+                    "unreadable state file set aside; recorded volumes are not repaired");
+                std::fs::rename(&s.file, &aside).map_err(io_err(&s.file))?;
+            }
+            // Unread, so not moved: every access tries again.
+            Err(e) => tracing::error!(error = %e, "cannot read the state file"),
         }
         Ok(s)
+    }
+
+    /// A name for a corrupt file that no earlier one has (a container's pid repeats).
+    fn aside_name(&self) -> PathBuf {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let base = format!("{FILE_NAME}.corrupt-{secs}-{}", std::process::id());
+        (0u32..)
+            .map(|n| match n {
+                0 => self.dir.join(&base),
+                n => self.dir.join(format!("{base}-{n}")),
+            })
+            .find(|p| std::fs::symlink_metadata(p).is_err())
+            .unwrap_or_else(|| self.dir.join(base))
     }
 
     pub fn path(&self) -> &Path {
@@ -156,19 +200,37 @@ impl StateStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateFile::default()),
             Err(e) => return Err(io_err(&self.file)(e)),
         };
-        let mut st: StateFile = serde_json::from_slice(&bytes)
-            .map_err(|e| io_err(&self.file)(std::io::Error::other(e)))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+                path: self.file.clone(),
+                reason: e.to_string(),
+            })?;
+        let parsed = match json.get("format") {
+            Some(f) if *f != FORMAT => {
+                Err(format!("state format {f}, this version reads {FORMAT}"))
+            }
+            _ => serde_json::from_value::<StateFile>(json).map_err(|e| e.to_string()),
+        };
+        let mut st = match parsed {
+            Ok(st) => st,
+            Err(reason) => {
+                let e = StateError::Unsupported {
+                    path: self.file.clone(),
+                    reason,
+                };
+                if !self.unsupported_logged.swap(true, Ordering::Relaxed) {
+                    tracing::error!(error = %e,
+                        "state file of a newer version (or one this version cannot read): volumes are neither recorded nor repaired by this process until it reads it (it reads it again at every change)");
+                }
+                return Err(e);
+            }
+        };
+        self.unsupported_logged.store(false, Ordering::Relaxed);
         // an earlier build kept pod info (tokens among it): dropped at the next rewrite
         for v in st.volumes.values_mut() {
             if let Some(r) = v.request.as_mut() {
                 r.volume_context.retain(|k, _| !is_pod_info(k));
             }
-        }
-        if st.format != FORMAT {
-            return Err(io_err(&self.file)(std::io::Error::other(format!(
-                "state format {} not supported (want {FORMAT})",
-                st.format
-            ))));
         }
         Ok(st)
     }
@@ -503,26 +565,80 @@ mod tests {
         assert_eq!(again.get("v").unwrap().unwrap().opts.quota_bytes, 10 << 20);
     }
 
-    #[test]
-    fn corrupt_file_is_set_aside() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(FILE_NAME), b"{not json").unwrap();
-        let s = StateStore::open(dir.path()).unwrap();
-        assert!(s.volumes().unwrap().is_empty());
-        let aside = std::fs::read_dir(dir.path())
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .contains("corrupt")
-            })
-            .count();
-        assert_eq!(aside, 1);
-        s.record_stage("v", Path::new("/s"), true, &opts("/x"), Some(&req()))
-            .unwrap();
-        assert!(s.get("v").unwrap().unwrap().read_only);
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Not JSON (no version writes that: writes are atomic): set aside, every time under a
+    /// new name, and the plugin records again.
+    #[test]
+    fn a_file_that_is_not_json_is_set_aside_under_a_new_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(FILE_NAME);
+        for junk in [&b"{not json"[..], b"{\"format\": 1, \"volu"] {
+            std::fs::write(&file, junk).unwrap();
+            let s = StateStore::open(dir.path()).unwrap();
+            assert!(s.volumes().unwrap().is_empty());
+            s.record_stage("v", Path::new("/s"), true, &opts("/x"), Some(&req()))
+                .unwrap();
+            assert!(s.get("v").unwrap().unwrap().read_only);
+        }
+        let aside: Vec<String> = names(dir.path())
+            .into_iter()
+            .filter(|n| n.contains("corrupt"))
+            .collect();
+        assert_eq!(aside.len(), 2, "{aside:?}");
+        let kept: Vec<Vec<u8>> = aside
+            .iter()
+            .map(|n| std::fs::read(dir.path().join(n)).unwrap())
+            .collect();
+        assert!(kept.contains(&b"{not json".to_vec()), "{aside:?}");
+    }
+
+    /// JSON this version cannot read (a newer format, a newer enum variant): kept as it is,
+    /// never written, and the store keeps working for what does not need it; once it is
+    /// gone, the store records again.
+    #[test]
+    fn a_newer_versions_format_is_left_as_it_is_and_not_written() {
+        let newer = [
+            serde_json::json!({"format": 2, "volumes": {"v": {"where": "/s"}}}),
+            serde_json::json!({"format": FORMAT, "volumes": {"v": {
+                "staging": "/s", "read_only": false,
+                "opts": {"volume_server_access": "Quic"}
+            }}}),
+        ];
+        for newer in newer {
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join(FILE_NAME);
+            let bytes = serde_json::to_vec(&newer).unwrap();
+            std::fs::write(&file, &bytes).unwrap();
+            let s = StateStore::open(dir.path()).unwrap();
+            assert!(s.volumes().unwrap_err().is_unsupported());
+            let e = s
+                .record_stage("w", Path::new("/s2"), false, &opts("/p"), Some(&req()))
+                .unwrap_err();
+            assert!(e.is_unsupported(), "{e}");
+            assert!(s.record_unstage("v").unwrap_err().is_unsupported());
+            assert_eq!(
+                std::fs::read(&file).unwrap(),
+                bytes,
+                "the file is untouched"
+            );
+            assert_eq!(names(dir.path()), vec![FILE_NAME, LOCK_NAME]);
+            drop(s);
+            let again = StateStore::open(dir.path()).unwrap();
+            assert_eq!(std::fs::read(&file).unwrap(), bytes);
+            std::fs::remove_file(&file).unwrap();
+            again
+                .record_stage("w", Path::new("/s2"), false, &opts("/p"), Some(&req()))
+                .unwrap();
+            assert!(again.get("w").unwrap().is_some());
+        }
     }
 
     #[test]
