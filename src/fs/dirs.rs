@@ -70,13 +70,20 @@ impl Fs {
             Ok(e) => e,
             Err(_) => return,
         };
+        if !e.is_directory {
+            // the name leads to a file now: not ours to rewrite here
+            return;
+        }
         let a = e.attributes.get_or_insert_with(Default::default);
         let (s, ns) = attr::split_ts(t);
         if (a.mtime, a.mtime_ns) >= (s, ns) {
             return;
         }
         (a.mtime, a.mtime_ns) = (s, ns);
-        (a.ctime, a.ctime_ns) = (s, ns);
+        // never back: a chmod or setxattr since may have set a later ctime
+        if (a.ctime, a.ctime_ns) < (s, ns) {
+            (a.ctime, a.ctime_ns) = (s, ns);
+        }
         if let Err(err) = self.update_entry(dir, e).await {
             tracing::debug!(dir, name, error = %err, "directory time write-back failed");
         }

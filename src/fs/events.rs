@@ -52,7 +52,7 @@ impl Identity {
     }
 
     /// `e` has no inode either, and the same creation time and hard-link id.
-    fn is_inodeless_match(&self, e: &pb::Entry) -> bool {
+    pub(super) fn is_inodeless_match(&self, e: &pb::Entry) -> bool {
         let other = Identity::of(e);
         self.inode == 0
             && other.inode == 0
@@ -436,7 +436,9 @@ impl Fs {
         for of in open {
             let start = {
                 let mut s = of.state.lock();
+                // (a re-read already under way must not clear it with an older answer)
                 s.name_doubt = true;
+                s.epoch += 1;
                 s.want_resync(false)
             };
             if start {
@@ -512,6 +514,7 @@ impl Fs {
                     let mut s = of.state.lock();
                     // the event's move is not taken: it may have moved the file
                     s.name_doubt = true;
+                    s.epoch += 1;
                     s.want_resync(gone)
                 };
                 if start {

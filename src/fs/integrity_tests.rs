@@ -769,3 +769,145 @@ async fn attributes_set_on_an_open_file_being_written_go_with_its_commit() {
     assert_eq!(a2.file_mode & 0o7777, 0o640);
     assert_eq!((a2.uid, a2.gid, a2.mtime), (1234, 5678, 978_307_200));
 }
+
+/// A pending directory time is not written onto a file that took the directory's name
+/// meanwhile (another client replaced it).
+#[tokio::test]
+async fn a_directory_time_is_not_written_onto_a_file_that_took_its_name() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+    let (f, fh) = fs
+        .create(d.ino, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+        .await
+        .unwrap();
+    fs.release(fh, f.ino).await.unwrap();
+    let other = filer.other_client();
+    other
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "d".into(),
+            is_recursive: true,
+            is_delete_data: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    other
+        .create_entry(pb::CreateEntryRequest {
+            directory: "/".into(),
+            entry: Some(pb::Entry {
+                name: "d".into(),
+                attributes: Some(pb::FuseAttributes {
+                    mtime: 1_000,
+                    file_mode: 0o644,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.flush_dir_times().await;
+    let a = filer.get("/d").unwrap().attributes.unwrap();
+    assert_eq!(a.mtime, 1_000, "the file's mtime was rewritten");
+}
+
+/// A directory time written back after a chmod of the directory keeps the chmod's later
+/// ctime (ctime never goes back).
+#[tokio::test]
+async fn a_directory_time_write_back_does_not_move_ctime_back() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (f, fh) = fs
+        .create(d.ino, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+        .await
+        .unwrap();
+    fs.release(fh, f.ino).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let req = SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    fs.setattr(d.ino, req).await.unwrap();
+    let before = filer.get("/d").unwrap().attributes.unwrap();
+    fs.flush_dir_times().await;
+    let after = filer.get("/d").unwrap().attributes.unwrap();
+    assert!(
+        (after.mtime, after.mtime_ns) > (before.mtime, before.mtime_ns),
+        "the contents' time was not written back"
+    );
+    assert_eq!(
+        (after.ctime, after.ctime_ns),
+        (before.ctime, before.ctime_ns),
+        "ctime moved"
+    );
+}
+
+/// A file whose other names are all gone is checked like any other: a hard-link id with a
+/// count of one is not a second name that would take the data.
+#[tokio::test]
+async fn a_file_left_with_one_link_moved_unseen_is_not_created_again() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.link(a.ino, ROOT_INO, "h").await.unwrap();
+    fs.unlink(ROOT_INO, "h").await.unwrap();
+    {
+        let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+        let s = of.state.lock();
+        assert!(!s.entry.hard_link_id.is_empty());
+        assert_eq!(s.entry.hard_link_counter, 1);
+    }
+    rename_f_to_g_unseen(&filer).await;
+    fs.resync();
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    assert_eq!(fs.flush(fh, a.ino).await.unwrap_err().errno, libc::ESTALE);
+    let _ = fs.release(fh, a.ino).await;
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+}
+
+/// The name check before a commit rides out filer errors as the commit itself does.
+#[tokio::test]
+async fn the_name_check_before_a_commit_retries_filer_errors() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // the background re-read that would clear the doubt waits until the commit is done
+    let held = filer.hold_next_lookup("/f");
+    fs.resync();
+    held.arrived().await;
+    fs.write(fh, a.ino, 0, &vec![2u8; MIB]).await.unwrap();
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    of.wait_uploads().await;
+    filer.fail_next(2);
+    fs.flush(fh, a.ino).await.unwrap();
+    held.release();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(crate::chunks::file_size(&e), MIB as u64);
+}
+
+/// A re-read that began before a second resync answers about the name as it was: it must
+/// not clear the doubt the second one raised (the file was moved in between).
+#[tokio::test]
+async fn an_older_re_read_does_not_clear_a_newer_doubt() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let held = filer.hold_next_lookup("/f");
+    fs.resync();
+    held.arrived().await;
+    rename_f_to_g_unseen(&filer).await;
+    fs.resync();
+    held.release();
+    settle().await;
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    assert_eq!(fs.flush(fh, a.ino).await.unwrap_err().errno, libc::ESTALE);
+    let _ = fs.release(fh, a.ino).await;
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+}

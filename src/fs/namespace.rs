@@ -652,10 +652,21 @@ impl Fs {
             .await?;
         let newe = entry_with_name(&updated, newname);
         if let Err(e) = self.create_on_filer(&ndir, &newe, true).await {
-            // undo only the link group, on the entry as it is now
+            if e.errno != libc::EEXIST {
+                // the new name may exist anyway: a count too high only keeps chunks longer
+                return Err(e);
+            }
+            // undo only our count, on the entry as it is now, and only if it is still the
+            // group we joined (a link made meanwhile keeps its count)
             let _ = self
                 .update_fresh(&dir, &name, |e| {
-                    (e.hard_link_id, e.hard_link_counter) = prior;
+                    if e.hard_link_id != updated.hard_link_id {
+                        return Err(errno(libc::ESTALE, "replaced meanwhile"));
+                    }
+                    e.hard_link_counter = (e.hard_link_counter - 1).max(1);
+                    if prior.0.is_empty() && e.hard_link_counter == 1 {
+                        (e.hard_link_id, e.hard_link_counter) = prior;
+                    }
                     Ok(())
                 })
                 .await;

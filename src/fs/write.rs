@@ -1,10 +1,12 @@
 //! The write path of [`Fs`]: writes into open files, background chunk uploads (retried
 //! through short outages), and commits of the entry to the filer (chunk manifests, orphans).
 
+use super::attr::entry_inode;
 use super::events::Identity;
 use super::file::{CommitSnapshot, OpenFile, SealedRun};
 use super::inode::join;
 use super::{errno, now_parts, Fs, Result};
+use crate::filer::FilerError;
 use crate::pb::filer as pb;
 use crate::volume::VolumeError;
 use std::sync::atomic::Ordering;
@@ -131,13 +133,9 @@ impl Fs {
         }
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
-        let (dir, dirty, unlinked, doubt) = {
+        let (dirty, unlinked) = {
             let s = of.state.lock();
-            // (a hard-linked file's names share its content through the filer's link count:
-            // a name removed meanwhile is given back, and the data reaches the others)
-            let doubt = (s.name_doubt && !s.pending_create && s.entry.hard_link_id.is_empty())
-                .then(|| (s.entry.name.clone(), Identity::of(&s.entry)));
-            (s.dir.clone(), s.meta_dirty, s.unlinked, doubt)
+            (s.meta_dirty, s.unlinked)
         };
         if let Some(e) = of.unplaced() {
             return Err(errno(libc::EIO, format!("upload failed: {e}")));
@@ -145,23 +143,9 @@ impl Fs {
         if !dirty || unlinked {
             return Ok(());
         }
-        if let Some((name, known)) = doubt {
-            // The commit creates or replaces the entry at its name: after another client
-            // moved the file unseen, that would bring the old name back with chunks the
-            // moved entry also lists (deleting either then deletes the other's data).
-            let path = join(&dir, &name);
-            if self
-                .look_again(&path, &dir, &name, of.ino, &known)
-                .await?
-                .is_none()
-            {
-                return Err(errno(
-                    libc::ESTALE,
-                    format!("{path}: moved or removed by another client while this node missed its events; not created again"),
-                ));
-            }
-            of.state.lock().name_doubt = false;
-        }
+        self.confirm_name(of).await?;
+        // read after the check: a move applied meanwhile changed name and directory together
+        let dir = of.state.lock().dir.clone();
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
         let start = Instant::now();
@@ -194,6 +178,66 @@ impl Fs {
         self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
         Ok(())
+    }
+
+    /// Before a commit of a file whose name is in doubt (see [`FileState::name_doubt`]):
+    /// the commit creates or replaces the entry at its name, and after another client moved
+    /// the file unseen that would bring the old name back with chunks the moved entry also
+    /// lists (deleting either then deletes the other's data). So the name must still lead
+    /// to the file; a missing name is asked again for a few seconds (the missed move may
+    /// still arrive as a replayed event), then it is ESTALE. Filer errors are retried like
+    /// the commit's own.
+    ///
+    /// [`FileState::name_doubt`]: super::file::FileState::name_doubt
+    async fn confirm_name(&self, of: &OpenFile) -> Result<()> {
+        const SETTLE: Duration = Duration::from_secs(3);
+        let start = Instant::now();
+        let mut pauses = crate::retry::STORAGE.pauses();
+        loop {
+            let (dir, name, epoch, known) = {
+                let s = of.state.lock();
+                // a hard-linked file's names share its content record: a name removed
+                // meanwhile is given back, and the data reaches the others
+                let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
+                if !s.name_doubt || s.pending_create || linked {
+                    return Ok(());
+                }
+                (
+                    s.dir.clone(),
+                    s.entry.name.clone(),
+                    s.epoch,
+                    Identity::of(&s.entry),
+                )
+            };
+            let path = join(&dir, &name);
+            self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            let found = match self.filer.lookup_entry(&dir, &name).await {
+                Ok(e) => Some(entry_inode(&path, &e) == of.ino || known.is_inodeless_match(&e)),
+                Err(FilerError::NotFound(_)) => Some(false),
+                Err(e) if start.elapsed() < self.cfg.upload_retry => {
+                    tracing::warn!(path, error = %e, "checking an open file's name before its commit failed; retrying");
+                    None
+                }
+                Err(e) => return Err(e.into()),
+            };
+            {
+                let mut s = of.state.lock();
+                // an answer about the name as it still is, with no doubt raised since
+                let current =
+                    s.epoch == epoch && (s.dir.as_str(), s.entry.name.as_str()) == (&dir, &name);
+                if current && found == Some(true) {
+                    s.name_doubt = false;
+                    return Ok(());
+                }
+                if current && found == Some(false) && start.elapsed() >= SETTLE {
+                    return Err(errno(
+                        libc::ESTALE,
+                        format!("{path}: moved or removed by another client while this node missed its events; not created again"),
+                    ));
+                }
+            }
+            tokio::time::sleep(pauses.next_pause()).await;
+        }
     }
 
     /// Deletes chunks of ours that no entry references, in the background.
