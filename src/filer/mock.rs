@@ -321,9 +321,115 @@ impl MockFiler {
     /// The next lookup of `path` (full path) reads the entry, then waits for
     /// [`LookupHold::release`] before it answers with what it read.
     pub fn hold_next_lookup(&self, path: &str) -> Arc<LookupHold> {
+        self.hold_next("lookup_entry", path)
+    }
+
+    /// The next rename of `path` (its source) is applied, then waits for
+    /// [`LookupHold::release`] before it answers (the reply is still on its way).
+    pub fn hold_next_rename(&self, path: &str) -> Arc<LookupHold> {
+        self.hold_next("rename_entry", path)
+    }
+
+    /// The next create of `path` waits for [`LookupHold::release`] before it is applied.
+    pub fn hold_next_create(&self, path: &str) -> Arc<LookupHold> {
+        self.hold_next("create_entry", path)
+    }
+
+    fn hold_next(&self, op: &str, path: &str) -> Arc<LookupHold> {
         let h = Arc::new(LookupHold::default());
-        self.shared.holds.lock().push((path.to_string(), h.clone()));
+        self.shared
+            .holds
+            .lock()
+            .push((format!("{op} {path}"), h.clone()));
         h
+    }
+
+    /// The rename itself, applied at once (see [`FilerApi::rename_entry`]).
+    fn rename_now(
+        &self,
+        req: pb::StreamRenameEntryRequest,
+    ) -> Result<Vec<pb::StreamRenameEntryResponse>> {
+        let (od, nd) = (norm_dir(&req.old_directory), norm_dir(&req.new_directory));
+        let (src, dst) = (join(&od, &req.old_name), join(&nd, &req.new_name));
+        check_name(&req.new_name, &dst)?;
+        let sigs = self.sigs(&req.signatures);
+        let mut st = self.shared.state.lock();
+        let Some(src_entry) = st.entries.get(&src).cloned() else {
+            return Err(FilerError::NotFound(format!(
+                "rename source {src}: no entry is found"
+            )));
+        };
+        if src == dst {
+            return Ok(Vec::new());
+        }
+        if !st.exists(&nd) {
+            return Err(FilerError::NotFound(format!(
+                "rename target directory {nd} not found"
+            )));
+        }
+        if !st.is_dir(&nd) {
+            return Err(FilerError::NotADirectory(format!(
+                "rename target {nd} is not directory"
+            )));
+        }
+        if src_entry.is_directory && (dst.starts_with(&format!("{src}/")) || nd == src) {
+            return Err(FilerError::InvalidArgument(format!(
+                "cannot move {src} into itself"
+            )));
+        }
+        if let Some(t) = st.entries.get(&dst).cloned() {
+            match (src_entry.is_directory, t.is_directory) {
+                (true, true) if st.has_children(&dst) => {
+                    return Err(FilerError::NotEmpty(format!(
+                        "rename target {dst} is not empty"
+                    )))
+                }
+                (false, true) => return Err(FilerError::IsADirectory(dst)),
+                (true, false) => {
+                    return Err(FilerError::NotADirectory(format!("{dst} is not directory")))
+                }
+                _ => {}
+            }
+            st.entries.remove(&dst);
+        }
+        // Move the entry, then its descendants (parents before children, like the filer's events).
+        let mut moves = vec![(src.clone(), dst.clone())];
+        for d in st.descendants(&src) {
+            let nd2 = format!("{dst}{}", &d[src.len()..]);
+            moves.push((d, nd2));
+        }
+        let mut out = Vec::new();
+        for (from, to) in moves {
+            let Some(old) = st.entries.remove(&from) else {
+                continue;
+            };
+            let (from_dir, _) = split(&from);
+            let (to_dir, to_name) = split(&to);
+            let mut new = old.clone();
+            new.name = to_name;
+            st.entries.insert(to, new.clone());
+            let ev = st.log_event(&from_dir, Some(old), Some(new), &to_dir, &sigs, false);
+            out.push(pb::StreamRenameEntryResponse {
+                directory: ev.directory,
+                event_notification: ev.event_notification,
+                ts_ns: ev.ts_ns,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Waits at a hold set for `op` on `path`, if there is one.
+    async fn wait_at_hold(&self, op: &str, path: &str) {
+        let key = format!("{op} {path}");
+        let hold = {
+            let mut holds = self.shared.holds.lock();
+            let i = holds.iter().position(|(p, _)| *p == key);
+            i.map(|i| holds.remove(i).1)
+        };
+        if let Some(h) = hold {
+            h.arrived.notify_one();
+            h.release.notified().await;
+        }
     }
 
     /// Total bytes reported by `statistics`.
@@ -400,15 +506,7 @@ impl FilerApi for MockFiler {
         self.enter("lookup_entry")?;
         let path = join(&norm_dir(dir), name);
         let found = self.shared.state.lock().entries.get(&path).cloned();
-        let hold = {
-            let mut holds = self.shared.holds.lock();
-            let i = holds.iter().position(|(p, _)| *p == path);
-            i.map(|i| holds.remove(i).1)
-        };
-        if let Some(h) = hold {
-            h.arrived.notify_one();
-            h.release.notified().await;
-        }
+        self.wait_at_hold("lookup_entry", &path).await;
         found.ok_or(FilerError::NotFound(path))
     }
 
@@ -447,6 +545,7 @@ impl FilerApi for MockFiler {
             .ok_or_else(|| FilerError::InvalidArgument("create without entry".into()))?;
         let path = join(&dir, &entry.name);
         check_name(&entry.name, &path)?;
+        self.wait_at_hold("create_entry", &path).await;
         let sigs = self.sigs(&req.signatures);
         let mut st = self.shared.state.lock();
         if st.exists(&dir) && !st.is_dir(&dir) {
@@ -604,73 +703,10 @@ impl FilerApi for MockFiler {
         req: pb::StreamRenameEntryRequest,
     ) -> Result<Vec<pb::StreamRenameEntryResponse>> {
         self.enter("rename_entry")?;
-        let (od, nd) = (norm_dir(&req.old_directory), norm_dir(&req.new_directory));
-        let (src, dst) = (join(&od, &req.old_name), join(&nd, &req.new_name));
-        check_name(&req.new_name, &dst)?;
-        let sigs = self.sigs(&req.signatures);
-        let mut st = self.shared.state.lock();
-        let Some(src_entry) = st.entries.get(&src).cloned() else {
-            return Err(FilerError::NotFound(format!(
-                "rename source {src}: no entry is found"
-            )));
-        };
-        if src == dst {
-            return Ok(Vec::new());
-        }
-        if !st.exists(&nd) {
-            return Err(FilerError::NotFound(format!(
-                "rename target directory {nd} not found"
-            )));
-        }
-        if !st.is_dir(&nd) {
-            return Err(FilerError::NotADirectory(format!(
-                "rename target {nd} is not directory"
-            )));
-        }
-        if src_entry.is_directory && (dst.starts_with(&format!("{src}/")) || nd == src) {
-            return Err(FilerError::InvalidArgument(format!(
-                "cannot move {src} into itself"
-            )));
-        }
-        if let Some(t) = st.entries.get(&dst).cloned() {
-            match (src_entry.is_directory, t.is_directory) {
-                (true, true) if st.has_children(&dst) => {
-                    return Err(FilerError::NotEmpty(format!(
-                        "rename target {dst} is not empty"
-                    )))
-                }
-                (false, true) => return Err(FilerError::IsADirectory(dst)),
-                (true, false) => {
-                    return Err(FilerError::NotADirectory(format!("{dst} is not directory")))
-                }
-                _ => {}
-            }
-            st.entries.remove(&dst);
-        }
-        // Move the entry, then its descendants (parents before children, like the filer's events).
-        let mut moves = vec![(src.clone(), dst.clone())];
-        for d in st.descendants(&src) {
-            let nd2 = format!("{dst}{}", &d[src.len()..]);
-            moves.push((d, nd2));
-        }
-        let mut out = Vec::new();
-        for (from, to) in moves {
-            let Some(old) = st.entries.remove(&from) else {
-                continue;
-            };
-            let (from_dir, _) = split(&from);
-            let (to_dir, to_name) = split(&to);
-            let mut new = old.clone();
-            new.name = to_name;
-            st.entries.insert(to, new.clone());
-            let ev = st.log_event(&from_dir, Some(old), Some(new), &to_dir, &sigs, false);
-            out.push(pb::StreamRenameEntryResponse {
-                directory: ev.directory,
-                event_notification: ev.event_notification,
-                ts_ns: ev.ts_ns,
-            });
-        }
-        Ok(out)
+        let src = join(&norm_dir(&req.old_directory), &req.old_name);
+        let out = self.rename_now(req);
+        self.wait_at_hold("rename_entry", &src).await;
+        out
     }
 
     async fn assign_volume(

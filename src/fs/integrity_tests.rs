@@ -911,3 +911,140 @@ async fn an_older_re_read_does_not_clear_a_newer_doubt() {
     let _ = fs.release(fh, a.ino).await;
     assert!(filer.get("/f").is_none(), "the old name was created again");
 }
+
+/// A commit that starts while this node's rename of the file is on its way to the filer
+/// (a close from another thread) waits for it and goes to the new name: written to the old
+/// name, it would create that name again with the chunks the moved entry lists.
+#[tokio::test]
+async fn a_commit_during_our_rename_of_the_file_goes_to_the_new_name() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let held = filer.hold_next_rename("/f");
+    let rename = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.rename(ROOT_INO, "f", ROOT_INO, "g", 0).await })
+    };
+    held.arrived().await;
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    let flush = {
+        let fs = fs.clone();
+        let ino = a.ino;
+        tokio::spawn(async move { fs.flush(fh, ino).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    rename.await.unwrap().unwrap();
+    flush.await.unwrap().unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+    let of = fs.open_inode(a.ino, false).await.unwrap();
+    assert_eq!(&fs.read_range(&of, 0, 6).await.unwrap()[..], b"after!");
+    assert_eq!(crate::chunks::file_size(&filer.get("/g").unwrap()), 6);
+}
+
+/// A commit of an open file that a rename replaces, already on its way to the filer when
+/// the rename starts, lands before the rename: after it, it would write the replaced file
+/// over the moved one (and the filer would delete the moved file's chunks).
+#[tokio::test]
+async fn a_commit_of_the_file_our_rename_replaces_does_not_overwrite_the_moved_one() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"moved").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let (t, tfh) = fs
+        .create(ROOT_INO, "t", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(tfh, t.ino, 0, b"old target").await.unwrap();
+    fs.flush(tfh, t.ino).await.unwrap();
+    fs.write(tfh, t.ino, 0, b"late").await.unwrap();
+    let held = filer.hold_next_create("/t");
+    let flush = {
+        let fs = fs.clone();
+        let ino = t.ino;
+        tokio::spawn(async move { fs.flush(tfh, ino).await })
+    };
+    held.arrived().await;
+    let rename = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.rename(ROOT_INO, "f", ROOT_INO, "t", 0).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    let _ = flush.await.unwrap();
+    rename.await.unwrap().unwrap();
+    let _ = fs.release(tfh, t.ino).await;
+    let e = filer.get("/t").unwrap();
+    assert_eq!(
+        crate::chunks::file_size(&e),
+        5,
+        "the replaced file was written over it"
+    );
+    let ino = fs.lookup(ROOT_INO, "t").await.unwrap().ino;
+    let of = fs.open_inode(ino, false).await.unwrap();
+    assert_eq!(&fs.read_range(&of, 0, 5).await.unwrap()[..], b"moved");
+}
+
+/// A commit that starts while this node's link of the file is on its way keeps the link
+/// group: without it the file's two names would list the same chunks as two files.
+#[tokio::test]
+async fn a_commit_during_our_link_of_the_file_keeps_the_link_group() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let held = filer.hold_next_create("/h");
+    let link = {
+        let fs = fs.clone();
+        let ino = a.ino;
+        tokio::spawn(async move { fs.link(ino, ROOT_INO, "h").await })
+    };
+    held.arrived().await;
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    let flush = {
+        let fs = fs.clone();
+        let ino = a.ino;
+        tokio::spawn(async move { fs.flush(fh, ino).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    link.await.unwrap().unwrap();
+    flush.await.unwrap().unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let (f, h) = (filer.get("/f").unwrap(), filer.get("/h").unwrap());
+    assert!(
+        !f.hard_link_id.is_empty(),
+        "the commit dropped the link group"
+    );
+    assert_eq!(f.hard_link_id, h.hard_link_id);
+}
+
+/// A commit already on its way to the filer when this node unlinks the file lands before
+/// the delete: after it, it would create the name again with chunks the delete removed.
+#[tokio::test]
+async fn a_commit_on_its_way_when_we_unlink_the_file_does_not_bring_it_back() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"late").await.unwrap();
+    let held = filer.hold_next_create("/f");
+    let flush = {
+        let fs = fs.clone();
+        let ino = a.ino;
+        tokio::spawn(async move { fs.flush(fh, ino).await })
+    };
+    held.arrived().await;
+    let unlink = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.unlink(ROOT_INO, "f").await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    let _ = flush.await.unwrap();
+    unlink.await.unwrap().unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(filer.get("/f").is_none(), "the unlinked name came back");
+}

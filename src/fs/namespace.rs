@@ -325,6 +325,12 @@ impl Fs {
         // other names of a hard-linked file keep it (and its open handles) alive
         let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
         let of = self.open_file(ino);
+        // a commit of the file already on its way lands first: after the delete it would
+        // create the name again, listing chunks the delete removes
+        let _commit = match &of {
+            Some(of) if !linked => Some(of.commit.lock().await),
+            _ => None,
+        };
         let (pending, marked) = match &of {
             Some(of) => {
                 let mut s = of.state.lock();
@@ -487,19 +493,11 @@ impl Fs {
                 }
                 _ => {}
             }
-            // the replaced file lives on in open handles only (undone if the rename fails)
-            let dino = entry_inode(&npath, d);
-            if let Some(of) = self.open_file(dino) {
-                let marked = {
-                    let mut s = of.state.lock();
-                    !std::mem::replace(&mut s.unlinked, true)
-                };
-                let r = self.rename_plain(&odir, name, &ndir, newname, &src).await;
-                if r.is_err() && marked {
-                    of.state.lock().unlinked = false;
-                }
-                return r;
-            }
+            // the replaced file lives on in open handles only
+            let replaced = self.open_file(entry_inode(&npath, d));
+            return self
+                .rename_plain_over(&odir, name, &ndir, newname, &src, replaced)
+                .await;
         }
         self.rename_plain(&odir, name, &ndir, newname, &src).await
     }
@@ -512,6 +510,21 @@ impl Fs {
         newname: &str,
         src: &pb::Entry,
     ) -> Result<()> {
+        self.rename_plain_over(odir, name, ndir, newname, src, None)
+            .await
+    }
+
+    /// Moves `odir/name` to `ndir/newname`; `replaced` is the open file the move replaces
+    /// there, unlinked by it (undone if the move fails).
+    async fn rename_plain_over(
+        &self,
+        odir: &str,
+        name: &str,
+        ndir: &str,
+        newname: &str,
+        src: &pb::Entry,
+        replaced: Option<Arc<OpenFile>>,
+    ) -> Result<()> {
         let opath = join(odir, name);
         let npath = join(ndir, newname);
         let ino = entry_inode(&opath, src);
@@ -519,10 +532,22 @@ impl Fs {
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
         }
+        // This node's commits of the moved files, and of the replaced one, wait until the
+        // open files know their new names: a commit in between would create the old name
+        // again, or write the replaced file over the moved one, with chunks another entry
+        // lists (deleting either would delete the other's data).
+        let held = self.open_files_at(&opath, replaced.as_ref());
+        let mut _commits = Vec::with_capacity(held.len());
+        for of in &held {
+            _commits.push(of.commit.lock().await);
+        }
+        let marked = replaced
+            .as_ref()
+            .is_some_and(|of| !std::mem::replace(&mut of.state.lock().unlinked, true));
         let _old = self.note_local(odir, name, Some(ino));
         let _new = self.note_local(ndir, newname, None);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let events = self
+        let events = match self
             .filer
             .rename_entry(pb::StreamRenameEntryRequest {
                 old_directory: odir.to_string(),
@@ -531,7 +556,16 @@ impl Fs {
                 new_name: newname.to_string(),
                 ..Default::default()
             })
-            .await?;
+            .await
+        {
+            Ok(events) => events,
+            Err(e) => {
+                if let (Some(of), true) = (&replaced, marked) {
+                    of.state.lock().unlinked = false;
+                }
+                return Err(e.into());
+            }
+        };
         let moved = events
             .iter()
             .filter_map(|r| r.event_notification.as_ref())
@@ -571,6 +605,28 @@ impl Fs {
         self.touch_dir(odir);
         self.touch_dir(ndir);
         Ok(())
+    }
+
+    /// The open files at `opath` or below it, and `also`, each once, in inode order (the
+    /// order their commit locks are taken in when one task holds several).
+    fn open_files_at(&self, opath: &str, also: Option<&Arc<OpenFile>>) -> Vec<Arc<OpenFile>> {
+        let prefix = format!("{opath}/");
+        let mut out: Vec<Arc<OpenFile>> = {
+            let files = self.files.lock();
+            files
+                .values()
+                .filter(|o| {
+                    let s = o.file.state.lock();
+                    let p = join(&s.dir, &s.entry.name);
+                    p == opath || p.starts_with(&prefix)
+                })
+                .map(|o| o.file.clone())
+                .collect()
+        };
+        out.extend(also.cloned());
+        out.sort_by_key(|of| of.ino);
+        out.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        out
     }
 
     /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
@@ -624,9 +680,17 @@ impl Fs {
         self.check_new_name(newname)?;
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        if let Some(of) = self.open_file(ino) {
-            self.flush_file(&of).await?;
+        let open = self.open_file(ino);
+        if let Some(of) = &open {
+            self.flush_file(of).await?;
         }
+        // This node's commits of the file wait until it knows its link group: one in between
+        // would write the entry without it, and its two names would then list the same
+        // chunks as two files (deleting either would delete the other's data).
+        let _commit = match &open {
+            Some(of) => Some(of.commit.lock().await),
+            None => None,
+        };
         let ndir = self.parent_dir(newparent).await?;
         self.ensure_absent(&ndir, newname).await?;
         // the link group is set on the filer's current entry (a cached one may miss another
