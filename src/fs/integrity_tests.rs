@@ -1048,3 +1048,25 @@ async fn a_commit_on_its_way_when_we_unlink_the_file_does_not_bring_it_back() {
     fs.release(fh, a.ino).await.unwrap();
     assert!(filer.get("/f").is_none(), "the unlinked name came back");
 }
+
+/// A directory renamed before its pending time is written back gets it at its new path
+/// (at the old one it was lost: the name no longer exists there).
+#[tokio::test]
+async fn a_pending_directory_time_follows_the_directory_when_it_is_renamed() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let d = fs.mkdir(ROOT_INO, "d", 0o755, 0, 0, 0).await.unwrap();
+    let made = filer.get("/d").unwrap().attributes.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (f, fh) = fs
+        .create(d.ino, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+        .await
+        .unwrap();
+    fs.release(fh, f.ino).await.unwrap();
+    fs.rename(ROOT_INO, "d", ROOT_INO, "e", 0).await.unwrap();
+    fs.flush_dir_times().await;
+    let a = filer.get("/e").unwrap().attributes.unwrap();
+    assert!(
+        (a.mtime, a.mtime_ns) > (made.mtime, made.mtime_ns),
+        "the contents' change was lost by the rename"
+    );
+}

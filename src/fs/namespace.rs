@@ -408,6 +408,7 @@ impl Fs {
         self.meta.remove(&dir, name);
         self.meta.invalidate_dir(&path, true);
         self.inodes.unlink_path(&path);
+        self.dir_times.lock().remove(&path);
         self.touch_dir(&dir);
         Ok(())
     }
@@ -632,8 +633,25 @@ impl Fs {
     /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
     pub(super) fn moved(&self, opath: &str, npath: &str) {
         self.inodes.rename(opath, npath);
-        let files = self.files.lock();
         let prefix = format!("{opath}/");
+        {
+            // pending directory times go with their directories (at the old path they would
+            // be lost, or land on a directory made there since)
+            let mut times = self.dir_times.lock();
+            let keys: Vec<String> = times
+                .keys()
+                .filter(|k| *k == opath || k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            for k in keys {
+                if let Some(t) = times.remove(&k) {
+                    let nk = format!("{npath}{}", &k[opath.len()..]);
+                    let at = times.entry(nk).or_insert(t);
+                    *at = (*at).max(t);
+                }
+            }
+        }
+        let files = self.files.lock();
         for o in files.values() {
             let mut s = o.file.state.lock();
             let p = join(&s.dir, &s.entry.name);
