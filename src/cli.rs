@@ -84,6 +84,12 @@ pub struct DriverArgs {
     #[arg(long = "cacheCapacityMB", env = "WEED_CACHECAPACITYMB")]
     pub cache_capacity_mb: Option<u64>,
 
+    /// Memory budget of the node plugin in MiB, shared by every staged volume (dirty write
+    /// data may take a quarter of it); 0: none; default: 3/4 of the container's cgroup
+    /// memory limit, else 1/4 of the machine's memory
+    #[arg(long = "memoryBudgetMB", env = "WEED_MEMORYBUDGETMB")]
+    pub memory_budget_mb: Option<u64>,
+
     /// Metadata cache TTL in seconds
     #[arg(long = "cacheMetaTtlSec", env = "WEED_CACHEMETATTLSEC")]
     pub cache_meta_ttl_sec: Option<u64>,

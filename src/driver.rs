@@ -20,6 +20,9 @@ pub type StagerOverride = Box<dyn FnOnce() -> anyhow::Result<Arc<dyn Stager>> + 
 /// replaces the FUSE stager on nodes (see the `seaweedfs-csi-test-support` binary).
 pub fn run(args: DriverArgs, stager_override: Option<StagerOverride>) -> anyhow::Result<()> {
     let plan = args.plan()?;
+    if plan.run_node {
+        crate::budget::MemoryBudget::configure(args.memory_budget_mb);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

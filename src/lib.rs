@@ -8,6 +8,7 @@
 //! - [`fs`]: filesystem logic, free of FUSE types.
 //! - [`fuse`]: thin `fuser` adapter, session lifecycle, live-connection takeover.
 //! - [`csi`]: CSI Identity/Controller/Node services.
+pub mod budget;
 pub mod cache;
 pub mod chunks;
 pub mod cli;

@@ -11,6 +11,7 @@
 //! lock and its invariants, and its unit tests need them.
 
 use super::attr::entry_size;
+use crate::budget::{Charge, MemoryBudget};
 use crate::chunks;
 use crate::pb::filer as pb;
 use bytes::Bytes;
@@ -46,10 +47,12 @@ pub struct Slot {
     pub data: Vec<u8>,
     /// Sorted, non-overlapping, merged written ranges within the slot.
     pub ranges: Vec<(usize, usize)>,
+    /// `data`'s memory, held against the node's budget.
+    charge: Option<Charge>,
 }
 
 impl Slot {
-    fn write(&mut self, at: usize, buf: &[u8], slot_size: usize) {
+    fn write(&mut self, at: usize, buf: &[u8], slot_size: usize, budget: &Arc<MemoryBudget>) {
         let end = at + buf.len();
         if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
             // a large writer fills the slot: allocate it once instead of growing it
@@ -60,6 +63,9 @@ impl Slot {
         }
         self.data[at..end].copy_from_slice(buf);
         add_range(&mut self.ranges, at, end);
+        self.charge
+            .get_or_insert_with(|| budget.charge())
+            .set(self.data.capacity() as u64);
     }
 
     pub fn written(&self) -> usize {
@@ -102,6 +108,9 @@ pub struct Inflight {
     pub data: Bytes,
     pub ts: i64,
     pub failed: bool,
+    /// The sealed slot's memory, held against the node's budget while the upload runs (a
+    /// failed run is not held: the file takes no more writes until it is placed).
+    pub charge: Option<Arc<Charge>>,
 }
 
 /// A run sealed for upload.
@@ -271,6 +280,8 @@ pub struct OpenFile {
     pub max_slots: usize,
     /// Where the latest sequential reader of any handle prefetched from (`u64::MAX`: none).
     pub stream_pos: AtomicU64,
+    /// What this file's dirty bytes are charged to.
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// A planned read: its end offset, the pieces, and dirty bytes `(offset, data)` laid over them.
@@ -336,7 +347,14 @@ impl OpenFile {
             chunk_size: chunk_size.max(1),
             max_slots: max_slots.max(2),
             stream_pos: AtomicU64::new(u64::MAX),
+            budget: MemoryBudget::global().clone(),
         }
+    }
+
+    /// Charges this file's dirty data to `budget` (the process's by default).
+    pub fn with_budget(mut self, budget: Arc<MemoryBudget>) -> Self {
+        self.budget = budget;
+        self
     }
 
     pub fn path(&self) -> String {
@@ -352,9 +370,9 @@ impl OpenFile {
             // Move inline content into the dirty buffer first, so a partial overwrite keeps it
             // (weed mount drops it).
             let content = std::mem::take(&mut s.entry.content);
-            write_slots(&mut s, cs, 0, &content);
+            write_slots(&mut s, cs, 0, &content, &self.budget);
         }
-        write_slots(&mut s, cs, offset, buf);
+        write_slots(&mut s, cs, offset, buf, &self.budget);
         s.uncommitted += buf.len() as u64;
         s.size = s.size.max(offset + buf.len() as u64);
         s.touch();
@@ -431,6 +449,7 @@ impl OpenFile {
                 }
                 Err(e) => {
                     s.inflight[pos].failed = true;
+                    s.inflight[pos].charge = None;
                     s.error = Some(e);
                 }
             }
@@ -519,7 +538,7 @@ impl OpenFile {
                 s.entry.content = c;
             } else {
                 c.truncate(size as usize);
-                write_slots(s, cs, 0, &c);
+                write_slots(s, cs, 0, &c, &self.budget);
             }
         }
         // runs that could not be placed yet are cut like any other data
@@ -815,7 +834,7 @@ pub fn cut_start(chunks: &[pb::FileChunk], size: u64) -> Option<u64> {
         .min()
 }
 
-fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
+fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8], budget: &Arc<MemoryBudget>) {
     let mut pos = 0usize;
     while pos < buf.len() {
         let off = offset + pos as u64;
@@ -825,7 +844,7 @@ fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8]) {
         s.slots
             .entry(k)
             .or_default()
-            .write(in_slot, &buf[pos..pos + n], cs as usize);
+            .write(in_slot, &buf[pos..pos + n], cs as usize, budget);
         pos += n;
     }
 }
@@ -835,6 +854,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
         return Vec::new();
     };
     let data = Bytes::from(sl.data);
+    let charge = sl.charge.map(Arc::new);
     let mut out = Vec::new();
     for (a, b) in sl.ranges {
         let id = s.next_id;
@@ -851,6 +871,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
             data: run.data.clone(),
             ts: run.ts,
             failed: false,
+            charge: charge.clone(),
         });
         out.push(run);
     }

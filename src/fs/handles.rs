@@ -184,7 +184,8 @@ impl Fs {
                 entry,
                 self.cfg.chunk_size,
                 self.cfg.max_dirty_slots,
-            );
+            )
+            .with_budget(self.cfg.budget.clone());
             {
                 let mut s = of.state.lock();
                 s.max_ts = s
@@ -209,7 +210,8 @@ impl Fs {
             entry,
             self.cfg.chunk_size,
             self.cfg.max_dirty_slots,
-        ))
+        )
+        .with_budget(self.cfg.budget.clone()))
     }
 
     async fn cache_remote(&self, dir: &str, name: &str) -> Result<pb::Entry> {

@@ -4,6 +4,8 @@
 
 pub mod acl;
 pub mod attr;
+#[cfg(test)]
+mod budget_tests;
 mod dirs;
 mod entries;
 mod events;
@@ -35,6 +37,7 @@ pub use dirs::{DirEntryOut, DirListing};
 pub use setattr::SetAttr;
 pub use space::StatFs;
 
+use crate::budget::MemoryBudget;
 use crate::cache::ChunkCache;
 use crate::config::MountOptions;
 use crate::filer::{FilerApi, FilerError};
@@ -184,6 +187,8 @@ pub struct FsConfig {
     /// ENODATA (xattr labelling), so it stays off. Labels that are set are stored and
     /// returned either way.
     pub selinux_label_unsupported: bool,
+    /// The node's memory budget, shared by every session (dirty write data is charged to it).
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// SELinux is enabled when its filesystem is mounted (what libselinux checks).
@@ -220,6 +225,7 @@ impl FsConfig {
             cipher: false,
             upload_retry: Duration::from_secs(60),
             selinux_label_unsupported: !selinux_enabled(),
+            budget: MemoryBudget::global().clone(),
         }
     }
 }

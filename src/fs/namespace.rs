@@ -284,13 +284,16 @@ impl Fs {
         if let Some(a) = e.attributes.as_mut() {
             a.inode = ino;
         }
-        let of = Arc::new(OpenFile::new(
-            ino,
-            dir.clone(),
-            e.clone(),
-            self.cfg.chunk_size,
-            self.cfg.max_dirty_slots,
-        ));
+        let of = Arc::new(
+            OpenFile::new(
+                ino,
+                dir.clone(),
+                e.clone(),
+                self.cfg.chunk_size,
+                self.cfg.max_dirty_slots,
+            )
+            .with_budget(self.cfg.budget.clone()),
+        );
         // the name exists here from now on, before the filer has it
         self.remember_local(&dir, name);
         {

@@ -36,6 +36,9 @@ impl Fs {
                 }
             }
         }
+        if self.cfg.budget.dirty_over() {
+            self.make_room(&of).await;
+        }
         let runs = of.write(offset, data);
         self.verifier.dirtied(ino);
         {
@@ -51,6 +54,33 @@ impl Fs {
             self.start_uploads(&of, runs, false).await;
         }
         Ok(data.len() as u32)
+    }
+
+    /// The node's dirty data is over its budget: this file's dirty bytes start uploading,
+    /// every session is asked to do the same, and the writer waits for room.
+    async fn make_room(&self, of: &Arc<OpenFile>) {
+        let runs = of.seal_all();
+        if !runs.is_empty() {
+            self.start_uploads(of, runs, true).await;
+        }
+        self.cfg.budget.wait_for_room().await;
+    }
+
+    /// Answers writers waiting for room in the node's budget (see [`Self::make_room`]):
+    /// the dirty bytes of every file open here start uploading. Runs until the task is
+    /// aborted with the session.
+    pub async fn relieve_memory_pressure(&self) {
+        loop {
+            self.cfg.budget.pressed().await;
+            let open: Vec<Arc<OpenFile>> =
+                self.files.lock().values().map(|o| o.file.clone()).collect();
+            for of in open {
+                let runs = of.seal_all();
+                if !runs.is_empty() {
+                    self.start_uploads(&of, runs, true).await;
+                }
+            }
+        }
     }
 
     /// Starts background uploads; waits for an upload slot first (backpressure on writers).

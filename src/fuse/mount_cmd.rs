@@ -36,6 +36,10 @@ pub struct MountArgs {
     pub ttl: i32,
     #[arg(long = "dataCenter", default_value = "")]
     pub data_center: String,
+    /// Memory budget of this process in MiB (dirty write data may take a quarter of it);
+    /// 0: none; default: 3/4 of the cgroup memory limit, else 1/4 of the machine's memory
+    #[arg(long = "memoryBudgetMB")]
+    pub memory_budget_mb: Option<u64>,
     #[arg(long = "chunkSizeLimitMB", default_value_t = 2)]
     pub chunk_size_limit_mb: u32,
     #[arg(long = "concurrentWriters", default_value_t = 32)]
@@ -126,6 +130,7 @@ impl MountArgs {
 pub fn run(args: MountArgs) -> anyhow::Result<()> {
     let opts = args.to_options()?;
     check_mount_point(&args.dir, args.dir_auto_create, args.nonempty)?;
+    crate::budget::MemoryBudget::configure(args.memory_budget_mb);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

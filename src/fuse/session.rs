@@ -157,7 +157,9 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
             }
         }
     });
-    vec![events, flusher, health]
+    let f = fs.clone();
+    let pressure = tokio::spawn(async move { f.relieve_memory_pressure().await });
+    vec![events, flusher, health, pressure]
 }
 
 /// Checks that `dir` can be mounted on: exists (or is created), is a directory, is empty
