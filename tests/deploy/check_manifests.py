@@ -429,7 +429,7 @@ FULL_VALUES = {
     "concurrentReaders": 32,
     "dataLocality": "write_preferLocalDc",
     "logFilter": "info,seaweedfs_csi_driver=debug",
-    "node": {"dataCenter": "dc1", "tolerations": [{"operator": "Exists"}],
+    "node": {"dataCenter": "dc1", "tolerations": [{"operator": "Exists"}], "memoryBudgetMB": 768,
              "nodeSelector": {"kubernetes.io/os": "linux"},
              "volumes": {"plugins_dir": "/var/lib/k0s/kubelet/plugins",
                          "pods_mount_dir": "/var/lib/k0s/kubelet/pods",
@@ -606,7 +606,7 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     plugin = container(node, "seaweedfs-csi-plugin")
     want = ["--cacheCapacityMB=256", "--cacheMetaTtlSec=30", "--concurrentWriters=64",
             "--concurrentReaders=32", "--dataLocality=write_preferLocalDc", "--dataCenter=dc1",
-            "--filer=f1:8888,f2:8888", "--driverName=swfs.example.com"]
+            "--filer=f1:8888,f2:8888", "--driverName=swfs.example.com", "--memoryBudgetMB=768"]
     for w in want:
         if w not in plugin["args"]:
             p.add("helm full values", f"node args lack {w}: {plugin['args']}")
@@ -628,6 +628,8 @@ def run(flags: dict[str, set[str]] | None) -> Problems:
     genv = {e["name"]: e.get("value") for e in container(gnode, "seaweedfs-csi-plugin")["env"]}
     if genv.get("WEED_V") != "4":
         p.add("helm go-style values", f"logVerbosity 4 should give WEED_V=4, got {genv.get('WEED_V')}")
+    if any(a.startswith("--memoryBudgetMB") for a in container(gnode, "seaweedfs-csi-plugin")["args"]):
+        p.add("helm go-style values", "no node.memoryBudgetMB must leave the flag to its default")
     if "--cacheCapacityMB=0" not in container(gnode, "seaweedfs-csi-plugin")["args"]:
         p.add("helm go-style values", "cacheCapacityMB: 0 must be passed through")
 

@@ -171,6 +171,9 @@ secret:
 {{- if hasKey .Values "concurrentReaders" }}
 - --concurrentReaders={{ .Values.concurrentReaders }}
 {{- end }}
+{{- if hasKey .Values.node "memoryBudgetMB" }}
+- --memoryBudgetMB={{ .Values.node.memoryBudgetMB }}
+{{- end }}
 {{- end -}}
 
 {{- define "seaweedfs-csi-driver.pluginDir" -}}
