@@ -131,6 +131,14 @@ pub fn entry_inode(path: &str, e: &pb::Entry) -> u64 {
     }
 }
 
+/// An entry's creation time: (seconds, nanoseconds); (0, 0) when unknown.
+pub fn birth(e: &pb::Entry) -> (i64, i32) {
+    e.attributes
+        .as_ref()
+        .map(|a| (a.crtime, a.crtime_ns))
+        .unwrap_or((0, 0))
+}
+
 /// Filer seconds and nanoseconds (nanoseconds always forward, also before 1970) as a time.
 pub fn ts(secs: i64, nanos: i32) -> SystemTime {
     let nanos = Duration::from_nanos(nanos.clamp(0, 999_999_999) as u64);

@@ -1,7 +1,7 @@
 //! Directories of [`Fs`]: handles and listings (readdir(plus), the names an event took away
 //! meanwhile), and directory times written back to the filer.
 
-use super::attr::{self, entry_attr, entry_inode, Attr, Kind};
+use super::attr::{self, entry_attr, Attr, Kind};
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
 use super::{errno, Fs, Result};
@@ -143,7 +143,7 @@ impl Fs {
         });
         for e in entries {
             let path = join(&dir, &e.name);
-            let eino = entry_inode(&path, &e);
+            let eino = self.node_id(&path, &e);
             let a = self.attr_of(eino, &path, &e);
             out.push(DirEntryOut {
                 name: e.name.clone(),
@@ -191,7 +191,7 @@ impl Fs {
             return Some(a);
         }
         match self.meta.lookup(&dir, &e.name) {
-            Cached::Found(cur) if entry_inode(&path, &cur) == e.ino => {
+            Cached::Found(cur) if self.node_id(&path, &cur) == e.ino => {
                 Some(self.attr_of(e.ino, &path, &cur))
             }
             _ => Some(snap.clone()),
@@ -224,10 +224,10 @@ impl Fs {
             }
             let path = join(&dir, &e.name);
             let current = match self.meta.lookup(&dir, &e.name) {
-                Cached::Found(cur) => entry_inode(&path, &cur) == e.ino,
+                Cached::Found(cur) => self.node_id(&path, &cur) == e.ino,
                 Cached::Absent => false,
                 Cached::Unknown => match self.entry_at(&dir, &e.name).await {
-                    Ok(cur) => entry_inode(&path, &cur) == e.ino,
+                    Ok(cur) => self.node_id(&path, &cur) == e.ino,
                     // not sure: leave the kernel's entry (an open of it is ESTALE if stale)
                     Err(err) => err.errno != libc::ENOENT,
                 },
@@ -288,13 +288,19 @@ impl Fs {
                 .attr
                 .as_ref()
                 .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
-            let stale = match self.meta.lookup(&dir, &e.name) {
-                Cached::Found(cur) => entry_inode(&path, &cur) != e.ino,
-                Cached::Absent => true,
-                Cached::Unknown => false,
+            let (stale, birth) = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => (
+                    self.node_id(&path, &cur) != e.ino,
+                    cur.hard_link_id.is_empty().then(|| attr::birth(&cur)),
+                ),
+                Cached::Absent => (true, None),
+                Cached::Unknown => (false, None),
             };
             self.inodes
                 .remember_as(e.ino, &path, e.kind, true, linked || stale);
+            if let (false, Some(b)) = (stale, birth) {
+                self.inodes.set_birth(e.ino, b);
+            }
         }
     }
 

@@ -1,7 +1,7 @@
 //! Entries behind [`Fs`]'s nodes: paths, entries from the metadata cache or the filer and
 //! their attributes (lookup, getattr), the root, and the entry writes the operations share.
 
-use super::attr::{entry_attr, entry_inode, to_go_mode, Attr, Kind};
+use super::attr::{birth, entry_attr, entry_inode, to_go_mode, Attr, Kind};
 use super::file::OpenFile;
 use super::inode::{join, split, ROOT_INO};
 use super::meta::Cached;
@@ -275,11 +275,26 @@ impl Fs {
     }
 
     pub(super) fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
-        let ino = entry_inode(path, e);
+        let ino = self.node_id(path, e);
         let a = self.attr_of(ino, path, e);
         let linked = !e.hard_link_id.is_empty();
         self.inodes.remember_as(ino, path, a.kind, counted, linked);
+        if !linked {
+            self.inodes.set_birth(ino, birth(e));
+        }
         a
+    }
+
+    /// The node id of the file `e` at `path`: its inode, unless this node knows that number
+    /// as another file's (see [`InodeTable::resolve`](super::inode::InodeTable::resolve)).
+    /// Hard links share one number on purpose.
+    pub(super) fn node_id(&self, path: &str, e: &pb::Entry) -> u64 {
+        let base = entry_inode(path, e);
+        if e.hard_link_id.is_empty() {
+            self.inodes.resolve(base, birth(e))
+        } else {
+            base
+        }
     }
 
     /// A new inode number for an entry we create. Not the filer's md5(path)+crtime_secs*37
@@ -375,7 +390,7 @@ impl Fs {
     }
 
     pub(super) async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
-        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), &e)));
+        let _local = self.note_local(dir, &e.name, Some(self.node_id(&join(dir, &e.name), &e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
@@ -423,7 +438,7 @@ impl Fs {
     }
 
     pub(super) async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
-        let _local = self.note_local(dir, &e.name, Some(entry_inode(&join(dir, &e.name), e)));
+        let _local = self.note_local(dir, &e.name, Some(self.node_id(&join(dir, &e.name), e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
             directory: dir.to_string(),

@@ -3,9 +3,9 @@
 //!
 //! Over 800 lines: half is its unit tests.
 
-use super::attr::entry_inode;
 use super::file::{FileState, OpenFile};
 use super::inode::join;
+use super::meta::Cached;
 use super::{errno, Fs, Result};
 use crate::filer::FilerError;
 use crate::pb::filer as pb;
@@ -263,7 +263,7 @@ impl Fs {
     ) -> Result<Option<(pb::Entry, Vec<pb::FileChunk>)>> {
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let e = match self.filer.lookup_entry(dir, name).await {
-            Ok(e) if entry_inode(path, &e) == ino || known.is_inodeless_match(&e) => e,
+            Ok(e) if self.node_id(path, &e) == ino || known.is_inodeless_match(&e) => e,
             Ok(_) | Err(FilerError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
@@ -293,19 +293,30 @@ impl Fs {
                 .unwrap_or(true)
                 || (!n.new_parent_path.is_empty() && n.new_parent_path != dir);
             if renamed_or_deleted {
-                self.meta.remove(dir, &old.name);
-                // after the removal: a listing that missed this count cannot hold the name
-                self.note_name_gone();
                 let opath = join(dir, &old.name);
-                if old.is_directory {
-                    self.meta.invalidate_dir(&opath, true);
-                }
-                if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
-                    nt.inval_entry(pino, &old.name);
+                // A move of a file whose old name this node looked up again since, and found
+                // another file at: the name leads to that file now and keeps it (when the
+                // cached listing agrees; a node alone may be left over from before).
+                let moving = self.node_id(&opath, old);
+                let newer_here = n.new_entry.is_some()
+                    && self.inodes.ino_of(&opath).is_some_and(|at| at != moving);
+                let keep_name = newer_here
+                    && matches!(self.meta.lookup(dir, &old.name),
+                        Cached::Found(cur) if self.node_id(&opath, &cur) != moving);
+                if !keep_name {
+                    self.meta.remove(dir, &old.name);
+                    // after the removal: a listing that missed this count cannot hold the name
+                    self.note_name_gone();
+                    if old.is_directory {
+                        self.meta.invalidate_dir(&opath, true);
+                    }
+                    if let (Some(nt), Some(pino)) = (&notifier, self.inodes.ino_of(dir)) {
+                        nt.inval_entry(pino, &old.name);
+                    }
                 }
                 match &n.new_entry {
                     None => {
-                        let ino = entry_inode(&opath, old);
+                        let ino = self.node_id(&opath, old);
                         // a hard-linked file may live on under other names: re-read, never unlink
                         let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
                         let mut doubt = false;
@@ -319,7 +330,7 @@ impl Fs {
                         self.name_removed(dir, &old.name, old, doubt);
                         // other names of a hard-linked file now have one link less
                         if let Some(nt) = &notifier {
-                            nt.inval_inode(entry_inode(&opath, old));
+                            nt.inval_inode(self.node_id(&opath, old));
                         }
                     }
                     Some(new) => {
@@ -331,7 +342,6 @@ impl Fs {
                             n.new_parent_path.as_str()
                         };
                         let npath = join(ndir, &new.name);
-                        let moving = entry_inode(&opath, old);
                         if let Some(replaced) = self.inodes.ino_of(&npath) {
                             if replaced != moving {
                                 if let Some(of) = self.open_file(replaced) {
@@ -349,7 +359,12 @@ impl Fs {
                                 self.inodes.unlink_path(&npath);
                             }
                         }
-                        self.moved(&opath, &npath);
+                        if newer_here {
+                            // only the moved node and its open file follow
+                            self.moved_node(moving, &npath, old.is_directory);
+                        } else {
+                            self.moved(&opath, &npath);
+                        }
                     }
                 }
             }
@@ -362,7 +377,7 @@ impl Fs {
             };
             self.meta.upsert(ndir, Arc::new(new.clone()));
             let npath = join(ndir, &new.name);
-            let ino = entry_inode(&npath, new);
+            let ino = self.node_id(&npath, new);
             if self.inodes.ino_of(&npath).is_some_and(|known| known != ino) {
                 // the name leads to another file now (replaced by an upload)
                 self.note_name_gone();
@@ -499,7 +514,7 @@ impl Fs {
             // a removed name of a file with other names (a hard link) is not the file gone
             let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
             let removed = old_side && n.new_entry.is_none() && !linked;
-            inos.push((entry_inode(path, e), removed));
+            inos.push((self.node_id(path, e), removed));
             if let Some(here) = self.inodes.ino_of(path) {
                 inos.push((here, false));
             }
@@ -819,6 +834,42 @@ mod tests {
         settle().await;
         assert_eq!(read_all(&fs, h).await, b"newer");
         assert!(!fs.open_file(h.0).unwrap().state.lock().unlinked);
+    }
+
+    /// Found by the soak run: the filer numbers a file created without an inode (an HTTP
+    /// upload) md5(path) + crtime seconds * 37, so a file uploaded to `d`, renamed to `c` by
+    /// another client, and a new upload to `d` within the same second share one inode. Taken
+    /// for one node here, `d` showed `c`'s size and attributes - also when the rename's event
+    /// arrived after the new `d` had been looked up.
+    #[tokio::test]
+    async fn two_files_the_filer_gave_one_inode_are_two_files_here() {
+        for stale in [false, true] {
+            let (fs, other) = fs();
+            let born = |name: &str, content: &[u8], ns: i32| {
+                let mut e = file(name, content);
+                let a = e.attributes.as_mut().unwrap();
+                (a.inode, a.crtime, a.crtime_ns) = (5000, 1000, ns);
+                e
+            };
+            create(&other, born("d", b"old", 1)).await;
+            let first = fs.lookup(ROOT_INO, "d").await.unwrap().ino;
+            let moved = renamed(&other, "d", "c").await;
+            if !stale {
+                fs.apply_event(&moved);
+            }
+            let ev = create(&other, born("d", b"newer d", 2)).await;
+            fs.apply_event(&ev);
+            let d = fs.lookup(ROOT_INO, "d").await.unwrap();
+            if stale {
+                fs.apply_event(&moved);
+            }
+            let c = fs.lookup(ROOT_INO, "c").await.unwrap();
+            assert_eq!(c.ino, first, "stale={stale}: the moved file keeps its node");
+            assert_ne!(c.ino, d.ino, "stale={stale}");
+            assert_eq!(fs.getattr(d.ino).await.unwrap().size, 7, "stale={stale}");
+            assert_eq!(fs.getattr(c.ino).await.unwrap().size, 3, "stale={stale}");
+            assert_eq!(fs.lookup(ROOT_INO, "d").await.unwrap().ino, d.ino);
+        }
     }
 
     /// The event of another client's rename, as the subscription carries it.

@@ -1,7 +1,6 @@
 //! Open files and handles of [`Fs`]: open, handles re-created after a takeover, release, and
 //! an open file taking the filer's current entry while it has nothing of its own.
 
-use super::attr::entry_inode;
 use super::file::OpenFile;
 use super::inode::split;
 use super::{errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -163,7 +162,7 @@ impl Fs {
         // the name leads to another file now (deleted and created again elsewhere): this node
         // is not that file (entries without an inode attribute are known by path only)
         let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
-        if by_name && numbered && e.hard_link_id.is_empty() && entry_inode(&path, &e) != ino {
+        if by_name && numbered && e.hard_link_id.is_empty() && self.node_id(&path, &e) != ino {
             return Err(errno(libc::ESTALE, format!("{path} is another file now")));
         }
         if e.is_directory {

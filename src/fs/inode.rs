@@ -21,6 +21,27 @@ pub struct NodeRecord {
     /// Further names of a hard-linked file (`path` is the one used for filer calls).
     #[serde(default)]
     pub aliases: Vec<String>,
+    /// Creation time (seconds, nanoseconds) of the file this node stands for, when known:
+    /// the filer can give two files one inode (see [`InodeTable::resolve`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub birth: Option<(i64, i32)>,
+}
+
+/// Two creation times of different files. Nanoseconds count only when both have them (a
+/// client that drops them must not make a file look new).
+fn born_apart(a: (i64, i32), b: (i64, i32)) -> bool {
+    a.0 != b.0 || (a.1 != 0 && b.1 != 0 && a.1 != b.1)
+}
+
+/// Another node id for a file numbered `ino`, stable for its birth; never 0 or 1.
+fn derived(ino: u64, birth: (i64, i32)) -> u64 {
+    // splitmix64 finaliser over the number and the birth
+    let mut z = ino ^ (birth.0 as u64).rotate_left(32) ^ (birth.1 as u32 as u64);
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    z.max(ROOT_INO + 1)
 }
 
 #[derive(Default)]
@@ -48,6 +69,7 @@ impl InodeTable {
                 is_dir: true,
                 nlookup: 1,
                 aliases: Vec::new(),
+                birth: None,
             },
         );
         t.inner
@@ -157,6 +179,7 @@ impl InodeTable {
             is_dir: kind == Kind::Dir,
             nlookup: 0,
             aliases: Vec::new(),
+            birth: None,
         });
         if counted {
             rec.nlookup += 1;
@@ -180,6 +203,38 @@ impl InodeTable {
         }
         g.by_path.insert(path.to_string(), ino);
         changed
+    }
+
+    /// The node id for a file the filer numbers `base`, created at `birth` (seconds,
+    /// nanoseconds). The filer numbers a file created without an inode (an HTTP or S3 upload)
+    /// md5(path) + seconds * 37, so a file renamed away and a new one uploaded to its old
+    /// path within the same second share a number; as one node, each would show the other's
+    /// attributes and content. A number this table holds for a file born at another time
+    /// therefore gives way to one derived from both (again while that one is taken). An
+    /// unknown birth (0 seconds, or a node restored from an older process) matches any.
+    pub fn resolve(&self, base: u64, birth: (i64, i32)) -> u64 {
+        if birth.0 == 0 {
+            return base;
+        }
+        let g = self.inner.read();
+        let mut ino = base;
+        for _ in 0..16 {
+            match g.by_ino.get(&ino).and_then(|r| r.birth) {
+                Some(b) if born_apart(b, birth) && ino != ROOT_INO => ino = derived(ino, birth),
+                _ => return ino,
+            }
+        }
+        ino
+    }
+
+    /// Records the birth of the file node `ino` stands for (see [`resolve`](Self::resolve)).
+    pub fn set_birth(&self, ino: u64, birth: (i64, i32)) {
+        if birth.0 == 0 || ino == ROOT_INO {
+            return;
+        }
+        if let Some(rec) = self.inner.write().by_ino.get_mut(&ino) {
+            rec.birth = Some(birth);
+        }
     }
 
     /// Kernel FORGET: drops the mapping when its lookup count reaches zero.

@@ -2,7 +2,7 @@
 //! rename and link, and how node ids and open files follow a moved or removed name.
 
 use super::acl::{self, Acl};
-use super::attr::{self, entry_attr, entry_inode, Attr, Kind};
+use super::attr::{self, entry_attr, Attr, Kind};
 use super::file::OpenFile;
 use super::inode::{join, split, ROOT_INO};
 use super::xattr::xattr_key;
@@ -324,7 +324,7 @@ impl Fs {
             return Err(errno(libc::EISDIR, "unlink of a directory"));
         }
         let path = join(&dir, name);
-        let ino = entry_inode(&path, &e);
+        let ino = self.node_id(&path, &e);
         // other names of a hard-linked file keep it (and its open handles) alive
         let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
         let of = self.open_file(ino);
@@ -498,7 +498,7 @@ impl Fs {
                 _ => {}
             }
             // the replaced file lives on in open handles only
-            let replaced = self.open_file(entry_inode(&npath, d));
+            let replaced = self.open_file(self.node_id(&npath, d));
             return self
                 .rename_plain_over(&odir, name, &ndir, newname, &src, replaced)
                 .await;
@@ -531,7 +531,7 @@ impl Fs {
     ) -> Result<()> {
         let opath = join(odir, name);
         let npath = join(ndir, newname);
-        let ino = entry_inode(&opath, src);
+        let ino = self.node_id(&opath, src);
         // a deferred or dirty file must exist on the filer before it can be moved there
         if let Some(of) = self.open_file(ino) {
             self.flush_file(&of).await?;
@@ -667,13 +667,29 @@ impl Fs {
         }
     }
 
+    /// Node `ino` (alone, not what is below a directory) is now at `npath`, while its old
+    /// path belongs to another node.
+    pub(super) fn moved_node(&self, ino: u64, npath: &str, is_dir: bool) {
+        if self.inodes.path(ino).is_none() {
+            return;
+        }
+        let kind = if is_dir { Kind::Dir } else { Kind::File };
+        self.inodes.remember_as(ino, npath, kind, false, false);
+        if let Some(of) = self.open_file(ino) {
+            let mut s = of.state.lock();
+            if !s.unlinked {
+                (s.dir, s.entry.name) = split(npath);
+            }
+        }
+    }
+
     /// The name `dir/name` of `e` is gone: open handles of a hard-linked file follow one of
     /// its other names; otherwise they become unlinked (their data is no longer committed).
     /// `doubt`: the removal may be older than our own change of the name; an open file
     /// is then left linked (the caller re-reads the entry to decide).
     pub(super) fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry, doubt: bool) {
         let path = join(dir, name);
-        let ino = entry_inode(&path, e);
+        let ino = self.node_id(&path, e);
         self.meta.link_removed(e);
         self.inodes.unlink_path(&path);
         let Some(of) = self.open_file(ino).filter(|_| !doubt) else {

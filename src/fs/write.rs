@@ -1,7 +1,6 @@
 //! The write path of [`Fs`]: writes into open files, background chunk uploads (retried
 //! through short outages), and commits of the entry to the filer (chunk manifests, orphans).
 
-use super::attr::entry_inode;
 use super::events::Identity;
 use super::file::{CommitSnapshot, OpenFile, SealedRun};
 use super::inode::join;
@@ -242,7 +241,7 @@ impl Fs {
             let path = join(&dir, &name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let found = match self.filer.lookup_entry(&dir, &name).await {
-                Ok(e) => Some(entry_inode(&path, &e) == of.ino || known.is_inodeless_match(&e)),
+                Ok(e) => Some(self.node_id(&path, &e) == of.ino || known.is_inodeless_match(&e)),
                 Err(FilerError::NotFound(_)) => Some(false),
                 Err(e) if start.elapsed() < self.cfg.upload_retry => {
                     tracing::warn!(path, error = %e, "checking an open file's name before its commit failed; retrying");
