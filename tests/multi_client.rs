@@ -810,3 +810,58 @@ fn describe_version(got: &[u8], old: &[u8], new: &[u8]) -> String {
         format!("neither: {}", first_difference(new, got))
     }
 }
+
+/// Found by a 3-mount soak run: the filer numbers an uploaded file md5(path) + crtime
+/// seconds * 37, so a file uploaded to `d`, renamed to `c` through another mount, and a new
+/// upload to `d` within the same second share one inode. A mount that took the number for its
+/// node id showed `d` with `c`'s size and attributes (two files, one node) for good.
+#[test]
+#[ignore = "known bug, fails today: SeaweedFS 4.48 stores no creation nanoseconds for uploads, \
+            so the two files cannot be told apart yet (docs/SEMANTICS.md, Inode numbers)"]
+fn an_upload_renamed_away_and_a_new_upload_to_its_name_in_one_second_stay_two_files() {
+    let mut wd = World::new("inodes", &[&[], &[]], 1);
+    let secs = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
+    let mut same_second = 0;
+    for rep in 0..6 {
+        let (d, c) = (format!("d{rep}"), format!("c{rep}"));
+        // start just after a second boundary, so all three changes can share one second
+        while secs().subsec_millis() > 100 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let start = secs().as_secs();
+        let first = vec![b'1'; 266];
+        wd.w.filer_put(&wd.http_path(&d), &first, "");
+        // node A knows the first file as `d`
+        let a = wd.nodes[0].guard.path().to_path_buf();
+        let _ = fs::metadata(a.join(&d));
+        fs::rename(wd.nodes[1].guard.join(&d), wd.nodes[1].guard.join(&c)).unwrap();
+        let second = vec![b'2'; 52568];
+        wd.w.filer_put(&wd.http_path(&d), &second, "");
+        if secs().as_secs() == start {
+            same_second += 1;
+        }
+        wd.model.insert(c.clone(), FileState::new(first, HTTP_MODE));
+        wd.model
+            .insert(d.clone(), FileState::new(second, HTTP_MODE));
+        if let Err(e) = wd.settle() {
+            wd.fail(&format!("rep {rep}: {e}"));
+        }
+        let (mc, md) = (
+            fs::metadata(a.join(&c)).unwrap(),
+            fs::metadata(a.join(&d)).unwrap(),
+        );
+        assert_ne!(
+            mc.ino(),
+            md.ino(),
+            "rep {rep}: two files, one inode on node A"
+        );
+    }
+    // the case needs the three changes inside one second; on a machine too slow for that
+    // even once the test proves nothing, so it says so by failing
+    assert!(same_second > 0, "no repetition fitted in one second");
+    eprintln!("{same_second} of 6 repetitions inside one second");
+}
