@@ -298,7 +298,10 @@ impl Fs {
                 // another file at: the name leads to that file now and keeps it (when the
                 // cached listing agrees; a node alone may be left over from before).
                 let moving = self.node_id(&opath, old);
+                // Files only: a directory's subtree moves by path, and below a newer
+                // directory at the old path it could not be told apart.
                 let newer_here = n.new_entry.is_some()
+                    && !old.is_directory
                     && self.inodes.ino_of(&opath).is_some_and(|at| at != moving);
                 let keep_name = newer_here
                     && matches!(self.meta.lookup(dir, &old.name),
