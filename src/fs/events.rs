@@ -297,15 +297,15 @@ impl Fs {
                 // A move of a file whose old name this node looked up again since, and found
                 // another file at: the name leads to that file now and keeps it (when the
                 // cached listing agrees; a node alone may be left over from before).
-                let moving = self.node_id(&opath, old);
+                let old_ino = self.node_id(&opath, old);
                 // Files only: a directory's subtree moves by path, and below a newer
                 // directory at the old path it could not be told apart.
                 let newer_here = n.new_entry.is_some()
                     && !old.is_directory
-                    && self.inodes.ino_of(&opath).is_some_and(|at| at != moving);
+                    && self.inodes.ino_of(&opath).is_some_and(|at| at != old_ino);
                 let keep_name = newer_here
                     && matches!(self.meta.lookup(dir, &old.name),
-                        Cached::Found(cur) if self.node_id(&opath, &cur) != moving);
+                        Cached::Found(cur) if self.node_id(&opath, &cur) != old_ino);
                 if !keep_name {
                     self.meta.remove(dir, &old.name);
                     // after the removal: a listing that missed this count cannot hold the name
@@ -319,7 +319,7 @@ impl Fs {
                 }
                 match &n.new_entry {
                     None => {
-                        let ino = self.node_id(&opath, old);
+                        let ino = old_ino;
                         // a hard-linked file may live on under other names: re-read, never unlink
                         let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
                         let mut doubt = false;
@@ -333,7 +333,7 @@ impl Fs {
                         self.name_removed(dir, &old.name, old, doubt);
                         // other names of a hard-linked file now have one link less
                         if let Some(nt) = &notifier {
-                            nt.inval_inode(self.node_id(&opath, old));
+                            nt.inval_inode(old_ino);
                         }
                     }
                     Some(new) => {
@@ -346,7 +346,7 @@ impl Fs {
                         };
                         let npath = join(ndir, &new.name);
                         if let Some(replaced) = self.inodes.ino_of(&npath) {
-                            if replaced != moving {
+                            if replaced != old_ino {
                                 if let Some(of) = self.open_file(replaced) {
                                     // The event may predate our own change of that name: an
                                     // open file of ours with data to commit is then kept (its
@@ -364,7 +364,7 @@ impl Fs {
                         }
                         if newer_here {
                             // only the moved node and its open file follow
-                            self.moved_node(moving, &npath, old.is_directory);
+                            self.moved_node(old_ino, &npath);
                         } else {
                             self.moved(&opath, &npath);
                         }

@@ -667,14 +667,14 @@ impl Fs {
         }
     }
 
-    /// Node `ino` (alone, not what is below a directory) is now at `npath`, while its old
-    /// path belongs to another node.
-    pub(super) fn moved_node(&self, ino: u64, npath: &str, is_dir: bool) {
+    /// The file of node `ino` is now at `npath`, while its old path belongs to another node
+    /// (a directory moves with its subtree, by path: [`moved`](Self::moved)).
+    pub(super) fn moved_node(&self, ino: u64, npath: &str) {
         if self.inodes.path(ino).is_none() {
             return;
         }
-        let kind = if is_dir { Kind::Dir } else { Kind::File };
-        self.inodes.remember_as(ino, npath, kind, false, false);
+        self.inodes
+            .remember_as(ino, npath, Kind::File, false, false);
         if let Some(of) = self.open_file(ino) {
             let mut s = of.state.lock();
             if !s.unlinked {
