@@ -816,8 +816,6 @@ fn describe_version(got: &[u8], old: &[u8], new: &[u8]) -> String {
 /// upload to `d` within the same second share one inode. A mount that took the number for its
 /// node id showed `d` with `c`'s size and attributes (two files, one node) for good.
 #[test]
-#[ignore = "known bug, fails today: SeaweedFS 4.48 stores no creation nanoseconds for uploads, \
-            so the two files cannot be told apart yet (docs/SEMANTICS.md, Inode numbers)"]
 fn an_upload_renamed_away_and_a_new_upload_to_its_name_in_one_second_stay_two_files() {
     let mut wd = World::new("inodes", &[&[], &[]], 1);
     let secs = || {

@@ -139,6 +139,15 @@ pub fn birth(e: &pb::Entry) -> (i64, i32) {
         .unwrap_or((0, 0))
 }
 
+/// What the filer says identifies the file `e` at `path` (see [`super::inode::FileId`]).
+pub fn file_id(path: &str, e: &pb::Entry) -> super::inode::FileId {
+    super::inode::FileId {
+        base: entry_inode(path, e),
+        birth: birth(e),
+        is_dir: e.is_directory,
+    }
+}
+
 /// Filer seconds and nanoseconds (nanoseconds always forward, also before 1970) as a time.
 pub fn ts(secs: i64, nanos: i32) -> SystemTime {
     let nanos = Duration::from_nanos(nanos.clamp(0, 999_999_999) as u64);

@@ -2,7 +2,7 @@
 //! meanwhile), and directory times written back to the filer.
 
 use super::attr::{self, entry_attr, Attr, Kind};
-use super::inode::{join, split, ROOT_INO};
+use super::inode::{join, split, Claim, FileId, ROOT_INO};
 use super::meta::Cached;
 use super::{errno, Fs, Result};
 use std::sync::atomic::Ordering;
@@ -17,6 +17,9 @@ pub struct DirEntryOut {
     pub kind: Kind,
     /// Full attributes (None for "." and "..").
     pub attr: Option<Attr>,
+    /// What the filer says identifies the file, when it is not a hard link (None for "."
+    /// and ".." too): readdirplus remembers the node with it.
+    pub ident: Option<FileId>,
 }
 
 /// The entries an open directory handle lists (a snapshot taken when it is read from 0).
@@ -134,22 +137,45 @@ impl Fs {
             ino,
             kind: Kind::Dir,
             attr: None,
+            ident: None,
         });
         out.push(DirEntryOut {
             name: "..".into(),
             ino: parent_ino,
             kind: Kind::Dir,
             attr: None,
+            ident: None,
         });
-        for e in entries {
+        for e in entries.iter() {
             let path = join(&dir, &e.name);
-            let eino = self.node_id(&path, &e);
-            let a = self.attr_of(eino, &path, &e);
+            let ident = e.hard_link_id.is_empty().then(|| attr::file_id(&path, e));
+            let eino = match &ident {
+                Some(id) => match self.inodes.claim(&path, id) {
+                    Claim::Id(ino) => ino,
+                    Claim::Ask(other) => {
+                        // a number another name holds: this listing answers for names in it
+                        let (odir, oname) = split(&other);
+                        let live = if odir == dir {
+                            entries.iter().any(|o| {
+                                o.name == oname
+                                    && o.hard_link_id.is_empty()
+                                    && attr::file_id(&other, o).base == id.base
+                            })
+                        } else {
+                            self.still_holds(&other, id).await
+                        };
+                        self.inodes.id_of(&path, id, live)
+                    }
+                },
+                None => self.node_id(&path, e),
+            };
+            let a = self.attr_of(eino, &path, e);
             out.push(DirEntryOut {
                 name: e.name.clone(),
                 ino: eino,
                 kind: a.kind,
                 attr: Some(a),
+                ident,
             });
         }
         Ok(DirListing {
@@ -288,18 +314,19 @@ impl Fs {
                 .attr
                 .as_ref()
                 .is_some_and(|a| a.kind != Kind::Dir && a.nlink > 1);
-            let (stale, birth) = match self.meta.lookup(&dir, &e.name) {
-                Cached::Found(cur) => (
-                    self.node_id(&path, &cur) != e.ino,
-                    cur.hard_link_id.is_empty().then(|| attr::birth(&cur)),
-                ),
-                Cached::Absent => (true, None),
-                Cached::Unknown => (false, None),
+            let stale = match self.meta.lookup(&dir, &e.name) {
+                Cached::Found(cur) => match &e.ident {
+                    Some(id) => attr::file_id(&path, &cur) != *id,
+                    None => self.node_id(&path, &cur) != e.ino,
+                },
+                Cached::Absent => true,
+                Cached::Unknown => false,
             };
-            self.inodes
-                .remember_as(e.ino, &path, e.kind, true, linked || stale);
-            if let (false, Some(b)) = (stale, birth) {
-                self.inodes.set_birth(e.ino, b);
+            match (&e.ident, linked || stale) {
+                (Some(id), false) => self.inodes.remember_file(e.ino, &path, id, true),
+                _ => self
+                    .inodes
+                    .remember_as(e.ino, &path, e.kind, true, linked || stale),
             }
         }
     }

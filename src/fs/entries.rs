@@ -1,9 +1,9 @@
 //! Entries behind [`Fs`]'s nodes: paths, entries from the metadata cache or the filer and
 //! their attributes (lookup, getattr), the root, and the entry writes the operations share.
 
-use super::attr::{birth, entry_attr, entry_inode, to_go_mode, Attr, Kind};
+use super::attr::{entry_attr, entry_inode, file_id, to_go_mode, Attr, Kind};
 use super::file::OpenFile;
-use super::inode::{join, split, ROOT_INO};
+use super::inode::{join, split, FileId, ROOT_INO};
 use super::meta::Cached;
 use super::{errno, now_parts, Fs, Result};
 use crate::filer::FilerError;
@@ -274,26 +274,85 @@ impl Fs {
         }
     }
 
+    /// Records that the kernel is told of the entry `e` at `path` (one more lookup when
+    /// `counted`). A number another path holds here counts as held by another file still
+    /// there; [`Self::remember_asking`] asks the filer instead.
     pub(super) fn remember(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
-        let ino = self.node_id(path, e);
-        let a = self.attr_of(ino, path, e);
-        let linked = !e.hard_link_id.is_empty();
-        self.inodes.remember_as(ino, path, a.kind, counted, linked);
-        if !linked {
-            self.inodes.set_birth(ino, birth(e));
+        if !e.hard_link_id.is_empty() {
+            return self.remember_link(path, e, counted);
         }
+        let id = file_id(path, e);
+        let ino = self
+            .inodes
+            .claim_and_remember(path, &id, counted, Some(true))
+            .unwrap_or(id.base);
+        self.attr_of(ino, path, e)
+    }
+
+    /// [`Self::remember`] for a file just read from the filer: where its number is known here
+    /// as another path's file born in the same second, the filer says whether that path
+    /// still holds it (two files) or not (one file, renamed by another client).
+    pub(super) async fn remember_asking(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
+        if !e.hard_link_id.is_empty() {
+            return self.remember_link(path, e, counted);
+        }
+        let id = file_id(path, e);
+        let mut other_live = None;
+        loop {
+            match self
+                .inodes
+                .claim_and_remember(path, &id, counted, other_live)
+            {
+                Ok(ino) => return self.attr_of(ino, path, e),
+                Err(other) if other_live.is_none() => {
+                    other_live = Some(self.still_holds(&other, &id).await);
+                }
+                Err(_) => other_live = Some(true),
+            }
+        }
+    }
+
+    /// Hard links share one node id on purpose; a further name is one more alias.
+    fn remember_link(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
+        let ino = entry_inode(path, e);
+        let a = self.attr_of(ino, path, e);
+        self.inodes.remember_as(ino, path, a.kind, counted, true);
         a
     }
 
-    /// The node id of the file `e` at `path`: its inode, unless this node knows that number
-    /// as another file's (see [`InodeTable::resolve`](super::inode::InodeTable::resolve)).
-    /// Hard links share one number on purpose.
+    /// Whether `path` still holds a file numbered `id.base` on the filer (also when the
+    /// filer cannot be asked: two node ids for one file are safer than one for two).
+    pub(super) async fn still_holds(&self, path: &str, id: &FileId) -> bool {
+        let (dir, name) = split(path);
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.lookup_entry(&dir, &name).await {
+            Ok(e) => e.hard_link_id.is_empty() && file_id(path, &e).base == id.base,
+            Err(FilerError::NotFound(_)) => false,
+            Err(err) => {
+                tracing::debug!(path, error = %err, "could not ask whether a file is still there");
+                true
+            }
+        }
+    }
+
+    /// The node id of the file `e` at `path` (see [`InodeTable::claim`]; a number another
+    /// path holds counts as held by another file still there). Hard links share one number
+    /// on purpose.
     pub(super) fn node_id(&self, path: &str, e: &pb::Entry) -> u64 {
-        let base = entry_inode(path, e);
         if e.hard_link_id.is_empty() {
-            self.inodes.resolve(base, birth(e))
+            self.inodes.id_of(path, &file_id(path, e), true)
         } else {
-            base
+            entry_inode(path, e)
+        }
+    }
+
+    /// The node that stood for `e`, last known at `path` (the old entry of a move or a
+    /// removal; see [`InodeTable::node_of`]).
+    pub(super) fn node_of(&self, path: &str, e: &pb::Entry) -> u64 {
+        if e.hard_link_id.is_empty() {
+            self.inodes.node_of(path, &file_id(path, e))
+        } else {
+            entry_inode(path, e)
         }
     }
 
@@ -356,7 +415,7 @@ impl Fs {
         if e.is_directory {
             self.load_dir_for_nlink(&path).await;
         }
-        Ok(self.remember(&path, &e, true))
+        Ok(self.remember_asking(&path, &e, true).await)
     }
 
     /// Lists a directory so its link count is known (best effort: it is usually read next).

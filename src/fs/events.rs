@@ -61,6 +61,24 @@ impl Identity {
     }
 }
 
+/// Entries of two files the filer numbered alike and that were born in the same second
+/// (nanoseconds unknown, as for uploads): they hold different data (chunks or inline
+/// content), where creation times cannot tell them apart.
+fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
+    let fids = |e: &pb::Entry| {
+        e.chunks
+            .iter()
+            .map(|c| crate::volume::fid::chunk_fid(c).ok())
+            .collect::<Vec<_>>()
+    };
+    let (ia, ib) = (a.attributes.as_ref(), b.attributes.as_ref());
+    let number = |x: Option<&pb::FuseAttributes>| x.map(|x| (x.inode, x.crtime, x.crtime_ns));
+    number(ia) == number(ib)
+        && number(ia).is_some_and(|(ino, _, ns)| ino != 0 && ns == 0)
+        && a.hard_link_id.is_empty()
+        && (a.content != b.content || fids(a) != fids(b))
+}
+
 impl Fs {
     /// Applies another client's change. An event about a name this node changed lately may
     /// be older than our change (the filer sends us only others' events, in its order, so it
@@ -297,15 +315,18 @@ impl Fs {
                 // A move of a file whose old name this node looked up again since, and found
                 // another file at: the name leads to that file now and keeps it (when the
                 // cached listing agrees; a node alone may be left over from before).
-                let old_ino = self.node_id(&opath, old);
+                let old_ino = self.node_of(&opath, old);
+                // the cached entry at the old name is another file: another node's, or
+                // (numbered alike in the same second) with other data
+                let newer_cached = matches!(self.meta.lookup(dir, &old.name),
+                    Cached::Found(cur) if self.node_id(&opath, &cur) != old_ino
+                        || other_upload(&cur, old));
                 // Files only: a directory's subtree moves by path, and below a newer
                 // directory at the old path it could not be told apart.
                 let newer_here = n.new_entry.is_some()
                     && !old.is_directory
-                    && self.inodes.ino_of(&opath).is_some_and(|at| at != old_ino);
-                let keep_name = newer_here
-                    && matches!(self.meta.lookup(dir, &old.name),
-                        Cached::Found(cur) if self.node_id(&opath, &cur) != old_ino);
+                    && (newer_cached || self.inodes.ino_of(&opath).is_some_and(|at| at != old_ino));
+                let keep_name = newer_here && newer_cached;
                 if !keep_name {
                     self.meta.remove(dir, &old.name);
                     // after the removal: a listing that missed this count cannot hold the name
@@ -517,7 +538,12 @@ impl Fs {
             // a removed name of a file with other names (a hard link) is not the file gone
             let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
             let removed = old_side && n.new_entry.is_none() && !linked;
-            inos.push((self.node_id(path, e), removed));
+            let ino = if old_side {
+                self.node_of(path, e)
+            } else {
+                self.node_id(path, e)
+            };
+            inos.push((ino, removed));
             if let Some(here) = self.inodes.ino_of(path) {
                 inos.push((here, false));
             }
@@ -846,12 +872,13 @@ mod tests {
     /// arrived after the new `d` had been looked up.
     #[tokio::test]
     async fn two_files_the_filer_gave_one_inode_are_two_files_here() {
-        for stale in [false, true] {
+        // creation nanoseconds told apart (a `weed mount` create) or unknown (an upload)
+        for (stale, ns) in [(false, 1), (true, 1), (false, 0), (true, 0)] {
             let (fs, other) = fs();
-            let born = |name: &str, content: &[u8], ns: i32| {
+            let born = |name: &str, content: &[u8], n: i32| {
                 let mut e = file(name, content);
                 let a = e.attributes.as_mut().unwrap();
-                (a.inode, a.crtime, a.crtime_ns) = (5000, 1000, ns);
+                (a.inode, a.crtime, a.crtime_ns) = (5000, 1000, n * ns);
                 e
             };
             create(&other, born("d", b"old", 1)).await;
@@ -862,16 +889,71 @@ mod tests {
             }
             let ev = create(&other, born("d", b"newer d", 2)).await;
             fs.apply_event(&ev);
-            let d = fs.lookup(ROOT_INO, "d").await.unwrap();
+            // looked up before a stale move event is applied
+            fs.lookup(ROOT_INO, "d").await.unwrap();
             if stale {
                 fs.apply_event(&moved);
             }
             let c = fs.lookup(ROOT_INO, "c").await.unwrap();
-            assert_eq!(c.ino, first, "stale={stale}: the moved file keeps its node");
-            assert_ne!(c.ino, d.ino, "stale={stale}");
-            assert_eq!(fs.getattr(d.ino).await.unwrap().size, 7, "stale={stale}");
-            assert_eq!(fs.getattr(c.ino).await.unwrap().size, 3, "stale={stale}");
+            let d = fs.lookup(ROOT_INO, "d").await.unwrap();
+            let case = format!("stale={stale} ns={ns}");
+            assert_eq!(c.ino, first, "{case}: the moved file keeps its node");
+            assert_ne!(c.ino, d.ino, "{case}");
+            assert_eq!(fs.getattr(d.ino).await.unwrap().size, 7, "{case}");
+            assert_eq!(fs.getattr(c.ino).await.unwrap().size, 3, "{case}");
             assert_eq!(fs.lookup(ROOT_INO, "d").await.unwrap().ino, d.ino);
+            // a listing agrees, and so does a lookup once the moved file's node is forgotten
+            let fh = fs.opendir(ROOT_INO).await.unwrap();
+            let l = fs.readdir(ROOT_INO, fh, 0).await.unwrap();
+            let listed = |n: &str| l.entries.iter().find(|e| e.name == n).unwrap().ino;
+            assert_eq!((listed("c"), listed("d")), (c.ino, d.ino), "{case}");
+            fs.forget(c.ino, 2);
+            assert_eq!(fs.lookup(ROOT_INO, "d").await.unwrap().ino, d.ino, "{case}");
+        }
+    }
+
+    /// A file another client renamed, looked up at its new name before the rename's event
+    /// is here, keeps its node when its old name is gone on the filer; when a new file with
+    /// the same number took the old name (an upload in the same second), the two differ.
+    #[tokio::test]
+    async fn a_file_renamed_unseen_keeps_its_node_unless_a_new_file_took_its_name() {
+        for replaced in [false, true] {
+            let (fs, other) = fs();
+            let upload = |name: &str, content: &[u8]| {
+                let mut e = file(name, content);
+                let a = e.attributes.as_mut().unwrap();
+                (a.inode, a.crtime, a.crtime_ns) = (5000, 1000, 0);
+                e
+            };
+            create(&other, upload("d", b"old")).await;
+            let first = fs.lookup(ROOT_INO, "d").await.unwrap().ino;
+            let moved = renamed(&other, "d", "c").await;
+            let upload_ev = if replaced {
+                Some(create(&other, upload("d", b"newer d")).await)
+            } else {
+                None
+            };
+            // the listing read again from the filer (its time to live ran out) before the
+            // events are here
+            fs.meta.invalidate_dir("/", false);
+            let c = fs.lookup(ROOT_INO, "c").await.unwrap();
+            fs.apply_event(&moved);
+            if let Some(ev) = &upload_ev {
+                fs.apply_event(ev);
+            }
+            let c_after = fs.lookup(ROOT_INO, "c").await.unwrap();
+            assert_eq!(c_after.size, 3, "replaced={replaced}");
+            if replaced {
+                // the kernel knows `d` as `first` still: `c` must be another node
+                assert_ne!(c.ino, first, "replaced={replaced}");
+                let d = fs.lookup(ROOT_INO, "d").await.unwrap();
+                assert_ne!(d.ino, c_after.ino);
+                assert_eq!(fs.getattr(d.ino).await.unwrap().size, 7);
+            } else {
+                assert_eq!((c.ino, c_after.ino), (first, first));
+                let err = fs.lookup(ROOT_INO, "d").await.unwrap_err();
+                assert_eq!(err.errno, libc::ENOENT);
+            }
         }
     }
 

@@ -25,6 +25,43 @@ pub struct NodeRecord {
     /// the filer can give two files one inode (see [`InodeTable::resolve`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub birth: Option<(i64, i32)>,
+    /// The filer's number for the file when the node id is derived from it (see
+    /// [`InodeTable::claim`]); None: the node id is the filer's number (or unknown, for a
+    /// record from an older process or the crash journal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<u64>,
+}
+
+impl NodeRecord {
+    fn base(&self) -> u64 {
+        self.base.unwrap_or(self.ino)
+    }
+
+    /// Whether this node may stand for the file `id` (an unknown birth matches any).
+    fn stands_for(&self, id: &FileId) -> bool {
+        self.base() == id.base
+            && self.is_dir == id.is_dir
+            && !(id.birth.0 != 0 && self.birth.is_some_and(|b| born_apart(b, id.birth)))
+    }
+}
+
+/// What the filer says about a file (not a hard link): its number, creation time (seconds,
+/// nanoseconds; 0 seconds when unknown) and kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    pub base: u64,
+    pub birth: (i64, i32),
+    pub is_dir: bool,
+}
+
+/// The answer of [`InodeTable::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The node id to use.
+    Id(u64),
+    /// The number is known here as the file at this other path, born in the same second:
+    /// whether that path still holds a file with this number on the filer decides.
+    Ask(String),
 }
 
 /// Two creation times of different files. Nanoseconds count only when both have them (a
@@ -33,10 +70,18 @@ fn born_apart(a: (i64, i32), b: (i64, i32)) -> bool {
     a.0 != b.0 || (a.1 != 0 && b.1 != 0 && a.1 != b.1)
 }
 
-/// Another node id for a file numbered `ino`, stable for its birth; never 0 or 1.
-fn derived(ino: u64, birth: (i64, i32)) -> u64 {
-    // splitmix64 finaliser over the number and the birth
-    let mut z = ino ^ (birth.0 as u64).rotate_left(32) ^ (birth.1 as u32 as u64);
+/// Another node id for the file numbered `base` first seen at `path` (try `k`); never 0 or
+/// 1. The same inputs give the same id, so every place that meets the file agrees on it.
+fn derived(base: u64, path: &str, birth: (i64, i32), k: u64) -> u64 {
+    // FNV-1a over the path, then the splitmix64 finaliser over everything
+    let ph = path.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut z = base
+        ^ ph.rotate_left(17)
+        ^ (birth.0 as u64).rotate_left(32)
+        ^ (birth.1 as u32 as u64)
+        ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -70,6 +115,7 @@ impl InodeTable {
                 nlookup: 1,
                 aliases: Vec::new(),
                 birth: None,
+                base: None,
             },
         );
         t.inner
@@ -171,7 +217,17 @@ impl InodeTable {
         counted: bool,
         hard_link: bool,
     ) -> bool {
-        let mut g = self.inner.write();
+        Self::remember_in(&mut self.inner.write(), ino, path, kind, counted, hard_link)
+    }
+
+    fn remember_in(
+        g: &mut Inner,
+        ino: u64,
+        path: &str,
+        kind: Kind,
+        counted: bool,
+        hard_link: bool,
+    ) -> bool {
         let mut changed = !g.by_ino.contains_key(&ino);
         let rec = g.by_ino.entry(ino).or_insert_with(|| NodeRecord {
             ino,
@@ -180,6 +236,7 @@ impl InodeTable {
             nlookup: 0,
             aliases: Vec::new(),
             birth: None,
+            base: None,
         });
         if counted {
             rec.nlookup += 1;
@@ -205,35 +262,152 @@ impl InodeTable {
         changed
     }
 
-    /// The node id for a file the filer numbers `base`, created at `birth` (seconds,
-    /// nanoseconds). The filer numbers a file created without an inode (an HTTP or S3 upload)
-    /// md5(path) + seconds * 37, so a file renamed away and a new one uploaded to its old
-    /// path within the same second share a number; as one node, each would show the other's
-    /// attributes and content. A number this table holds for a file born at another time
-    /// therefore gives way to one derived from both (again while that one is taken). An
-    /// unknown birth (0 seconds, or a node restored from an older process) matches any.
-    pub fn resolve(&self, base: u64, birth: (i64, i32)) -> u64 {
-        if birth.0 == 0 {
-            return base;
-        }
-        let g = self.inner.read();
-        let mut ino = base;
-        for _ in 0..16 {
-            match g.by_ino.get(&ino).and_then(|r| r.birth) {
-                Some(b) if born_apart(b, birth) && ino != ROOT_INO => ino = derived(ino, birth),
-                _ => return ino,
-            }
-        }
-        ino
+    /// The node id for the file `id` at `path` (not a hard link: those share one number on
+    /// purpose).
+    ///
+    /// The filer numbers a file created without an inode (an HTTP or S3 upload, a `weed
+    /// mount` create) md5(path) + seconds * 37, so a file renamed away and a new one put at
+    /// its old path within the same second share a number; as one node, each would show the
+    /// other's attributes and content, and commits of one would land on the other. So:
+    /// - the node the name has here is kept while it may stand for this file (same number,
+    ///   kind and birth), as `weed mount` keeps a path's inode;
+    /// - otherwise the filer's number, unless this table holds it for another file: one born
+    ///   at another time, or of another kind, or whose name is gone here (deleted or
+    ///   replaced). Such a file gets a node id derived from the number and the path;
+    /// - a number held for another path, born in the same second (nanoseconds unknown, as
+    ///   for uploads), is a file renamed by another client (its event not applied yet) or a
+    ///   second file: [`Claim::Ask`]s whether that path still holds the number on the filer.
+    pub fn claim(&self, path: &str, id: &FileId) -> Claim {
+        Self::claim_in(&self.inner.read(), path, id, None)
     }
 
-    /// Records the birth of the file node `ino` stands for (see [`resolve`](Self::resolve)).
-    pub fn set_birth(&self, ino: u64, birth: (i64, i32)) {
-        if birth.0 == 0 || ino == ROOT_INO {
-            return;
+    /// The node that stands for the file `id` last known at `path` (the old entry of a move
+    /// or removal): the name's node, else the number's, else as [`claim`](Self::claim) with
+    /// the other path taken as live.
+    pub fn node_of(&self, path: &str, id: &FileId) -> u64 {
+        let g = self.inner.read();
+        if let Some(r) = g.by_path.get(path).and_then(|x| g.by_ino.get(x)) {
+            if r.stands_for(id) {
+                return r.ino;
+            }
         }
-        if let Some(rec) = self.inner.write().by_ino.get_mut(&ino) {
-            rec.birth = Some(birth);
+        if g.by_ino.get(&id.base).is_some_and(|r| r.stands_for(id)) {
+            return id.base;
+        }
+        Self::id_in(&g, path, id, true)
+    }
+
+    /// [`claim`](Self::claim) with the answer to its question: `other_live`, whether the
+    /// other path still holds the number (true when not known: two node ids for one file
+    /// are safer than one for two).
+    pub fn id_of(&self, path: &str, id: &FileId, other_live: bool) -> u64 {
+        Self::id_in(&self.inner.read(), path, id, other_live)
+    }
+
+    fn id_in(g: &Inner, path: &str, id: &FileId, other_live: bool) -> u64 {
+        match Self::claim_in(g, path, id, Some(other_live)) {
+            Claim::Id(ino) => ino,
+            // not asked again once answered
+            Claim::Ask(_) => id.base,
+        }
+    }
+
+    fn claim_in(g: &Inner, path: &str, id: &FileId, other_live: Option<bool>) -> Claim {
+        if let Some(r) = g.by_path.get(path).and_then(|x| g.by_ino.get(x)) {
+            if r.stands_for(id) {
+                return Claim::Id(r.ino);
+            }
+        }
+        let Some(r) = g.by_ino.get(&id.base) else {
+            return Claim::Id(id.base);
+        };
+        if id.base == ROOT_INO {
+            return Claim::Id(ROOT_INO);
+        }
+        let same_file = if !r.stands_for(id) {
+            false
+        } else if r.aliases.iter().any(|a| a == path) {
+            true
+        } else if id.birth.1 != 0 && r.birth == Some(id.birth) {
+            // creation nanoseconds tell files apart: the same file, renamed unseen
+            true
+        } else if g.by_path.get(&r.path) != Some(&id.base) {
+            // its name is gone here (deleted, or another file took it): a node the kernel
+            // may still hold open for the old file never stands for a new one
+            false
+        } else {
+            match other_live {
+                None => return Claim::Ask(r.path.clone()),
+                Some(live) => !live,
+            }
+        };
+        if same_file {
+            return Claim::Id(id.base);
+        }
+        let mut ino = id.base;
+        for k in 0..16 {
+            ino = derived(id.base, path, id.birth, k);
+            match g.by_ino.get(&ino) {
+                None => break,
+                Some(r) if r.stands_for(id) && r.path == path => break,
+                Some(_) => {}
+            }
+        }
+        Claim::Id(ino)
+    }
+
+    /// Records that the kernel now knows the file `id` as node `ino` at `path` (one more
+    /// lookup when `counted`); the number and birth go with the node.
+    pub fn remember_file(&self, ino: u64, path: &str, id: &FileId, counted: bool) {
+        let changed = Self::remember_file_in(&mut self.inner.write(), ino, path, id, counted);
+        self.journal_remembered(changed, ino, path, id);
+    }
+
+    /// [`claim`](Self::claim) and [`remember_file`](Self::remember_file) under one lock, so
+    /// two files met at once cannot both take one number. Err: the question to answer
+    /// first (call again with `other_live`).
+    pub fn claim_and_remember(
+        &self,
+        path: &str,
+        id: &FileId,
+        counted: bool,
+        other_live: Option<bool>,
+    ) -> std::result::Result<u64, String> {
+        let (ino, changed) = {
+            let mut g = self.inner.write();
+            let ino = match Self::claim_in(&g, path, id, other_live) {
+                Claim::Id(ino) => ino,
+                Claim::Ask(other) => return Err(other),
+            };
+            (ino, Self::remember_file_in(&mut g, ino, path, id, counted))
+        };
+        self.journal_remembered(changed, ino, path, id);
+        Ok(ino)
+    }
+
+    fn remember_file_in(g: &mut Inner, ino: u64, path: &str, id: &FileId, counted: bool) -> bool {
+        let kind = if id.is_dir { Kind::Dir } else { Kind::File };
+        let changed = Self::remember_in(g, ino, path, kind, counted, false);
+        if let Some(rec) = g.by_ino.get_mut(&ino) {
+            rec.base = (ino != id.base).then_some(id.base);
+            // a birth known to the nanosecond is not replaced by one without
+            let coarser = rec
+                .birth
+                .is_some_and(|b| b.0 == id.birth.0 && id.birth.1 == 0);
+            if id.birth.0 != 0 && ino != ROOT_INO && !coarser {
+                rec.birth = Some(id.birth);
+            }
+        }
+        changed
+    }
+
+    fn journal_remembered(&self, changed: bool, ino: u64, path: &str, id: &FileId) {
+        if changed {
+            self.journal(JournalOp::Remember {
+                ino,
+                path: path.to_string(),
+                is_dir: id.is_dir,
+            });
         }
     }
 

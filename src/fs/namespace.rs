@@ -264,7 +264,7 @@ impl Fs {
                     return Err(errno(libc::EEXIST, format!("{dir}/{name} exists")));
                 }
                 let path = join(&dir, name);
-                let a = self.remember(&path, &e, true);
+                let a = self.remember_asking(&path, &e, true).await;
                 let fh = self.open(a.ino, flags).await?;
                 return Ok((self.getattr(a.ino).await?, fh));
             }
@@ -689,7 +689,7 @@ impl Fs {
     /// is then left linked (the caller re-reads the entry to decide).
     pub(super) fn name_removed(&self, dir: &str, name: &str, e: &pb::Entry, doubt: bool) {
         let path = join(dir, name);
-        let ino = self.node_id(&path, e);
+        let ino = self.node_of(&path, e);
         self.meta.link_removed(e);
         self.inodes.unlink_path(&path);
         let Some(of) = self.open_file(ino).filter(|_| !doubt) else {
