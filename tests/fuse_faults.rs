@@ -72,3 +72,70 @@ fn failed_uploads_surface_as_errors() {
     assert_eq!(fs::read(m.join("before")).unwrap(), b"ok");
     assert_eq!(w.filer_get(&format!("{root}/after")).unwrap(), b"back");
 }
+
+/// Bytes in the regular files of `dir` (not recursive).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok()?.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The disk chunk cache under `--cacheDir` outlives the process: a new mount reads a file
+/// the previous one read, with the volume server stopped (no GET can have served it).
+#[test]
+fn a_disk_cached_file_reads_after_a_remount_with_the_volume_server_down() {
+    // own server: this test stops its volume server
+    let mut w = WeedServer::start_with(common::WeedOptions {
+        separate_volume: true,
+        ..Default::default()
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        format!("--cacheDir={}", cache.path().display()),
+        "--cacheCapacityMB=64".to_string(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let root = unique_path("disktier");
+    let data = pseudo_random(7, 5 * MIB + 12345);
+    w.filer_put(&format!("{root}/f"), &data, "");
+    let m = mount_ours(&w, &root, &args);
+    assert!(fs::read(m.join("f")).unwrap() == data, "first read");
+    // kept on disk in the background
+    let kept = wait_until(Duration::from_secs(30), || {
+        dir_bytes(cache.path()) >= data.len() as u64
+    });
+    assert!(kept, "{} bytes on disk", dir_bytes(cache.path()));
+    assert!(m.unmount().success());
+
+    w.stop_volume();
+    let m = mount_ours(&w, &root, &args);
+    let got = timed("read with the volume server down", Duration::from_secs(120), || {
+        fs::read(m.join("f"))
+    });
+    assert!(got.unwrap() == data, "read from the disk cache");
+    // one cache file damaged: it must not be served (the volume server is down: EIO)
+    let victim = fs::read_dir(cache.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.is_file())
+        .unwrap();
+    let mut b = fs::read(&victim).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0xff;
+    fs::write(&victim, b).unwrap();
+    assert!(m.unmount().success());
+    let m = mount_ours(&w, &root, &args);
+    let r = timed("read of a damaged cache file", Duration::from_secs(120), || {
+        fs::read(m.join("f"))
+    });
+    assert!(r.is_err(), "bytes of a damaged cache file were served");
+    w.start_volume();
+    assert!(fs::read(m.join("f")).unwrap() == data, "fetched again");
+    assert!(m.unmount().success());
+}

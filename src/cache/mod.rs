@@ -6,7 +6,10 @@
 //! Fetches in flight are tracked so that readers of part of such a chunk wait for it instead
 //! of asking the volume server for their range too.
 
+pub mod disk;
+
 use bytes::Bytes;
+use disk::DiskCache;
 use moka::future::Cache;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -26,6 +29,9 @@ pub struct CacheStats {
     pub misses: AtomicU64,
     pub bytes_from_cache: AtomicU64,
     pub bytes_fetched: AtomicU64,
+    /// Bytes read from the disk tier (counted neither as hits nor misses here: see
+    /// [`disk::DiskStats`]).
+    pub bytes_from_disk: AtomicU64,
     pub evictions: Arc<AtomicU64>,
 }
 
@@ -36,6 +42,9 @@ pub struct ChunkCache {
     pending: Arc<Mutex<HashMap<String, usize>>>,
     /// Chunks recently read by exact ranges.
     ranged: moka::sync::Cache<String, ()>,
+    /// The disk tier under `cacheDir`, if any: read before the volume servers, filled with
+    /// what they send.
+    disk: Option<Arc<DiskCache>>,
     pub stats: Arc<CacheStats>,
 }
 
@@ -91,8 +100,20 @@ impl ChunkCache {
             cache,
             pending: Arc::default(),
             ranged,
+            disk: None,
             stats,
         }
+    }
+
+    /// Adds a disk tier: chunks fetched from the volume servers are also kept in `disk`, and
+    /// a chunk missing from memory is read from there before the volume servers are asked.
+    pub fn with_disk(mut self, disk: Arc<DiskCache>) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+
+    pub fn disk(&self) -> Option<&Arc<DiskCache>> {
+        self.disk.as_ref()
     }
 
     pub fn enabled(&self) -> bool {
@@ -117,9 +138,12 @@ impl ChunkCache {
             .unwrap_or(false)
     }
 
-    /// Cached, or being fetched whole: a reader of any part of it should wait for that fetch.
+    /// Cached (in memory or on disk), or being fetched whole: a reader of any part of it
+    /// should take the whole chunk from there.
     pub fn contains_or_pending(&self, fid: &str) -> bool {
-        self.contains(fid) || self.pending.lock().contains_key(fid)
+        self.contains(fid)
+            || self.pending.lock().contains_key(fid)
+            || self.disk.as_ref().is_some_and(|d| d.contains(fid))
     }
 
     /// Records a read of part of `fid` by exact range; true if the chunk was read that way
@@ -151,23 +175,28 @@ impl ChunkCache {
         match &self.cache {
             Some(c) => {
                 let stats = self.stats.clone();
-                let mut fetched = false;
+                let (mut fetched, mut on_disk) = (false, false);
                 // held until the value is in the cache, so a reader never finds the chunk
                 // neither pending nor cached while it is being inserted
                 let mut pending = None;
                 let r = c
                     .try_get_with(fid.to_string(), async {
-                        fetched = true;
                         pending = Some(Pending::new(&self.pending, fid));
+                        if let Some(b) = self.read_disk(fid).await {
+                            on_disk = true;
+                            return Ok(b);
+                        }
+                        fetched = true;
                         let b = fetch.await?;
                         stats
                             .bytes_fetched
                             .fetch_add(b.len() as u64, Ordering::Relaxed);
+                        self.keep_on_disk(fid, &b);
                         Ok(b)
                     })
                     .await;
                 drop(pending);
-                if let Ok(b) = &r {
+                if let (Ok(b), false) = (&r, on_disk) {
                     if fetched {
                         self.stats.misses.fetch_add(1, Ordering::Relaxed);
                     } else {
@@ -180,14 +209,45 @@ impl ChunkCache {
                 r
             }
             None => {
+                if let Some(b) = self.read_disk(fid).await {
+                    return Ok(b);
+                }
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 let b = fetch.await.map_err(Arc::new)?;
                 self.stats
                     .bytes_fetched
                     .fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.keep_on_disk(fid, &b);
                 Ok(b)
             }
         }
+    }
+
+    /// The chunk from the disk tier (its file read off the async threads).
+    async fn read_disk(&self, fid: &str) -> Option<Bytes> {
+        let disk = self.disk.clone()?;
+        if !disk.contains(fid) {
+            return None;
+        }
+        let key = fid.to_string();
+        let b = tokio::task::spawn_blocking(move || disk.get(&key))
+            .await
+            .ok()
+            .flatten()?;
+        self.stats
+            .bytes_from_disk
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        Some(b)
+    }
+
+    /// Keeps a fetched chunk on disk, in the background (a reader never waits for it).
+    fn keep_on_disk(&self, fid: &str, b: &Bytes) {
+        let (Some(disk), Ok(rt)) = (self.disk.clone(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (key, data) = (fid.to_string(), b.clone());
+        rt.spawn_blocking(move || disk.put(&key, &data));
     }
 
     /// Bytes currently held (approximate; moka updates lazily).

@@ -1071,3 +1071,82 @@ async fn a_pending_directory_time_follows_the_directory_when_it_is_renamed() {
         "the contents' change was lost by the rename"
     );
 }
+
+/// Reads all of "/f" through a fresh handle.
+async fn read_f(fs: &Fs, len: usize) -> Vec<u8> {
+    let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
+    let fh = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    let mut out = Vec::new();
+    while out.len() < len {
+        let b = fs.read(fh, ino, out.len() as u64, 128 << 10).await.unwrap();
+        assert!(!b.is_empty(), "short read at {}", out.len());
+        out.extend_from_slice(&b);
+    }
+    fs.release(fh, ino).await.unwrap();
+    out
+}
+
+/// The disk tier under `cacheDir`: a chunk fetched once is read from disk by the next
+/// process (a plugin restart or upgrade) with no GET; a corrupted cache file costs one GET
+/// and never wrong bytes.
+#[tokio::test]
+async fn a_restarted_plugin_reads_a_disk_cached_file_with_no_gets() {
+    use crate::cache::disk::DiskCache;
+    let dir = std::env::temp_dir().join(format!(
+        "swcsi-disk-tier-{}-{:x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let cfg = || {
+        FsConfig::from_mount_options(&MountOptions {
+            chunk_size_limit_mb: 1,
+            ..Default::default()
+        })
+    };
+    let (store, filer) = (Arc::new(MockChunkStore::new()), Arc::new(MockFiler::new()));
+    let node = |disk: bool| {
+        let mut cache = ChunkCache::new(1 << 20);
+        if disk {
+            cache = cache.with_disk(DiskCache::open(&dir, 64 << 20).unwrap());
+        }
+        Fs::new(cfg(), filer.clone(), store.clone(), cache)
+    };
+    let data: Vec<u8> = (0..3 * MIB).map(|i| (i % 251) as u8).collect();
+    let writer = node(false);
+    let (a, fh) = create_f(&writer, libc::O_WRONLY).await;
+    writer.write(fh, a.ino, 0, &data).await.unwrap();
+    writer.release(fh, a.ino).await.unwrap();
+
+    let first = node(true);
+    assert!(read_f(&first, data.len()).await == data);
+    let fetched = store.fetch_count();
+    assert!(fetched >= 3, "{fetched} GETs");
+    let disk = first.cache.disk().unwrap().clone();
+    for _ in 0..200 {
+        disk.run_pending_tasks();
+        if disk.weighted_size() >= 3 * MIB as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(first);
+
+    let restarted = node(true);
+    assert!(read_f(&restarted, data.len()).await == data);
+    assert_eq!(store.fetch_count(), fetched, "GETs after a restart");
+
+    // one cache file damaged on disk: dropped, fetched again, right bytes
+    let victim = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_file())
+        .unwrap();
+    let mut b = std::fs::read(&victim).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0xff;
+    std::fs::write(&victim, b).unwrap();
+    let again = node(true);
+    assert!(read_f(&again, data.len()).await == data);
+    assert_eq!(store.fetch_count(), fetched + 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

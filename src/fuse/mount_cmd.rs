@@ -46,10 +46,10 @@ pub struct MountArgs {
     pub concurrent_writers: usize,
     #[arg(long = "concurrentReaders", default_value_t = 16)]
     pub concurrent_readers: usize,
-    /// Directory for on-disk cache state (optional)
+    /// Directory of the disk chunk cache (optional; sized by --cacheCapacityMB)
     #[arg(long = "cacheDir")]
     pub cache_dir: Option<PathBuf>,
-    /// Chunk cache capacity in MiB (memory)
+    /// Chunk cache capacity in MiB: memory, and on disk under --cacheDir when set
     #[arg(long = "cacheCapacityMB", default_value_t = 128)]
     pub cache_capacity_mb: u64,
     #[arg(long = "cacheMetaTtlSec", default_value_t = 60)]

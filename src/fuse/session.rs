@@ -78,6 +78,33 @@ pub fn tune_allocator() {
     }
 }
 
+/// Adds the disk tier under `cacheDir`, sized by `cacheCapacityMB` (as the Go driver and
+/// `weed mount` size theirs). Not with the filer's `cipher` on: chunks are kept decrypted, and
+/// the cluster's encryption must not end at the node's disk. A directory that cannot be used
+/// costs only the tier.
+fn with_disk_tier(cache: ChunkCache, opts: &MountOptions, cipher: bool) -> ChunkCache {
+    let (Some(dir), cap) = (&opts.cache_dir, opts.cache_capacity_mb << 20) else {
+        return cache;
+    };
+    if cap == 0 {
+        return cache;
+    }
+    if cipher {
+        tracing::info!(dir = %dir.display(), "the filer encrypts chunks: no disk cache");
+        return cache;
+    }
+    match crate::cache::disk::DiskCache::open(dir, cap) {
+        Ok(d) => {
+            tracing::info!(dir = %dir.display(), capacity_mb = opts.cache_capacity_mb, cached_mb = d.weighted_size() >> 20, "disk chunk cache");
+            cache.with_disk(d)
+        }
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "disk chunk cache unusable; memory only");
+            cache
+        }
+    }
+}
+
 /// Builds the filesystem for `opts` (nothing is mounted yet) on the node's shared connection
 /// to its filer ([`FilerHub::global`]); the returned view carries the session's signature.
 pub async fn build_fs(
@@ -107,7 +134,7 @@ pub async fn build_fs(
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
     tune_allocator();
-    let cache = ChunkCache::new(cache_bytes(opts));
+    let cache = with_disk_tier(ChunkCache::new(cache_bytes(opts)), opts, conf.cipher);
     let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
     let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;

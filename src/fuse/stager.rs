@@ -238,10 +238,21 @@ impl Stager for FuseStager {
             return Ok(());
         };
         crate::metrics::global().staged_volumes.dec();
+        let disk_cache = mounted.fs.cache.disk().map(|d| d.dir().to_path_buf());
         mounted
             .unmount()
             .await
-            .map_err(|e| StageError::Unmount(e.to_string()))
+            .map_err(|e| StageError::Unmount(e.to_string()))?;
+        // The volume leaves this node: its disk cache goes too, so volumes deleted since
+        // leave nothing behind (a restart or upgrade keeps it: that is no unstage).
+        if let Some(dir) = disk_cache {
+            if let Err(e) = tokio::fs::remove_dir_all(&dir).await {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(volume_id, dir = %dir.display(), error = %e, "removing the disk chunk cache failed");
+                }
+            }
+        }
+        Ok(())
     }
 
     fn health(&self, volume_id: &str) -> Option<VolumeHealth> {
