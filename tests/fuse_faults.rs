@@ -114,9 +114,11 @@ fn a_disk_cached_file_reads_after_a_remount_with_the_volume_server_down() {
 
     w.stop_volume();
     let m = mount_ours(&w, &root, &args);
-    let got = timed("read with the volume server down", Duration::from_secs(120), || {
-        fs::read(m.join("f"))
-    });
+    let got = timed(
+        "read with the volume server down",
+        Duration::from_secs(120),
+        || fs::read(m.join("f")),
+    );
     assert!(got.unwrap() == data, "read from the disk cache");
     // one cache file damaged: it must not be served (the volume server is down: EIO)
     let victim = fs::read_dir(cache.path())
@@ -131,9 +133,11 @@ fn a_disk_cached_file_reads_after_a_remount_with_the_volume_server_down() {
     fs::write(&victim, b).unwrap();
     assert!(m.unmount().success());
     let m = mount_ours(&w, &root, &args);
-    let r = timed("read of a damaged cache file", Duration::from_secs(120), || {
-        fs::read(m.join("f"))
-    });
+    let r = timed(
+        "read of a damaged cache file",
+        Duration::from_secs(120),
+        || fs::read(m.join("f")),
+    );
     assert!(r.is_err(), "bytes of a damaged cache file were served");
     w.start_volume();
     assert!(fs::read(m.join("f")).unwrap() == data, "fetched again");

@@ -927,7 +927,24 @@ impl Volume {
 async fn clients(fx: &Fixture) -> Clients {
     let deadline = Instant::now() + BOUND;
     while std::os::unix::net::UnixStream::connect(fx.csi_socket()).is_err() {
-        assert!(Instant::now() < deadline, "CSI socket never answered");
+        if Instant::now() >= deadline {
+            // the processes' last words say why (seen once in CI, cause unknown)
+            let tails: Vec<String> = fx
+                .procs
+                .iter()
+                .map(|p| {
+                    let log = p.log();
+                    let lines: Vec<&str> = log.lines().collect();
+                    lines[lines.len().saturating_sub(40)..].join("\n")
+                })
+                .collect();
+            panic!(
+                "CSI socket never answered ({}: {:?}); process logs, last lines:\n{}",
+                fx.csi_socket().display(),
+                std::fs::symlink_metadata(fx.csi_socket()).map(|m| m.file_type()),
+                tails.join("\n-----\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Clients::connect(&fx.csi_socket()).await

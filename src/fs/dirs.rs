@@ -146,10 +146,13 @@ impl Fs {
             attr: None,
             ident: None,
         });
+        // ids handed to files (not hard links) in this listing: a second file with a number
+        // (two uploads the filer numbered alike) gets another
+        let mut handed = std::collections::HashSet::new();
         for e in entries.iter() {
             let path = join(&dir, &e.name);
             let ident = e.hard_link_id.is_empty().then(|| attr::file_id(&path, e));
-            let eino = match &ident {
+            let mut eino = match &ident {
                 Some(id) => match self.inodes.claim(&path, id) {
                     Claim::Id(ino) => ino,
                     Claim::Ask(other) => {
@@ -169,6 +172,12 @@ impl Fs {
                 },
                 None => self.node_id(&path, e),
             };
+            if let Some(id) = &ident {
+                if !handed.insert(eino) {
+                    eino = self.inodes.second_id(&path, id);
+                    handed.insert(eino);
+                }
+            }
             let a = self.attr_of(eino, &path, e);
             out.push(DirEntryOut {
                 name: e.name.clone(),
@@ -217,7 +226,7 @@ impl Fs {
             return Some(a);
         }
         match self.meta.lookup(&dir, &e.name) {
-            Cached::Found(cur) if self.node_id(&path, &cur) == e.ino => {
+            Cached::Found(cur) if self.is_node(&path, &cur, e.ino) => {
                 Some(self.attr_of(e.ino, &path, &cur))
             }
             _ => Some(snap.clone()),
@@ -250,10 +259,10 @@ impl Fs {
             }
             let path = join(&dir, &e.name);
             let current = match self.meta.lookup(&dir, &e.name) {
-                Cached::Found(cur) => self.node_id(&path, &cur) == e.ino,
+                Cached::Found(cur) => self.is_node(&path, &cur, e.ino),
                 Cached::Absent => false,
                 Cached::Unknown => match self.entry_at(&dir, &e.name).await {
-                    Ok(cur) => self.node_id(&path, &cur) == e.ino,
+                    Ok(cur) => self.is_node(&path, &cur, e.ino),
                     // not sure: leave the kernel's entry (an open of it is ESTALE if stale)
                     Err(err) => err.errno != libc::ENOENT,
                 },
@@ -317,16 +326,20 @@ impl Fs {
             let stale = match self.meta.lookup(&dir, &e.name) {
                 Cached::Found(cur) => match &e.ident {
                     Some(id) => attr::file_id(&path, &cur) != *id,
-                    None => self.node_id(&path, &cur) != e.ino,
+                    None => !self.is_node(&path, &cur, e.ino),
                 },
                 Cached::Absent => true,
                 Cached::Unknown => false,
             };
             match (&e.ident, linked || stale) {
                 (Some(id), false) => self.inodes.remember_file(e.ino, &path, id, true),
-                _ => self
-                    .inodes
-                    .remember_as(e.ino, &path, e.kind, true, linked || stale),
+                (ident, _) => {
+                    self.inodes
+                        .remember_as(e.ino, &path, e.kind, true, linked || stale);
+                    if let Some(id) = ident {
+                        self.inodes.note_file(e.ino, id);
+                    }
+                }
             }
         }
     }

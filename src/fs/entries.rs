@@ -346,6 +346,16 @@ impl Fs {
         }
     }
 
+    /// Whether node `ino` is the file `e` the name `path` leads to (see
+    /// [`InodeTable::is_node`](super::inode::InodeTable::is_node)).
+    pub(super) fn is_node(&self, path: &str, e: &pb::Entry, ino: u64) -> bool {
+        if e.hard_link_id.is_empty() {
+            self.inodes.is_node(path, &file_id(path, e), ino)
+        } else {
+            entry_inode(path, e) == ino
+        }
+    }
+
     /// The node that stood for `e`, last known at `path` (the old entry of a move or a
     /// removal; see [`InodeTable::node_of`]).
     pub(super) fn node_of(&self, path: &str, e: &pb::Entry) -> u64 {

@@ -162,7 +162,7 @@ impl Fs {
         // the name leads to another file now (deleted and created again elsewhere): this node
         // is not that file (entries without an inode attribute are known by path only)
         let numbered = e.attributes.as_ref().is_some_and(|a| a.inode != 0);
-        if by_name && numbered && e.hard_link_id.is_empty() && self.node_id(&path, &e) != ino {
+        if by_name && numbered && e.hard_link_id.is_empty() && !self.is_node(&path, &e, ino) {
             return Err(errno(libc::ESTALE, format!("{path} is another file now")));
         }
         if e.is_directory {

@@ -39,7 +39,12 @@ impl NodeRecord {
 
     /// Whether this node may stand for the file `id` (an unknown birth matches any).
     fn stands_for(&self, id: &FileId) -> bool {
-        self.base() == id.base
+        // a record from the crash journal keeps no number: a derived id is known by its
+        // derivation from the path it was made for
+        let base_ok = self.base() == id.base
+            || (self.base.is_none()
+                && (0..16).any(|k| derived(id.base, &self.path, id.birth, k) == self.ino));
+        base_ok
             && self.is_dir == id.is_dir
             && !(id.birth.0 != 0 && self.birth.is_some_and(|b| born_apart(b, id.birth)))
     }
@@ -282,8 +287,9 @@ impl InodeTable {
     }
 
     /// The node that stands for the file `id` last known at `path` (the old entry of a move
-    /// or removal): the name's node, else the number's, else as [`claim`](Self::claim) with
-    /// the other path taken as live.
+    /// or removal): the name's node, else the number's if that name was its own, else as
+    /// [`claim`](Self::claim) with the other path taken as live (a node nobody holds, when
+    /// the file was never met here).
     pub fn node_of(&self, path: &str, id: &FileId) -> u64 {
         let g = self.inner.read();
         if let Some(r) = g.by_path.get(path).and_then(|x| g.by_ino.get(x)) {
@@ -291,10 +297,32 @@ impl InodeTable {
                 return r.ino;
             }
         }
-        if g.by_ino.get(&id.base).is_some_and(|r| r.stands_for(id)) {
+        // the number's node, only where that name was its own: elsewhere it may be a twin's
+        let named = |r: &NodeRecord| r.path == path || r.aliases.iter().any(|a| a == path);
+        if g.by_ino
+            .get(&id.base)
+            .is_some_and(|r| r.stands_for(id) && named(r))
+        {
             return id.base;
         }
         Self::id_in(&g, path, id, true)
+    }
+
+    /// Whether node `ino` is the one the name `path` leads to for the file `id` (the name's
+    /// node standing for it, or the id [`claim`](Self::claim) gives a file met there now).
+    pub fn is_node(&self, path: &str, id: &FileId, ino: u64) -> bool {
+        let g = self.inner.read();
+        let by_name = g.by_path.get(path) == Some(&ino);
+        match g.by_ino.get(&ino) {
+            Some(r) if by_name => r.stands_for(id),
+            _ => Self::id_in(&g, path, id, true) == ino,
+        }
+    }
+
+    /// A node id for the file `id` at `path` other than its number, for a second file with
+    /// that number met at once (one directory listing).
+    pub fn second_id(&self, path: &str, id: &FileId) -> u64 {
+        Self::derive_in(&self.inner.read(), path, id)
     }
 
     /// [`claim`](Self::claim) with the answer to its question: `other_live`, whether the
@@ -344,6 +372,10 @@ impl InodeTable {
         if same_file {
             return Claim::Id(id.base);
         }
+        Claim::Id(Self::derive_in(g, path, id))
+    }
+
+    fn derive_in(g: &Inner, path: &str, id: &FileId) -> u64 {
         let mut ino = id.base;
         for k in 0..16 {
             ino = derived(id.base, path, id.birth, k);
@@ -353,7 +385,7 @@ impl InodeTable {
                 Some(_) => {}
             }
         }
-        Claim::Id(ino)
+        ino
     }
 
     /// Records that the kernel now knows the file `id` as node `ino` at `path` (one more
@@ -361,6 +393,25 @@ impl InodeTable {
     pub fn remember_file(&self, ino: u64, path: &str, id: &FileId, counted: bool) {
         let changed = Self::remember_file_in(&mut self.inner.write(), ino, path, id, counted);
         self.journal_remembered(changed, ino, path, id);
+    }
+
+    /// Records which file node `ino` stands for, without naming it (see
+    /// [`remember_file`](Self::remember_file)).
+    pub fn note_file(&self, ino: u64, id: &FileId) {
+        if let Some(rec) = self.inner.write().by_ino.get_mut(&ino) {
+            Self::set_file(rec, ino, id);
+        }
+    }
+
+    fn set_file(rec: &mut NodeRecord, ino: u64, id: &FileId) {
+        rec.base = (ino != id.base).then_some(id.base);
+        // a birth known to the nanosecond is not replaced by one without
+        let coarser = rec
+            .birth
+            .is_some_and(|b| b.0 == id.birth.0 && id.birth.1 == 0);
+        if id.birth.0 != 0 && ino != ROOT_INO && !coarser {
+            rec.birth = Some(id.birth);
+        }
     }
 
     /// [`claim`](Self::claim) and [`remember_file`](Self::remember_file) under one lock, so
@@ -389,14 +440,7 @@ impl InodeTable {
         let kind = if id.is_dir { Kind::Dir } else { Kind::File };
         let changed = Self::remember_in(g, ino, path, kind, counted, false);
         if let Some(rec) = g.by_ino.get_mut(&ino) {
-            rec.base = (ino != id.base).then_some(id.base);
-            // a birth known to the nanosecond is not replaced by one without
-            let coarser = rec
-                .birth
-                .is_some_and(|b| b.0 == id.birth.0 && id.birth.1 == 0);
-            if id.birth.0 != 0 && ino != ROOT_INO && !coarser {
-                rec.birth = Some(id.birth);
-            }
+            Self::set_file(rec, ino, id);
         }
         changed
     }
@@ -609,6 +653,34 @@ mod tests {
         let t2 = InodeTable::new("/m");
         t2.replay(j.replay().unwrap());
         assert_eq!(t2.path(30).unwrap(), "/m/b");
+    }
+
+    /// Two uploads with one number and second: the second gets a derived node id, which a
+    /// successor rebuilt from the crash journal (which keeps no numbers) gives it again.
+    #[test]
+    fn a_derived_node_id_survives_a_journal_replay() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.set_journal(j.clone());
+        let id = FileId {
+            base: 5000,
+            birth: (1000, 0),
+            is_dir: false,
+        };
+        assert_eq!(t.claim_and_remember("/m/c", &id, true, None), Ok(5000));
+        assert_eq!(
+            t.claim_and_remember("/m/d", &id, true, None),
+            Err("/m/c".to_string())
+        );
+        let d = t.claim_and_remember("/m/d", &id, true, Some(true)).unwrap();
+        assert_ne!(d, 5000);
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.claim("/m/d", &id), Claim::Id(d));
+        assert_eq!(t2.claim("/m/c", &id), Claim::Id(5000));
+        // a file whose name is gone here never gets the number back for a new file
+        t2.unlink_path("/m/c");
+        assert_ne!(t2.id_of("/m/x", &id, false), 5000);
     }
 
     #[test]

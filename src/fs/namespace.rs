@@ -739,6 +739,10 @@ impl Fs {
                     return Err(errno(libc::EPERM, "hard link to a directory"));
                 }
                 prior = (e.hard_link_id.clone(), e.hard_link_counter);
+                // names of a link group share the filer's number as their node id: a file
+                // known here by a derived id (another upload has its number) takes that id
+                // as its number, or it would become the other file's node
+                let renumber = e.hard_link_id.is_empty() && attr::entry_inode(&path, e) != ino;
                 if e.hard_link_id.is_empty() {
                     let mut id: Vec<u8> = (0..16).map(|_| rand::random::<u8>()).collect();
                     id.push(1);
@@ -748,9 +752,14 @@ impl Fs {
                 e.hard_link_counter += 1;
                 let a = e.attributes.get_or_insert_with(Default::default);
                 (a.ctime, a.ctime_ns) = now_parts();
+                if renumber {
+                    a.inode = ino;
+                }
                 Ok(())
             })
             .await?;
+        // the node stands for the file under its (maybe new) number
+        self.inodes.note_file(ino, &attr::file_id(&path, &updated));
         let newe = entry_with_name(&updated, newname);
         if let Err(e) = self.create_on_filer(&ndir, &newe, true).await {
             if e.errno != libc::EEXIST {
@@ -780,7 +789,7 @@ impl Fs {
             s.entry.hard_link_id = updated.hard_link_id.clone();
             s.entry.hard_link_counter = updated.hard_link_counter;
             if let (Some(a), Some(u)) = (s.entry.attributes.as_mut(), updated.attributes.as_ref()) {
-                (a.ctime, a.ctime_ns) = (u.ctime, u.ctime_ns);
+                (a.ctime, a.ctime_ns, a.inode) = (u.ctime, u.ctime_ns, u.inode);
             }
         }
         self.touch_dir(&ndir);

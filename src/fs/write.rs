@@ -241,7 +241,7 @@ impl Fs {
             let path = join(&dir, &name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             let found = match self.filer.lookup_entry(&dir, &name).await {
-                Ok(e) => Some(self.node_id(&path, &e) == of.ino || known.is_inodeless_match(&e)),
+                Ok(e) => Some(self.is_node(&path, &e, of.ino) || known.is_inodeless_match(&e)),
                 Err(FilerError::NotFound(_)) => Some(false),
                 Err(e) if start.elapsed() < self.cfg.upload_retry => {
                     tracing::warn!(path, error = %e, "checking an open file's name before its commit failed; retrying");
