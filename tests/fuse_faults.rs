@@ -18,6 +18,11 @@ use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 
+/// The tests here take turns: while one holds a mount whose filer is stopped (its writes
+/// stuck in the kernel), a process the other spawned was seen stuck in a page fault before
+/// it could exec (the test process's own memory; the driver was never reached).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Waits (bounded) for an fsync/close result and returns it.
 fn timed<T>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send) -> T
 where
@@ -32,6 +37,7 @@ where
 
 #[test]
 fn failed_uploads_surface_as_errors() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // own server: this test stops its filer
     let mut w = WeedServer::start();
     let root = unique_path("eio");
@@ -89,6 +95,7 @@ fn dir_bytes(dir: &std::path::Path) -> u64 {
 /// the previous one read, with the volume server stopped (no GET can have served it).
 #[test]
 fn a_disk_cached_file_reads_after_a_remount_with_the_volume_server_down() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // own server: this test stops its volume server
     let mut w = WeedServer::start_with(common::WeedOptions {
         separate_volume: true,

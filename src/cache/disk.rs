@@ -10,8 +10,9 @@
 
 use bytes::Bytes;
 use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// `[magic 4][crc32 of the data, LE 4][data length, LE 8]`, then the data.
@@ -19,6 +20,21 @@ const MAGIC: &[u8; 4] = b"SWC1";
 const HEADER: usize = 16;
 /// Names of files being written; never read, removed at startup.
 const TMP_PREFIX: &str = ".tmp-";
+/// A file takes whole blocks on disk: weighed so, many small chunks cannot take far more
+/// disk (and inodes) than the capacity says.
+const BLOCK: u64 = 4096;
+
+fn weight(len: u64) -> u64 {
+    len.div_ceil(BLOCK).max(1) * BLOCK
+}
+
+/// Only this process's user reads the cache: the chunks are other users' file contents.
+fn make_dir(dir: &Path) -> io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
 
 #[derive(Debug, Default)]
 pub struct DiskStats {
@@ -36,6 +52,9 @@ pub struct DiskCache {
     capacity: u64,
     /// File id -> bytes on disk. Eviction deletes the file.
     index: moka::sync::Cache<String, u64>,
+    /// Set when the volume leaves the node: nothing is written (or the directory made again)
+    /// any more.
+    closed: AtomicBool,
     pub stats: Arc<DiskStats>,
 }
 
@@ -72,14 +91,18 @@ impl DiskCache {
     /// Opens (creating it if needed) the cache in `dir`, holding at most `capacity` bytes,
     /// and takes in the chunks a previous process left there (the oldest are evicted first
     /// when they exceed the capacity now).
+    /// Blocking (it reads the directory): call it off the async threads.
     pub fn open(dir: &Path, capacity: u64) -> io::Result<Arc<Self>> {
-        std::fs::create_dir_all(dir)?;
+        make_dir(dir)?;
         let stats = Arc::new(DiskStats::default());
         let st = stats.clone();
         let evict_dir = dir.to_path_buf();
+        // LRU: a new chunk always gets in (TinyLFU would keep refusing chunks never read
+        // twice once full, freezing the first ones in)
         let index = moka::sync::Cache::builder()
             .max_capacity(capacity)
-            .weigher(|_k: &String, v: &u64| (*v).min(u32::MAX as u64) as u32)
+            .eviction_policy(moka::policy::EvictionPolicy::lru())
+            .weigher(|_k: &String, v: &u64| weight(*v).min(u32::MAX as u64) as u32)
             .eviction_listener(move |k: Arc<String>, _v, cause| {
                 // a replaced entry's file is the new one; an explicit removal deleted it
                 if cause.was_evicted() {
@@ -92,6 +115,7 @@ impl DiskCache {
             dir: dir.to_path_buf(),
             capacity,
             index,
+            closed: AtomicBool::new(false),
             stats,
         });
         c.scan()?;
@@ -112,9 +136,13 @@ impl DiskCache {
                 let _ = std::fs::remove_file(ent.path());
                 continue;
             }
-            let (Some(fid), true) = (fid_of(&name), md.len() >= HEADER as u64) else {
+            let Some(fid) = fid_of(&name) else {
                 continue;
             };
+            if md.len() < HEADER as u64 {
+                let _ = std::fs::remove_file(ent.path());
+                continue;
+            }
             let age = md.modified().ok();
             found.push((age, fid, md.len()));
         }
@@ -134,9 +162,15 @@ impl DiskCache {
         self.index.contains_key(fid)
     }
 
+    /// Stops writing: the volume leaves the node and its directory is about to go.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
     /// The chunk's bytes, if cached and intact (blocking file I/O).
     pub fn get(&self, fid: &str) -> Option<Bytes> {
-        if !self.index.contains_key(fid) {
+        // a read, for the recency order
+        if self.index.get(fid).is_none() {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -164,15 +198,17 @@ impl DiskCache {
     /// Stores the chunk (blocking file I/O). Failures only cost caching.
     pub fn put(&self, fid: &str, data: &[u8]) {
         let size = (data.len() + HEADER) as u64;
-        if size > self.capacity / 2 || self.index.contains_key(fid) {
+        let closed = || self.closed.load(Ordering::SeqCst);
+        if weight(size) > self.capacity / 2 || self.index.contains_key(fid) || closed() {
             return;
         }
         let mut r = self.write_file(fid, data);
         if r.as_ref()
             .is_err_and(|e| e.kind() == io::ErrorKind::NotFound)
+            && !closed()
         {
             // the directory was deleted under us: make it again
-            r = std::fs::create_dir_all(&self.dir).and_then(|_| self.write_file(fid, data));
+            r = make_dir(&self.dir).and_then(|_| self.write_file(fid, data));
         }
         match r {
             Ok(()) => {
@@ -192,7 +228,11 @@ impl DiskCache {
             .dir
             .join(format!("{TMP_PREFIX}{:016x}", rand::random::<u64>()));
         let r = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
             let mut head = [0u8; HEADER];
             head[..4].copy_from_slice(MAGIC);
             head[4..8].copy_from_slice(&crc32fast::hash(data).to_le_bytes());
@@ -297,6 +337,33 @@ mod tests {
         c.put("1,aa", b"fresh");
         assert_eq!(c.get("1,aa").unwrap(), Bytes::from_static(b"fresh"));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Found in review: with moka's default admission (TinyLFU) a full cache refused every
+    /// chunk not read twice, so it kept its first contents for good.
+    #[test]
+    fn a_full_cache_takes_new_chunks_and_drops_the_least_recent() {
+        let d = tmpdir("lru");
+        let c = DiskCache::open(&d, 64 << 10).unwrap();
+        for i in 0..64u32 {
+            c.put(&format!("3,{i:04x}"), &[5u8; 3000]);
+            c.run_pending_tasks();
+        }
+        assert!(c.get("3,003f").is_some(), "the newest chunk was refused");
+        assert!(c.get("3,0000").is_none(), "the oldest chunk is still there");
+        assert!(c.weighted_size() <= 64 << 10);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_closed_cache_writes_nothing_and_never_makes_its_directory_again() {
+        let d = tmpdir("closed");
+        let c = DiskCache::open(&d, 1 << 20).unwrap();
+        c.close();
+        std::fs::remove_dir_all(&d).unwrap();
+        c.put("1,01", b"late");
+        assert!(!d.exists());
+        assert!(c.get("1,01").is_none());
     }
 
     #[test]

@@ -22,6 +22,8 @@ use std::time::Duration;
 /// [`ChunkCache::touch_ranged`]).
 const RANGED_MEMORY: u64 = 4096;
 const RANGED_TTL: Duration = Duration::from_secs(60);
+/// Chunks written to the disk tier at once (each holds its chunk until written).
+const DISK_WRITES: usize = 4;
 
 #[derive(Debug, Default)]
 pub struct CacheStats {
@@ -45,6 +47,9 @@ pub struct ChunkCache {
     /// The disk tier under `cacheDir`, if any: read before the volume servers, filled with
     /// what they send.
     disk: Option<Arc<DiskCache>>,
+    /// Disk writes in flight: a reader outrunning the disk skips caching rather than
+    /// queueing chunks in memory.
+    disk_writes: Arc<tokio::sync::Semaphore>,
     pub stats: Arc<CacheStats>,
 }
 
@@ -101,6 +106,7 @@ impl ChunkCache {
             pending: Arc::default(),
             ranged,
             disk: None,
+            disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_WRITES)),
             stats,
         }
     }
@@ -138,12 +144,11 @@ impl ChunkCache {
             .unwrap_or(false)
     }
 
-    /// Cached (in memory or on disk), or being fetched whole: a reader of any part of it
-    /// should take the whole chunk from there.
+    /// Cached, or being fetched whole: a reader of any part of it should wait for that fetch.
+    /// (Not the disk tier: a small random read is cheaper as a ranged GET than as a whole
+    /// chunk read and checked from disk.)
     pub fn contains_or_pending(&self, fid: &str) -> bool {
-        self.contains(fid)
-            || self.pending.lock().contains_key(fid)
-            || self.disk.as_ref().is_some_and(|d| d.contains(fid))
+        self.contains(fid) || self.pending.lock().contains_key(fid)
     }
 
     /// Records a read of part of `fid` by exact range; true if the chunk was read that way
@@ -172,6 +177,21 @@ impl ChunkCache {
         F: Future<Output = Result<Bytes, E>>,
         E: Send + Sync + 'static,
     {
+        self.get_or_fetch_chunk(fid, true, fetch).await
+    }
+
+    /// [`Self::get_or_fetch`]; what is fetched goes to the disk tier only with `to_disk`
+    /// (never a chunk the cluster keeps encrypted: it is cached decrypted).
+    pub async fn get_or_fetch_chunk<F, E>(
+        &self,
+        fid: &str,
+        to_disk: bool,
+        fetch: F,
+    ) -> Result<Bytes, Arc<E>>
+    where
+        F: Future<Output = Result<Bytes, E>>,
+        E: Send + Sync + 'static,
+    {
         match &self.cache {
             Some(c) => {
                 let stats = self.stats.clone();
@@ -191,7 +211,9 @@ impl ChunkCache {
                         stats
                             .bytes_fetched
                             .fetch_add(b.len() as u64, Ordering::Relaxed);
-                        self.keep_on_disk(fid, &b);
+                        if to_disk {
+                            self.keep_on_disk(fid, &b);
+                        }
                         Ok(b)
                     })
                     .await;
@@ -217,7 +239,9 @@ impl ChunkCache {
                 self.stats
                     .bytes_fetched
                     .fetch_add(b.len() as u64, Ordering::Relaxed);
-                self.keep_on_disk(fid, &b);
+                if to_disk {
+                    self.keep_on_disk(fid, &b);
+                }
                 Ok(b)
             }
         }
@@ -246,8 +270,14 @@ impl ChunkCache {
         else {
             return;
         };
+        let Ok(permit) = self.disk_writes.clone().try_acquire_owned() else {
+            return;
+        };
         let (key, data) = (fid.to_string(), b.clone());
-        rt.spawn_blocking(move || disk.put(&key, &data));
+        rt.spawn_blocking(move || {
+            disk.put(&key, &data);
+            drop(permit);
+        });
     }
 
     /// Bytes currently held (approximate; moka updates lazily).

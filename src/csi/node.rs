@@ -1194,13 +1194,34 @@ impl Node for NodeService {
                 "old staging path removed; the volume stays staged at its current one");
             return Ok(Response::new(NodeUnstageVolumeResponse {}));
         }
-        if let Some(at) = served.filter(|at| *at != staging) {
+        if let Some(at) = served.as_ref().filter(|at| **at != staging) {
             // What this process knew of the volume was about this path; its session is not.
             tracing::warn!(volume_id, staging = %staging.display(), session = %at.display(),
                 "staging path removed; the volume's session runs at another path and stays");
         }
         self.volumes.lock().remove(volume_id);
         self.record(volume_id, |s| s.record_unstage(volume_id));
+        // the volume's disk chunk cache goes with it, also when no session of this process
+        // had it (the stager removes the directory of a session it ends)
+        let session_elsewhere = served.as_ref().is_some_and(|at| *at != staging);
+        if let (Some(root), false) = (
+            self.config.defaults.cache_root.as_deref(),
+            session_elsewhere,
+        ) {
+            let dir = params::cache_dir_for(root, volume_id);
+            let d = dir.clone();
+            let r = self
+                .blocking("remove disk cache", self.timeouts.syscall, move || {
+                    match std::fs::remove_dir_all(&d) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                        _ => Ok(()),
+                    }
+                })
+                .await;
+            if !matches!(r, Ok(Ok(()))) {
+                tracing::warn!(volume_id, dir = %dir.display(), "the disk chunk cache was not removed");
+            }
+        }
         tracing::info!(volume_id, staging = %staging.display(), "volume unstaged");
         Ok(Response::new(NodeUnstageVolumeResponse {}))
     }

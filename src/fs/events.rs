@@ -325,9 +325,16 @@ impl Fs {
                 let old_ino = self.node_of(&opath, old);
                 // the cached entry at the old name is another file: another node's, or
                 // (numbered alike in the same second) with other data
-                let newer_cached = matches!(self.meta.lookup(dir, &old.name),
-                    Cached::Found(cur) if !self.is_node(&opath, &cur, old_ino)
-                        || other_upload(&cur, old));
+                let cached = match self.meta.lookup(dir, &old.name) {
+                    Cached::Found(cur) => Some(cur),
+                    _ => None,
+                };
+                // another upload with the moved file's number holds the old name now
+                let twin_cached = cached.as_ref().is_some_and(|cur| other_upload(cur, old));
+                let newer_cached = twin_cached
+                    || cached
+                        .as_ref()
+                        .is_some_and(|cur| !self.is_node(&opath, cur, old_ino));
                 // Files only: a directory's subtree moves by path, and below a newer
                 // directory at the old path it could not be told apart.
                 let newer_here = n.new_entry.is_some()
@@ -376,7 +383,14 @@ impl Fs {
                         if let Some(replaced) = self.inodes.ino_of(&npath) {
                             // not when that node is the moved file, met at its new name
                             // before this event came
-                            if replaced != old_ino && !self.is_node(&npath, new, replaced) {
+                            // (by its number and birth, and its data where those cannot tell)
+                            let same = self.is_node(&npath, new, replaced)
+                                && !self
+                                    .open_file(replaced)
+                                    .is_some_and(|of| other_upload(&of.state.lock().entry, new))
+                                && !matches!(self.meta.lookup(ndir, &new.name),
+                                    Cached::Found(cur) if other_upload(&cur, new));
+                            if replaced != old_ino && !same {
                                 if let Some(of) = self.open_file(replaced) {
                                     // The event may predate our own change of that name: an
                                     // open file of ours with data to commit is then kept (its
@@ -397,7 +411,7 @@ impl Fs {
                             // node is numbered as the moved file (another upload holds the
                             // name now), it stays with the name, unless it is open on the
                             // moved file (its entry shares data with the old one).
-                            let twin = self.inodes.ino_of(&opath) == Some(old_ino);
+                            let twin = twin_cached && self.inodes.ino_of(&opath) == Some(old_ino);
                             let open_on_old = self
                                 .open_file(old_ino)
                                 .is_some_and(|of| !other_upload(&of.state.lock().entry, old));

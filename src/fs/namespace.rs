@@ -742,7 +742,10 @@ impl Fs {
                 // names of a link group share the filer's number as their node id: a file
                 // known here by a derived id (another upload has its number) takes that id
                 // as its number, or it would become the other file's node
-                let renumber = e.hard_link_id.is_empty() && attr::entry_inode(&path, e) != ino;
+                // (an entry without a number is known by its path until it has a link id)
+                let renumber = e.hard_link_id.is_empty()
+                    && (attr::entry_inode(&path, e) != ino
+                        || e.attributes.as_ref().is_none_or(|a| a.inode == 0));
                 if e.hard_link_id.is_empty() {
                     let mut id: Vec<u8> = (0..16).map(|_| rand::random::<u8>()).collect();
                     id.push(1);

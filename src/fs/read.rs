@@ -160,8 +160,9 @@ impl Fs {
     async fn whole_chunk(&self, chunk: &pb::FileChunk, key: &str) -> Result<Bytes> {
         let store = self.store.clone();
         let c = chunk.clone();
+        let to_disk = chunk.cipher_key.is_empty();
         self.cache
-            .get_or_fetch(key, async move { store.fetch_chunk(&c).await })
+            .get_or_fetch_chunk(key, to_disk, async move { store.fetch_chunk(&c).await })
             .await
             .map_err(|e| (*e).clone().into())
     }
@@ -191,8 +192,9 @@ impl Fs {
             let store = self.store.clone();
             tokio::spawn(async move {
                 let c = chunk.clone();
+                let to_disk = c.cipher_key.is_empty();
                 let _ = cache
-                    .get_or_fetch(&key, async move { store.fetch_chunk(&c).await })
+                    .get_or_fetch_chunk(&key, to_disk, async move { store.fetch_chunk(&c).await })
                     .await;
                 drop(permit);
             });

@@ -82,7 +82,7 @@ pub fn tune_allocator() {
 /// `weed mount` size theirs). Not with the filer's `cipher` on: chunks are kept decrypted, and
 /// the cluster's encryption must not end at the node's disk. A directory that cannot be used
 /// costs only the tier.
-fn with_disk_tier(cache: ChunkCache, opts: &MountOptions, cipher: bool) -> ChunkCache {
+async fn with_disk_tier(cache: ChunkCache, opts: &MountOptions, cipher: bool) -> ChunkCache {
     let (Some(dir), cap) = (&opts.cache_dir, opts.cache_capacity_mb << 20) else {
         return cache;
     };
@@ -93,7 +93,12 @@ fn with_disk_tier(cache: ChunkCache, opts: &MountOptions, cipher: bool) -> Chunk
         tracing::info!(dir = %dir.display(), "the filer encrypts chunks: no disk cache");
         return cache;
     }
-    match crate::cache::disk::DiskCache::open(dir, cap) {
+    // reads the directory: off the async threads
+    let d = dir.clone();
+    let opened = tokio::task::spawn_blocking(move || crate::cache::disk::DiskCache::open(&d, cap))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    match opened {
         Ok(d) => {
             tracing::info!(dir = %dir.display(), capacity_mb = opts.cache_capacity_mb, cached_mb = d.weighted_size() >> 20, "disk chunk cache");
             cache.with_disk(d)
@@ -134,7 +139,7 @@ pub async fn build_fs(
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
     tune_allocator();
-    let cache = with_disk_tier(ChunkCache::new(cache_bytes(opts)), opts, conf.cipher);
+    let cache = with_disk_tier(ChunkCache::new(cache_bytes(opts)), opts, conf.cipher).await;
     let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
     let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
@@ -787,9 +792,14 @@ fn register_metrics(fs: &Arc<Fs>) {
 
 type SessionValue = fn(&Fs) -> u64;
 
+/// A number of the session's disk cache tier (0 without one).
+fn disk_stat(f: &Fs, v: impl Fn(&crate::cache::disk::DiskCache) -> u64) -> u64 {
+    f.cache.disk().map(|d| v(d)).unwrap_or(0)
+}
+
 /// The families of [`SessionCollector`]: name (a counter's without `_total`), type, help and
 /// the value of one session.
-const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 7] = [
+const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 11] = [
     (
         "seaweedfs_csi_cache_hits",
         MetricType::Counter,
@@ -825,6 +835,30 @@ const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 7] = [
         MetricType::Gauge,
         "Bytes held by the session cache.",
         |f| f.cache.weighted_size(),
+    ),
+    (
+        "seaweedfs_csi_disk_cache_hits",
+        MetricType::Counter,
+        "Chunk reads served from the disk cache under cacheDir.",
+        |f| disk_stat(f, |d| d.stats.hits.load(Relaxed)),
+    ),
+    (
+        "seaweedfs_csi_disk_cache_size_bytes",
+        MetricType::Gauge,
+        "Bytes held by the disk cache under cacheDir.",
+        |f| disk_stat(f, |d| d.weighted_size()),
+    ),
+    (
+        "seaweedfs_csi_disk_cache_corrupt",
+        MetricType::Counter,
+        "Disk cache files dropped because their checksum, length or header was wrong.",
+        |f| disk_stat(f, |d| d.stats.corrupt.load(Relaxed)),
+    ),
+    (
+        "seaweedfs_csi_disk_cache_write_errors",
+        MetricType::Counter,
+        "Chunks the disk cache could not store (full disk, unwritable directory).",
+        |f| disk_stat(f, |d| d.stats.write_errors.load(Relaxed)),
     ),
     (
         "seaweedfs_csi_upload_queue_depth",

@@ -238,7 +238,10 @@ impl Stager for FuseStager {
             return Ok(());
         };
         crate::metrics::global().staged_volumes.dec();
-        let disk_cache = mounted.fs.cache.disk().map(|d| d.dir().to_path_buf());
+        let disk_cache = mounted.fs.cache.disk().map(|d| {
+            d.close();
+            d.dir().to_path_buf()
+        });
         mounted
             .unmount()
             .await

@@ -259,7 +259,23 @@ impl MountGuard {
         if let Some(st) = exited {
             panic!("mount process exited early ({st}): {}", self.log_text());
         }
-        assert!(ok, "not mounted within 30 s: {}", self.log_text());
+        if !ok {
+            // where the process waits (its threads' kernel wait channels)
+            let pid = self.child.as_ref().map(|c| c.id()).unwrap_or(0);
+            let mut waits = String::new();
+            if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+                for t in tasks.flatten() {
+                    let read =
+                        |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+                    waits += &format!("{} {}\n", read("comm").trim(), read("wchan").trim());
+                    waits += &read("stack");
+                }
+            }
+            panic!(
+                "not mounted within 30 s: {}\nthreads:\n{waits}",
+                self.log_text()
+            );
+        }
     }
 }
 
