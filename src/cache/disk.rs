@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// `[magic 4][crc32 of the data, LE 4][data length, LE 8]`, then the data.
-const MAGIC: &[u8; 4] = b"SWC1";
+/// (Version 1 files were written with other modes and maybe from encrypted chunks: dropped.)
+const MAGIC: &[u8; 4] = b"SWC2";
 const HEADER: usize = 16;
 /// Names of files being written; never read, removed at startup.
 const TMP_PREFIX: &str = ".tmp-";
@@ -42,6 +43,8 @@ pub struct DiskStats {
     pub misses: AtomicU64,
     pub writes: AtomicU64,
     pub write_errors: AtomicU64,
+    /// Chunks not written because enough writes were in flight already.
+    pub skipped: AtomicU64,
     /// Files dropped because their checksum, length or header was wrong.
     pub corrupt: AtomicU64,
     pub evictions: AtomicU64,
@@ -94,6 +97,8 @@ impl DiskCache {
     /// Blocking (it reads the directory): call it off the async threads.
     pub fn open(dir: &Path, capacity: u64) -> io::Result<Arc<Self>> {
         make_dir(dir)?;
+        // also a directory an older version made with looser modes
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         let stats = Arc::new(DiskStats::default());
         let st = stats.clone();
         let evict_dir = dir.to_path_buf();
@@ -181,14 +186,19 @@ impl DiskCache {
                 Some(b)
             }
             Err(e) => {
-                if e.kind() == io::ErrorKind::InvalidData {
-                    self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(fid, path = %path.display(), error = %e, "dropping a corrupt chunk cache file");
-                } else {
-                    tracing::debug!(fid, path = %path.display(), error = %e, "chunk cache file unreadable");
+                match e.kind() {
+                    io::ErrorKind::InvalidData => {
+                        self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(fid, path = %path.display(), error = %e, "dropping a corrupt chunk cache file");
+                        let _ = std::fs::remove_file(&path);
+                        self.index.invalidate(fid);
+                    }
+                    io::ErrorKind::NotFound => self.index.invalidate(fid),
+                    // too many open files, EIO, ...: the file may be fine, keep it
+                    _ => {
+                        tracing::debug!(fid, path = %path.display(), error = %e, "chunk cache file unreadable")
+                    }
                 }
-                let _ = std::fs::remove_file(&path);
-                self.index.invalidate(fid);
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 None
             }
@@ -214,6 +224,8 @@ impl DiskCache {
             Ok(()) => {
                 self.stats.writes.fetch_add(1, Ordering::Relaxed);
                 self.index.insert(fid.to_string(), size);
+                // evict now: moka otherwise lets dozens of inserts pass the capacity first
+                self.index.run_pending_tasks();
             }
             Err(e) => {
                 self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
@@ -261,8 +273,10 @@ fn read_checked(path: &Path) -> io::Result<Bytes> {
     let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
     let mut f = std::fs::File::open(path)?;
     let mut head = [0u8; HEADER];
-    f.read_exact(&mut head)
-        .map_err(|_| bad("shorter than its header"))?;
+    f.read_exact(&mut head).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => bad("shorter than its header"),
+        _ => e,
+    })?;
     if &head[..4] != MAGIC {
         return Err(bad("not a chunk cache file"));
     }
@@ -355,6 +369,22 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
+    /// Found in review: any read error (too many open files, EIO) dropped a good file.
+    #[test]
+    fn a_file_that_cannot_be_read_now_is_kept() {
+        let d = tmpdir("unreadable");
+        let c = DiskCache::open(&d, 1 << 20).unwrap();
+        c.put("1,aa", b"fine");
+        let p = d.join(file_name("1,aa"));
+        std::fs::remove_file(&p).unwrap();
+        // reading it fails, and not because it is gone or corrupt
+        std::fs::create_dir(&p).unwrap();
+        assert!(c.get("1,aa").is_none());
+        assert!(c.contains("1,aa"));
+        assert_eq!(c.stats.corrupt.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
     #[test]
     fn a_closed_cache_writes_nothing_and_never_makes_its_directory_again() {
         let d = tmpdir("closed");
@@ -378,7 +408,7 @@ mod tests {
         for i in 0..200u32 {
             c.put(&format!("2,{i:04x}"), &[3u8; 4000]);
         }
-        c.run_pending_tasks();
+        // no maintenance run here: every write keeps the capacity by itself
         let on_disk: u64 = std::fs::read_dir(&d)
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().len())

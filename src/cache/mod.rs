@@ -23,7 +23,7 @@ use std::time::Duration;
 const RANGED_MEMORY: u64 = 4096;
 const RANGED_TTL: Duration = Duration::from_secs(60);
 /// Chunks written to the disk tier at once (each holds its chunk until written).
-const DISK_WRITES: usize = 4;
+const DISK_WRITES: u32 = 8;
 
 #[derive(Debug, Default)]
 pub struct CacheStats {
@@ -106,7 +106,7 @@ impl ChunkCache {
             pending: Arc::default(),
             ranged,
             disk: None,
-            disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_WRITES)),
+            disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_WRITES as usize)),
             stats,
         }
     }
@@ -120,6 +120,23 @@ impl ChunkCache {
 
     pub fn disk(&self) -> Option<&Arc<DiskCache>> {
         self.disk.as_ref()
+    }
+
+    /// Whether the disk tier holds the chunk.
+    pub fn on_disk(&self, fid: &str) -> bool {
+        self.disk.as_ref().is_some_and(|d| d.contains(fid))
+    }
+
+    /// Closes the disk tier and waits for its writes in flight (bounded by `limit`): then
+    /// nothing writes into its directory any more.
+    pub async fn close_disk(&self, limit: Duration) -> Option<std::path::PathBuf> {
+        let disk = self.disk.as_ref()?;
+        disk.close();
+        let all = self.disk_writes.acquire_many(DISK_WRITES);
+        if let Ok(Ok(p)) = tokio::time::timeout(limit, all).await {
+            p.forget();
+        }
+        Some(disk.dir().to_path_buf())
     }
 
     pub fn enabled(&self) -> bool {
@@ -271,6 +288,7 @@ impl ChunkCache {
             return;
         };
         let Ok(permit) = self.disk_writes.clone().try_acquire_owned() else {
+            disk.stats.skipped.fetch_add(1, Ordering::Relaxed);
             return;
         };
         let (key, data) = (fid.to_string(), b.clone());

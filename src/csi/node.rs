@@ -1203,7 +1203,9 @@ impl Node for NodeService {
         self.record(volume_id, |s| s.record_unstage(volume_id));
         // the volume's disk chunk cache goes with it, also when no session of this process
         // had it (the stager removes the directory of a session it ends)
-        let session_elsewhere = served.as_ref().is_some_and(|at| *at != staging);
+        // (nor while a session of it is still up: one still being adopted writes there)
+        let session_elsewhere = served.as_ref().is_some_and(|at| *at != staging)
+            || self.stager.health(volume_id).is_some();
         if let (Some(root), false) = (
             self.config.defaults.cache_root.as_deref(),
             session_elsewhere,

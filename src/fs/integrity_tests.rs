@@ -1135,6 +1135,19 @@ async fn a_restarted_plugin_reads_a_disk_cached_file_with_no_gets() {
     assert!(read_f(&restarted, data.len()).await == data);
     assert_eq!(store.fetch_count(), fetched, "GETs after a restart");
 
+    // a small random read is a ranged GET; with the volume servers failing, the disk serves
+    // it (found in review: it was EIO)
+    let random = node(true);
+    let ino = random.lookup(ROOT_INO, "f").await.unwrap().ino;
+    let fh = random.open(ino, libc::O_RDONLY).await.unwrap();
+    store.fail_next_reads(1000);
+    let at = (MIB + MIB / 2) as u64;
+    let b = random.read(fh, ino, at, 4096).await.unwrap();
+    assert!(b[..] == data[at as usize..at as usize + 4096]);
+    store.fail_next_reads(0);
+    random.release(fh, ino).await.unwrap();
+    let fetched = store.fetch_count();
+
     // one cache file damaged on disk: dropped, fetched again, right bytes
     let victim = std::fs::read_dir(&dir)
         .unwrap()

@@ -141,8 +141,14 @@ impl Fs {
                 let data = if whole {
                     self.whole_chunk(&chunk, &key).await?
                 } else {
-                    let b = self.store.fetch_range(&chunk, offset_in_chunk, len).await?;
-                    return check_len(b, len, &key);
+                    match self.store.fetch_range(&chunk, offset_in_chunk, len).await {
+                        Ok(b) => return check_len(b, len, &key),
+                        // the volume server failed: the disk tier may still have it
+                        Err(_) if self.cache.on_disk(&key) => {
+                            self.whole_chunk(&chunk, &key).await?
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
                 };
                 let lo = offset_in_chunk as usize;
                 let hi = lo + len as usize;

@@ -799,7 +799,7 @@ fn disk_stat(f: &Fs, v: impl Fn(&crate::cache::disk::DiskCache) -> u64) -> u64 {
 
 /// The families of [`SessionCollector`]: name (a counter's without `_total`), type, help and
 /// the value of one session.
-const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 11] = [
+const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 12] = [
     (
         "seaweedfs_csi_cache_hits",
         MetricType::Counter,
@@ -859,6 +859,12 @@ const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 11] = [
         MetricType::Counter,
         "Chunks the disk cache could not store (full disk, unwritable directory).",
         |f| disk_stat(f, |d| d.stats.write_errors.load(Relaxed)),
+    ),
+    (
+        "seaweedfs_csi_disk_cache_skipped",
+        MetricType::Counter,
+        "Chunks not put on disk because enough disk writes were in flight.",
+        |f| disk_stat(f, |d| d.stats.skipped.load(Relaxed)),
     ),
     (
         "seaweedfs_csi_upload_queue_depth",

@@ -238,10 +238,11 @@ impl Stager for FuseStager {
             return Ok(());
         };
         crate::metrics::global().staged_volumes.dec();
-        let disk_cache = mounted.fs.cache.disk().map(|d| {
-            d.close();
-            d.dir().to_path_buf()
-        });
+        let disk_cache = mounted
+            .fs
+            .cache
+            .close_disk(std::time::Duration::from_secs(5))
+            .await;
         mounted
             .unmount()
             .await
