@@ -833,9 +833,15 @@ fn an_upload_renamed_away_and_a_new_upload_to_its_name_in_one_second_stay_two_fi
         let start = secs().as_secs();
         let first = vec![b'1'; 266];
         wd.w.filer_put(&wd.http_path(&d), &first, "");
-        // node A knows the first file as `d`
+        // node A knows the first file as `d`; node B renames it once the upload's event has
+        // reached it (a mount's cached listing shows a new name only then)
         let a = wd.nodes[0].guard.path().to_path_buf();
-        let _ = fs::metadata(a.join(&d));
+        let seen = |p: &std::path::Path| wait_until(Duration::from_secs(5), || p.exists());
+        seen(&a.join(&d));
+        assert!(
+            seen(&wd.nodes[1].guard.join(&d)),
+            "rep {rep}: node B never saw `{d}`"
+        );
         fs::rename(wd.nodes[1].guard.join(&d), wd.nodes[1].guard.join(&c)).unwrap();
         let second = vec![b'2'; 52568];
         wd.w.filer_put(&wd.http_path(&d), &second, "");
