@@ -282,11 +282,12 @@ class WeedCluster:
 class Mount:
     """One FUSE mount served by a process we start: `ours`, `weed` or `memfs`."""
 
-    def __init__(self, bench, kind, mnt, cache_dir=None, readahead_kb=None):
+    def __init__(self, bench, kind, mnt, cache_dir=None, readahead_kb=None, keep_cache=False):
         self.b = bench
         self.kind = kind
         self.mnt = mnt
         self.cache_dir = cache_dir
+        self.keep_cache = keep_cache
         self.want_ra = readahead_kb
         self.proc = None
         self.mount_time = None
@@ -353,7 +354,7 @@ class Mount:
             subprocess.run(["umount", "-l", self.mnt], check=False)
         self.proc = None
         CLEANUP.remove(self)
-        if self.cache_dir:
+        if self.cache_dir and not self.keep_cache:
             # weed mount's disk cache: up to cacheCapacityMB per mount, never reused
             shutil.rmtree(self.cache_dir, ignore_errors=True)
 
@@ -782,12 +783,14 @@ class Bench:
         for impl in order:
             cache = os.path.join(self.root, "cache", f"disk-{impl}-r{rnd}")
             name = self.file_of(impl, rnd)
-            m = Mount(self, impl, self.new_dir(f"{impl}-diskfill"), cache_dir=cache).start()
+            m = Mount(self, impl, self.new_dir(f"{impl}-diskfill"), cache_dir=cache,
+                      keep_cache=True).start()
             read_seq(os.path.join(m.mnt, name), a.size_mb)
             time.sleep(3)  # the disk writes run in the background
             m.stop()
             drop_caches()
-            m = Mount(self, impl, self.new_dir(f"{impl}-disk"), cache_dir=cache).start()
+            m = Mount(self, impl, self.new_dir(f"{impl}-disk"), cache_dir=cache,
+                      keep_cache=True).start()
             p = os.path.join(m.mnt, name)
             g0, c0 = self.cluster.volume_gets(), self.cpu_of(m)
             dt = read_seq(p, a.size_mb)

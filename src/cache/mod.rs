@@ -23,7 +23,9 @@ use std::time::Duration;
 const RANGED_MEMORY: u64 = 4096;
 const RANGED_TTL: Duration = Duration::from_secs(60);
 /// Chunks written to the disk tier at once (each holds its chunk until written).
-const DISK_WRITES: u32 = 8;
+/// KiB of chunks waiting to be written to the disk tier (each holds its chunk, mostly shared
+/// with the memory cache, until written); past it a chunk is not put on disk.
+const DISK_QUEUE_KIB: u32 = 128 << 10;
 
 #[derive(Debug, Default)]
 pub struct CacheStats {
@@ -47,8 +49,8 @@ pub struct ChunkCache {
     /// The disk tier under `cacheDir`, if any: read before the volume servers, filled with
     /// what they send.
     disk: Option<Arc<DiskCache>>,
-    /// Disk writes in flight: a reader outrunning the disk skips caching rather than
-    /// queueing chunks in memory.
+    /// Disk writes queued, in KiB: a reader outrunning the disk by far skips caching rather
+    /// than queueing chunks in memory without bound.
     disk_writes: Arc<tokio::sync::Semaphore>,
     pub stats: Arc<CacheStats>,
 }
@@ -106,7 +108,7 @@ impl ChunkCache {
             pending: Arc::default(),
             ranged,
             disk: None,
-            disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_WRITES as usize)),
+            disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB as usize)),
             stats,
         }
     }
@@ -132,7 +134,7 @@ impl ChunkCache {
     pub async fn close_disk(&self, limit: Duration) -> Option<std::path::PathBuf> {
         let disk = self.disk.as_ref()?;
         disk.close();
-        let all = self.disk_writes.acquire_many(DISK_WRITES);
+        let all = self.disk_writes.acquire_many(DISK_QUEUE_KIB);
         if let Ok(Ok(p)) = tokio::time::timeout(limit, all).await {
             p.forget();
         }
@@ -287,7 +289,10 @@ impl ChunkCache {
         else {
             return;
         };
-        let Ok(permit) = self.disk_writes.clone().try_acquire_owned() else {
+        let kib = (b.len() as u64)
+            .div_ceil(1024)
+            .clamp(1, DISK_QUEUE_KIB as u64) as u32;
+        let Ok(permit) = self.disk_writes.clone().try_acquire_many_owned(kib) else {
             disk.stats.skipped.fetch_add(1, Ordering::Relaxed);
             return;
         };

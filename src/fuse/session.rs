@@ -863,7 +863,7 @@ const SESSION_FAMILIES: [(&str, MetricType, &str, SessionValue); 12] = [
     (
         "seaweedfs_csi_disk_cache_skipped",
         MetricType::Counter,
-        "Chunks not put on disk because enough disk writes were in flight.",
+        "Chunks not put on disk because 128 MiB of disk writes were queued.",
         |f| disk_stat(f, |d| d.stats.skipped.load(Relaxed)),
     ),
     (
