@@ -22,7 +22,6 @@ use std::time::Duration;
 /// [`ChunkCache::touch_ranged`]).
 const RANGED_MEMORY: u64 = 4096;
 const RANGED_TTL: Duration = Duration::from_secs(60);
-/// Chunks written to the disk tier at once (each holds its chunk until written).
 /// KiB of chunks waiting to be written to the disk tier (each holds its chunk, mostly shared
 /// with the memory cache, until written); past it a chunk is not put on disk.
 const DISK_QUEUE_KIB: u32 = 128 << 10;
