@@ -308,6 +308,15 @@ impl InodeTable {
         Self::id_in(&g, path, id, true)
     }
 
+    /// The node numbered as the file `id` says, if it may stand for that file (wherever it is).
+    pub fn number_node(&self, id: &FileId) -> Option<u64> {
+        let g = self.inner.read();
+        g.by_ino
+            .get(&id.base)
+            .filter(|r| r.stands_for(id))
+            .map(|r| r.ino)
+    }
+
     /// Whether node `ino` is the one the name `path` leads to for the file `id` (the name's
     /// node standing for it, or the id [`claim`](Self::claim) gives a file met there now).
     pub fn is_node(&self, path: &str, id: &FileId, ino: u64) -> bool {
