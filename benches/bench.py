@@ -300,7 +300,9 @@ class Mount:
             disk = [f"--cacheDir={self.cache_dir}"] if self.cache_dir else []
             return [b.ours_bin, "mount", f"--filer=127.0.0.1:{b.cluster.filer}",
                     "--filer.path=/bench", f"--dir={self.mnt}",
-                    f"--cacheCapacityMB={b.args.cache_mb}"] + disk
+                    f"--cacheCapacityMB={b.args.cache_mb}",
+                    # the memory cache is the budget's 3/8: the same size as weed's disk cache
+                    f"--memoryBudgetMB={-(-b.args.cache_mb * 8 // 3)}"] + disk
         if self.kind == "weed":
             return [b.weed, "mount", f"-filer=127.0.0.1:{b.cluster.filer}",
                     "-filer.path=/bench", f"-dir={self.mnt}", f"-cacheDir={self.cache_dir}",

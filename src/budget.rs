@@ -17,8 +17,17 @@ use tokio::sync::Notify;
 /// The smallest dirty limit: a few chunk-sized slots, so one writer always makes progress.
 pub const MIN_DIRTY_BYTES: u64 = 32 << 20;
 
-/// Share of the budget that dirty write data may take.
-const DIRTY_SHARE: u64 = 4;
+/// How the budget is shared, in eighths: dirty write data 2, the chunk cache 3, readahead
+/// in flight 1, metadata caches 1; the last eighth is headroom for the runtime and for
+/// requests in progress.
+const DIRTY_EIGHTHS: u64 = 2;
+const CACHE_EIGHTHS: u64 = 3;
+const READAHEAD_EIGHTHS: u64 = 1;
+
+/// The smallest chunk cache: sequential readahead lands in it.
+pub const MIN_CACHE_BYTES: u64 = 32 << 20;
+/// The smallest readahead allowance: a few chunks, so a sequential reader still streams.
+pub const MIN_READAHEAD_BYTES: u64 = 16 << 20;
 
 #[derive(Debug)]
 pub struct MemoryBudget {
@@ -27,6 +36,8 @@ pub struct MemoryBudget {
     /// Dirty bytes allowed node-wide (`u64::MAX`: unbounded).
     dirty_limit: AtomicU64,
     dirty: AtomicU64,
+    /// Bytes of readahead fetches in flight, node-wide.
+    readahead: AtomicU64,
     /// Writers that found the budget spent: every session seals its dirty slots.
     pressure: Notify,
     /// Dirty bytes went from over the limit to less.
@@ -42,6 +53,7 @@ impl MemoryBudget {
             total: AtomicU64::new(u64::MAX),
             dirty_limit: AtomicU64::new(u64::MAX),
             dirty: AtomicU64::new(0),
+            readahead: AtomicU64::new(0),
             pressure: Notify::new(),
             freed: Notify::new(),
             waits: AtomicU64::new(0),
@@ -89,7 +101,7 @@ impl MemoryBudget {
         let dirty = if total == u64::MAX {
             u64::MAX
         } else {
-            (total / DIRTY_SHARE).max(MIN_DIRTY_BYTES)
+            (total / 8 * DIRTY_EIGHTHS).max(MIN_DIRTY_BYTES)
         };
         self.dirty_limit.store(dirty, Ordering::Relaxed);
         self.freed.notify_waiters();
@@ -101,6 +113,45 @@ impl MemoryBudget {
 
     pub fn dirty_limit(&self) -> u64 {
         self.dirty_limit.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the node's chunk cache may hold (`u64::MAX`: no budget, each session has its
+    /// own cache of `cacheCapacityMB`).
+    pub fn cache_limit(&self) -> u64 {
+        self.share(CACHE_EIGHTHS, MIN_CACHE_BYTES)
+    }
+
+    /// Bytes readahead may have in flight node-wide (`u64::MAX`: unbounded).
+    pub fn readahead_limit(&self) -> u64 {
+        self.share(READAHEAD_EIGHTHS, MIN_READAHEAD_BYTES)
+    }
+
+    fn share(&self, eighths: u64, min: u64) -> u64 {
+        match self.total() {
+            u64::MAX => u64::MAX,
+            t => (t / 8 * eighths).max(min),
+        }
+    }
+
+    /// Readahead bytes in flight right now, node-wide.
+    pub fn readahead(&self) -> u64 {
+        self.readahead.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes` of readahead, or `None` when that would pass the limit (readahead is
+    /// an optimisation: it is skipped, never waited for).
+    pub fn try_readahead(self: &Arc<Self>, bytes: u64) -> Option<ReadaheadCharge> {
+        let limit = self.readahead_limit();
+        self.readahead
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                let after = held.checked_add(bytes)?;
+                (after <= limit).then_some(after)
+            })
+            .ok()?;
+        Some(ReadaheadCharge {
+            budget: self.clone(),
+            bytes,
+        })
     }
 
     /// Dirty bytes held right now, node-wide.
@@ -179,6 +230,16 @@ impl Collector for BudgetCollector {
                 "Dirty write data held node-wide (buffered or uploading).",
                 b.dirty(),
             ),
+            (
+                "seaweedfs_csi_readahead_limit_bytes",
+                "Readahead fetches allowed in flight node-wide (0: unbounded).",
+                finite(b.readahead_limit()),
+            ),
+            (
+                "seaweedfs_csi_readahead_bytes",
+                "Readahead fetches in flight node-wide.",
+                b.readahead(),
+            ),
         ] {
             encode_values(
                 &mut encoder,
@@ -195,6 +256,21 @@ impl Collector for BudgetCollector {
             MetricType::Counter,
             [(NO_LABELS, b.waits.load(Ordering::Relaxed))],
         )
+    }
+}
+
+/// Readahead bytes in flight, given back when dropped.
+#[derive(Debug)]
+pub struct ReadaheadCharge {
+    budget: Arc<MemoryBudget>,
+    bytes: u64,
+}
+
+impl Drop for ReadaheadCharge {
+    fn drop(&mut self) {
+        self.budget
+            .readahead
+            .fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -293,6 +369,33 @@ mod tests {
         assert_eq!(b.dirty(), 5);
         drop(d);
         assert_eq!(b.dirty(), 0);
+    }
+
+    #[test]
+    fn the_budget_is_shared_in_eighths_with_floors() {
+        let b = MemoryBudget::new(1 << 30);
+        assert_eq!(b.dirty_limit(), 256 << 20);
+        assert_eq!(b.cache_limit(), 384 << 20);
+        assert_eq!(b.readahead_limit(), 128 << 20);
+        let small = MemoryBudget::new(64 << 20);
+        assert_eq!(small.cache_limit(), MIN_CACHE_BYTES);
+        assert_eq!(small.readahead_limit(), MIN_READAHEAD_BYTES);
+        let none = MemoryBudget::new(u64::MAX);
+        assert_eq!(none.cache_limit(), u64::MAX);
+        assert!(none.try_readahead(u64::MAX / 2).is_some());
+    }
+
+    #[test]
+    fn readahead_past_its_share_is_refused_until_given_back() {
+        let b = MemoryBudget::new(128 << 20); // 16 MiB of readahead
+        let first = b.try_readahead(10 << 20).unwrap();
+        assert!(b.try_readahead(8 << 20).is_none());
+        let second = b.try_readahead(6 << 20).unwrap();
+        assert_eq!(b.readahead(), 16 << 20);
+        drop(first);
+        assert!(b.try_readahead(8 << 20).is_some());
+        drop(second);
+        assert_eq!(b.readahead(), 0);
     }
 
     #[test]

@@ -795,3 +795,129 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
     assert_eq!(sample(&m, "seaweedfs_csi_dirty_bytes"), 0.0, "{m}");
     pod.unpublish_and_unstage(&c).await;
 }
+
+/// Sum of every series of `name` (each label set), 0 when there is none.
+fn sum_of(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// The driver binary with `--memoryBudgetMB=128`: its chunk cache is one node-wide tier of
+/// 48 MiB (3/8 of the budget), not 128 MiB (`cacheCapacityMB`'s default) per staged volume.
+/// Three volumes each read a 40 MiB file (120 MiB, which per-volume caches would all keep):
+/// every byte reads back right, the node's cache stays within its limit, the volumes' own
+/// sizes add up to no more, chunks were evicted, and the process stays within the budget
+/// plus a fixed overhead. Unstaging a volume gives its cached chunks back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_staged_volume_shares_one_chunk_cache_within_the_memory_budget() {
+    use csi_common::*;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("csitier")
+        .tempdir()
+        .unwrap();
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=node-1".to_string(),
+        format!("--metricsPort={port}"),
+        "--memoryBudgetMB=128".to_string(),
+    ];
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    let c = driver.clients().await;
+    const SIZE: usize = 40 << 20;
+    let data = |v: usize| -> Vec<u8> {
+        (0..SIZE)
+            .map(|i| ((i / 4096 * 31 + v * 7 + i) % 251) as u8)
+            .collect()
+    };
+    let mut pods = Vec::new();
+    for v in 0..3 {
+        let pod = driver
+            .provision_and_publish(&format!("pvc-tier-{v}"), &format!("pod-{v}"))
+            .await;
+        let w = &weed;
+        let d = data(v);
+        w.filer_put(&format!("/buckets/pvc-tier-{v}/big"), &d, "");
+        pods.push(pod);
+    }
+    for (v, pod) in pods.iter().enumerate() {
+        let t = pod.target.join("big");
+        let got = tokio::task::spawn_blocking(move || std::fs::read(t).unwrap())
+            .await
+            .unwrap();
+        assert!(got == data(v), "volume {v}: the file read back wrong");
+    }
+    let m = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    let limit = sample(&m, "seaweedfs_csi_memory_cache_limit_bytes");
+    assert_eq!(limit, (48u64 << 20) as f64, "{m}");
+    let node = sample(&m, "seaweedfs_csi_memory_cache_bytes");
+    let volumes = sum_of(&m, "seaweedfs_csi_cache_size_bytes");
+    let mib = |v: f64| v / 1048576.0;
+    assert!(
+        node <= limit && volumes <= limit,
+        "cached {} MiB node-wide, {} MiB by the volumes, limit {} MiB",
+        mib(node),
+        mib(volumes),
+        mib(limit)
+    );
+    assert!(node > 0.0 && volumes > 0.0, "nothing cached:\n{m}");
+    assert!(
+        sum_of(&m, "seaweedfs_csi_cache_evictions_total") > 0.0,
+        "no chunk was evicted:\n{m}"
+    );
+    let rss = rss_mib(driver.pid().unwrap());
+    eprintln!(
+        "node cache {:.1} MiB, volumes {:.1} MiB, limit {:.0} MiB, resident {rss:.0} MiB",
+        mib(node),
+        mib(volumes),
+        mib(limit)
+    );
+    // the budget, plus what a debug build's process needs on its own
+    assert!(rss <= 128.0 + 96.0, "resident {rss:.0} MiB");
+    let last = pods.pop().unwrap();
+    last.unpublish_and_unstage(&c).await;
+    // what the node's tier holds comes down to what the two staged volumes hold
+    let mut seen = (0.0, 0.0);
+    for _ in 0..100 {
+        let m = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+            .await
+            .unwrap();
+        seen = (
+            sample(&m, "seaweedfs_csi_memory_cache_bytes"),
+            sum_of(&m, "seaweedfs_csi_cache_size_bytes"),
+        );
+        if seen.0 == seen.1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        seen.0, seen.1,
+        "the unstaged volume's chunks stayed in the tier"
+    );
+    for pod in &pods {
+        pod.unpublish_and_unstage(&c).await;
+    }
+}

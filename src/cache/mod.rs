@@ -5,6 +5,10 @@
 //! (`try_get_with`); eviction happens on moka's maintenance path and never blocks readers.
 //! Fetches in flight are tracked so that readers of part of such a chunk wait for it instead
 //! of asking the volume server for their range too.
+//!
+//! The memory itself is a [`MemoryTier`]: with a node memory budget, one tier for the whole
+//! process, in which every session's chunks compete (a session is an owner; its entries leave
+//! with it); without one, a tier per session.
 
 pub mod disk;
 
@@ -14,7 +18,7 @@ use moka::future::Cache;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,9 +42,184 @@ pub struct CacheStats {
     pub evictions: Arc<AtomicU64>,
 }
 
+/// A chunk in a [`MemoryTier`]: its owner (a session) and file id.
+type TierKey = (u64, String);
+
+/// What one owner holds in a tier.
+#[derive(Debug, Default)]
+struct OwnerUse {
+    bytes: AtomicI64,
+    evictions: Arc<AtomicU64>,
+}
+
+/// Chunks in memory, bounded in bytes, shared by its owners (see the module docs). Entries
+/// compete by frequency and recency (moka's TinyLFU), so one pass over a big file by one
+/// volume does not push out the chunks another volume reads again and again.
+pub struct MemoryTier {
+    cache: Cache<TierKey, Bytes>,
+    owners: Arc<Mutex<HashMap<u64, Arc<OwnerUse>>>>,
+    next_owner: AtomicU64,
+    capacity: u64,
+}
+
+impl std::fmt::Debug for MemoryTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryTier")
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl MemoryTier {
+    pub fn new(capacity_bytes: u64) -> Arc<Self> {
+        let owners: Arc<Mutex<HashMap<u64, Arc<OwnerUse>>>> = Arc::default();
+        let seen = owners.clone();
+        let cache = Cache::builder()
+            .max_capacity(capacity_bytes)
+            .weigher(|k: &TierKey, v: &Bytes| weight(&k.1, v))
+            .support_invalidation_closures()
+            .eviction_listener(move |k: Arc<TierKey>, v: Bytes, cause| {
+                let Some(o) = seen.lock().get(&k.0).cloned() else {
+                    return; // its owner is gone
+                };
+                o.bytes
+                    .fetch_sub(i64::from(weight(&k.1, &v)), Ordering::Relaxed);
+                if cause.was_evicted() {
+                    o.evictions.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .build();
+        Arc::new(MemoryTier {
+            cache,
+            owners,
+            next_owner: AtomicU64::new(1),
+            capacity: capacity_bytes,
+        })
+    }
+
+    /// The node's tier, sized by the memory budget's cache share (made at first use, after
+    /// the budget is configured). `None` without a budget.
+    pub fn node() -> Option<Arc<MemoryTier>> {
+        static NODE: std::sync::OnceLock<Option<Arc<MemoryTier>>> = std::sync::OnceLock::new();
+        NODE.get_or_init(|| {
+            let limit = crate::budget::MemoryBudget::global().cache_limit();
+            (limit != u64::MAX).then(|| {
+                let t = MemoryTier::new(limit);
+                crate::metrics::global().add_collector(Box::new(TierCollector(t.clone())));
+                t
+            })
+        })
+        .clone()
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes held by every owner (approximate: moka settles its accounting lazily).
+    pub fn weighted_size(&self) -> u64 {
+        self.cache.weighted_size()
+    }
+
+    fn owner(self: &Arc<Self>, evictions: Arc<AtomicU64>) -> Owner {
+        let id = self.next_owner.fetch_add(1, Ordering::Relaxed);
+        let usage = Arc::new(OwnerUse {
+            bytes: AtomicI64::new(0),
+            evictions,
+        });
+        self.owners.lock().insert(id, usage.clone());
+        Owner {
+            id,
+            tier: self.clone(),
+            usage,
+        }
+    }
+}
+
+fn weight(fid: &str, v: &Bytes) -> u32 {
+    (fid.len() + v.len() + 64).min(u32::MAX as usize) as u32
+}
+
+/// A session's place in a tier; its chunks are dropped from the tier with it.
+struct Owner {
+    id: u64,
+    tier: Arc<MemoryTier>,
+    usage: Arc<OwnerUse>,
+}
+
+impl Owner {
+    fn key(&self, fid: &str) -> TierKey {
+        (self.id, fid.to_string())
+    }
+
+    /// Applies an insert's eviction now. moka applies its write log only every 64 writes or
+    /// at a later operation, and until then the chunks it will evict stay in memory: up to
+    /// 64 chunks (128 MiB of 2 MiB chunks) past the limit.
+    async fn settle(&self) {
+        self.tier.cache.run_pending_tasks().await;
+    }
+
+    fn held(&self, fid: &str, v: &Bytes) {
+        self.usage
+            .bytes
+            .fetch_add(i64::from(weight(fid, v)), Ordering::Relaxed);
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.tier.owners.lock().remove(&self.id);
+        let id = self.id;
+        if let Err(e) = self.tier.cache.invalidate_entries_if(move |k, _| k.0 == id) {
+            tracing::warn!(error = %e, "chunk cache: could not drop a closed session's chunks");
+        }
+        // the invalidation is applied on moka's maintenance path: run it now, not at the
+        // next read of another session
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let c = self.tier.cache.clone();
+            rt.spawn(async move { c.run_pending_tasks().await });
+        }
+    }
+}
+
+/// Exports the node tier's size and capacity.
+#[derive(Debug)]
+struct TierCollector(Arc<MemoryTier>);
+
+impl prometheus_client::collector::Collector for TierCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        const NO_LABELS: [(&str, &str); 0] = [];
+        for (name, help, v) in [
+            (
+                "seaweedfs_csi_memory_cache_limit_bytes",
+                "Chunk cache memory allowed node-wide (the memory budget's cache share).",
+                self.0.capacity(),
+            ),
+            (
+                "seaweedfs_csi_memory_cache_bytes",
+                "Chunk cache memory held node-wide, every staged volume together.",
+                self.0.weighted_size(),
+            ),
+        ] {
+            crate::metrics::encode_values(
+                &mut encoder,
+                name,
+                help,
+                prometheus_client::metrics::MetricType::Gauge,
+                [(NO_LABELS, v)],
+            )?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone)]
 pub struct ChunkCache {
-    cache: Option<Cache<String, Bytes>>,
+    /// The session's place in its memory tier (`None`: no memory caching).
+    owner: Option<Arc<Owner>>,
     /// Chunks being fetched whole right now, with the number of fetches (normally one).
     pending: Arc<Mutex<HashMap<String, usize>>>,
     /// Chunks recently read by exact ranges.
@@ -51,7 +230,28 @@ pub struct ChunkCache {
     /// Disk writes queued, in KiB: a reader outrunning the disk by far skips caching rather
     /// than queueing chunks in memory without bound.
     disk_writes: Arc<tokio::sync::Semaphore>,
+    /// Chunks readahead fetched that the reader has not read to their end yet. The tier may
+    /// refuse a chunk seen once (TinyLFU admission: a big file read once must not push out
+    /// chunks read often), and a reader that then fetched it again would double the GETs of a
+    /// scan, so readahead holds what it fetched here until the reader reads the chunk's end
+    /// ([`Self::release_arrived`]), [`ARRIVED_TTL`] passes, or [`ARRIVED_MAX`] newer chunks
+    /// arrive. Each hold keeps its readahead charge: the node's readahead share bounds them.
+    arrived: Arc<Mutex<HashMap<String, Arrived>>>,
     pub stats: Arc<CacheStats>,
+}
+
+/// Marks a fetch as readahead's, with its charge against the node's readahead share.
+struct Prefetch(Option<crate::budget::ReadaheadCharge>);
+
+/// How long a chunk fetched by readahead waits for its reader.
+const ARRIVED_TTL: Duration = Duration::from_secs(15);
+/// Most chunks one session keeps waiting for their readers.
+const ARRIVED_MAX: usize = 64;
+
+struct Arrived {
+    data: Bytes,
+    at: std::time::Instant,
+    _charge: Option<crate::budget::ReadaheadCharge>,
 }
 
 /// Marks a whole-chunk fetch as in flight until dropped (also when the fetch is cancelled).
@@ -83,31 +283,37 @@ impl ChunkCache {
     /// `capacity_bytes == 0` disables caching (fetches are still coalesced by the caller's
     /// read path, not here).
     pub fn new(capacity_bytes: u64) -> Self {
+        Self::build((capacity_bytes > 0).then(|| MemoryTier::new(capacity_bytes)))
+    }
+
+    /// A session's cache in a shared tier (its chunks compete with every other owner's).
+    pub fn in_tier(tier: &Arc<MemoryTier>) -> Self {
+        Self::build(Some(tier.clone()))
+    }
+
+    /// The cache of a session of this node: in the node's tier when there is a memory budget,
+    /// else a tier of its own of `capacity_bytes`.
+    pub fn for_node(capacity_bytes: u64) -> Self {
+        match MemoryTier::node() {
+            Some(t) => Self::in_tier(&t),
+            None => Self::new(capacity_bytes),
+        }
+    }
+
+    fn build(tier: Option<Arc<MemoryTier>>) -> Self {
         let stats = Arc::new(CacheStats::default());
-        let ev = stats.evictions.clone();
-        let cache = (capacity_bytes > 0).then(|| {
-            Cache::builder()
-                .max_capacity(capacity_bytes)
-                .weigher(|k: &String, v: &Bytes| {
-                    (k.len() + v.len() + 64).min(u32::MAX as usize) as u32
-                })
-                .eviction_listener(move |_k, _v, cause| {
-                    if cause.was_evicted() {
-                        ev.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
-                .build()
-        });
+        let owner = tier.map(|t| Arc::new(t.owner(stats.evictions.clone())));
         let ranged = moka::sync::Cache::builder()
             .max_capacity(RANGED_MEMORY)
             .time_to_live(RANGED_TTL)
             .build();
         ChunkCache {
-            cache,
+            owner,
             pending: Arc::default(),
             ranged,
             disk: None,
             disk_writes: Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB as usize)),
+            arrived: Arc::default(),
             stats,
         }
     }
@@ -141,11 +347,12 @@ impl ChunkCache {
     }
 
     pub fn enabled(&self) -> bool {
-        self.cache.is_some()
+        self.owner.is_some()
     }
 
     pub async fn get(&self, fid: &str) -> Option<Bytes> {
-        let v = self.cache.as_ref()?.get(fid).await;
+        let o = self.owner.as_ref()?;
+        let v = o.tier.cache.get(&o.key(fid)).await;
         if let Some(b) = &v {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             self.stats
@@ -156,10 +363,9 @@ impl ChunkCache {
     }
 
     pub fn contains(&self, fid: &str) -> bool {
-        self.cache
+        self.owner
             .as_ref()
-            .map(|c| c.contains_key(fid))
-            .unwrap_or(false)
+            .is_some_and(|o| o.tier.cache.contains_key(&o.key(fid)))
     }
 
     /// Cached, or being fetched whole: a reader of any part of it should wait for that fetch.
@@ -172,7 +378,7 @@ impl ChunkCache {
     /// Records a read of part of `fid` by exact range; true if the chunk was read that way
     /// recently, i.e. it is hot and worth fetching whole into the cache.
     pub fn touch_ranged(&self, fid: &str) -> bool {
-        if self.cache.is_none() {
+        if self.owner.is_none() {
             return false;
         }
         if self.ranged.contains_key(fid) {
@@ -184,8 +390,10 @@ impl ChunkCache {
     }
 
     pub async fn insert(&self, fid: String, data: Bytes) {
-        if let Some(c) = &self.cache {
-            c.insert(fid, data).await;
+        if let Some(o) = &self.owner {
+            o.held(&fid, &data);
+            o.tier.cache.insert((o.id, fid), data).await;
+            o.settle().await;
         }
     }
 
@@ -210,32 +418,83 @@ impl ChunkCache {
         F: Future<Output = Result<Bytes, E>>,
         E: Send + Sync + 'static,
     {
-        match &self.cache {
-            Some(c) => {
+        self.fetch_chunk(fid, to_disk, None, fetch).await
+    }
+
+    /// Readahead of a chunk: fetched as by [`Self::get_or_fetch_chunk`], and also held for its
+    /// reader (with `charge`) in case the tier does not keep it.
+    pub async fn prefetch_chunk<F, E>(
+        &self,
+        fid: &str,
+        to_disk: bool,
+        charge: Option<crate::budget::ReadaheadCharge>,
+        fetch: F,
+    ) where
+        F: Future<Output = Result<Bytes, E>>,
+        E: Send + Sync + 'static,
+    {
+        let _ = self
+            .fetch_chunk(fid, to_disk, Some(Prefetch(charge)), fetch)
+            .await;
+    }
+
+    async fn fetch_chunk<F, E>(
+        &self,
+        fid: &str,
+        to_disk: bool,
+        prefetch: Option<Prefetch>,
+        fetch: F,
+    ) -> Result<Bytes, Arc<E>>
+    where
+        F: Future<Output = Result<Bytes, E>>,
+        E: Send + Sync + 'static,
+    {
+        match &self.owner {
+            Some(o) => {
                 let stats = self.stats.clone();
                 let (mut fetched, mut on_disk) = (false, false);
                 // held until the value is in the cache, so a reader never finds the chunk
                 // neither pending nor cached while it is being inserted
                 let mut pending = None;
-                let r = c
-                    .try_get_with(fid.to_string(), async {
+                let r = o
+                    .tier
+                    .cache
+                    .try_get_with(o.key(fid), async {
                         pending = Some(Pending::new(&self.pending, fid));
-                        if let Some(b) = self.read_disk(fid).await {
-                            on_disk = true;
+                        if let Some(b) = self.arrived(fid) {
                             return Ok(b);
                         }
-                        fetched = true;
-                        let b = fetch.await?;
-                        stats
-                            .bytes_fetched
-                            .fetch_add(b.len() as u64, Ordering::Relaxed);
-                        if to_disk {
-                            self.keep_on_disk(fid, &b);
+                        let b = match self.read_disk(fid).await {
+                            Some(b) => {
+                                on_disk = true;
+                                b
+                            }
+                            None => {
+                                fetched = true;
+                                let b = fetch.await?;
+                                stats
+                                    .bytes_fetched
+                                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                                if to_disk {
+                                    self.keep_on_disk(fid, &b);
+                                }
+                                b
+                            }
+                        };
+                        // held before any waiter has the value: each of them takes it back
+                        if let Some(p) = prefetch {
+                            self.hold_arrived(fid, &b, p.0);
                         }
                         Ok(b)
                     })
                     .await;
+                // this call's init is what went into the tier
+                let ran = pending.is_some();
                 drop(pending);
+                if let (Ok(b), true) = (&r, ran) {
+                    o.held(fid, b);
+                    o.settle().await;
+                }
                 if let (Ok(b), false) = (&r, on_disk) {
                     if fetched {
                         self.stats.misses.fetch_add(1, Ordering::Relaxed);
@@ -262,6 +521,49 @@ impl ChunkCache {
                 }
                 Ok(b)
             }
+        }
+    }
+
+    /// Keeps a chunk readahead fetched until its reader takes it (see `arrived`).
+    fn hold_arrived(
+        &self,
+        fid: &str,
+        data: &Bytes,
+        charge: Option<crate::budget::ReadaheadCharge>,
+    ) {
+        let now = std::time::Instant::now();
+        let mut m = self.arrived.lock();
+        m.retain(|_, a| now.duration_since(a.at) < ARRIVED_TTL);
+        if m.len() >= ARRIVED_MAX {
+            if let Some(oldest) = m.iter().min_by_key(|(_, a)| a.at).map(|(k, _)| k.clone()) {
+                m.remove(&oldest);
+            }
+        }
+        m.insert(
+            fid.to_string(),
+            Arrived {
+                data: data.clone(),
+                at: now,
+                _charge: charge,
+            },
+        );
+    }
+
+    /// The chunk readahead holds for its reader, if any.
+    fn arrived(&self, fid: &str) -> Option<Bytes> {
+        let m = self.arrived.lock();
+        if m.is_empty() {
+            return None;
+        }
+        m.get(fid).map(|a| a.data.clone())
+    }
+
+    /// The reader is done with the chunk (it read its end): readahead's hold on it, and the
+    /// hold's charge, are given back.
+    pub fn release_arrived(&self, fid: &str) {
+        let mut m = self.arrived.lock();
+        if !m.is_empty() {
+            m.remove(fid);
         }
     }
 
@@ -302,14 +604,22 @@ impl ChunkCache {
         });
     }
 
-    /// Bytes currently held (approximate; moka updates lazily).
+    /// Bytes this session holds in its tier (approximate; moka settles lazily).
     pub fn weighted_size(&self) -> u64 {
-        self.cache.as_ref().map(|c| c.weighted_size()).unwrap_or(0)
+        self.owner
+            .as_ref()
+            .map(|o| o.usage.bytes.load(Ordering::Relaxed).max(0) as u64)
+            .unwrap_or(0)
+    }
+
+    /// The tier this session's chunks are kept in.
+    pub fn tier(&self) -> Option<&Arc<MemoryTier>> {
+        self.owner.as_ref().map(|o| &o.tier)
     }
 
     pub async fn run_pending_tasks(&self) {
-        if let Some(c) = &self.cache {
-            c.run_pending_tasks().await;
+        if let Some(o) = &self.owner {
+            o.tier.cache.run_pending_tasks().await;
         }
     }
 }
@@ -384,6 +694,109 @@ mod tests {
         // forgotten once reported: the whole fetch caches it
         assert!(!c.touch_ranged("5,01"));
         assert!(!ChunkCache::new(0).touch_ranged("5,03"));
+    }
+
+    async fn fill(c: &ChunkCache, prefix: &str, n: usize, mib: usize) {
+        for i in 0..n {
+            c.get_or_fetch::<_, std::io::Error>(&format!("{prefix},{i:02x}"), async move {
+                Ok(Bytes::from(vec![1u8; mib << 20]))
+            })
+            .await
+            .unwrap();
+        }
+        c.run_pending_tasks().await;
+    }
+
+    #[tokio::test]
+    async fn sessions_in_one_tier_share_its_capacity_and_account_their_own_bytes() {
+        let tier = MemoryTier::new(8 << 20);
+        let (a, b) = (ChunkCache::in_tier(&tier), ChunkCache::in_tier(&tier));
+        fill(&a, "1", 6, 1).await;
+        fill(&b, "2", 6, 1).await;
+        let total = tier.weighted_size();
+        assert!(total <= 8 << 20, "{total}");
+        assert_eq!(a.weighted_size() + b.weighted_size(), total);
+        assert!(
+            a.stats.evictions.load(Ordering::Relaxed) + b.stats.evictions.load(Ordering::Relaxed)
+                > 0
+        );
+        // one session's chunk is not another's, even with the same file id (other clusters)
+        a.insert("9,01".into(), Bytes::from_static(b"a")).await;
+        assert!(b.get("9,01").await.is_none());
+        assert_eq!(a.get("9,01").await.unwrap(), Bytes::from_static(b"a"));
+    }
+
+    #[tokio::test]
+    async fn a_closed_session_leaves_the_tier_with_its_chunks() {
+        let tier = MemoryTier::new(64 << 20);
+        let (a, b) = (ChunkCache::in_tier(&tier), ChunkCache::in_tier(&tier));
+        fill(&a, "1", 4, 1).await;
+        fill(&b, "2", 3, 1).await;
+        let a2 = a.clone();
+        drop(a);
+        tier.cache.run_pending_tasks().await;
+        assert!(a2.contains("1,00"), "a clone still uses it");
+        drop(a2);
+        for _ in 0..100 {
+            tier.cache.run_pending_tasks().await;
+            if tier.weighted_size() == b.weighted_size() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(tier.weighted_size(), b.weighted_size());
+        assert_eq!(tier.owners.lock().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn one_pass_over_a_big_file_leaves_another_sessions_hot_chunks() {
+        let tier = MemoryTier::new(8 << 20);
+        let (hot, scan) = (ChunkCache::in_tier(&tier), ChunkCache::in_tier(&tier));
+        for _ in 0..5 {
+            fill(&hot, "1", 4, 1).await;
+        }
+        fill(&scan, "2", 40, 1).await;
+        for i in 0..4 {
+            assert!(hot.contains(&format!("1,{i:02x}")), "hot chunk {i} evicted");
+        }
+        assert!(tier.weighted_size() <= 8 << 20);
+    }
+
+    /// A scan of a file bigger than the tier, with another session's hot chunks in it: each
+    /// chunk is fetched by readahead, then read in two requests. The tier refuses most of the
+    /// scan's chunks, and still each is fetched once: readahead held it for its reader.
+    #[tokio::test]
+    async fn a_scan_the_tier_refuses_still_fetches_each_chunk_once() {
+        let tier = MemoryTier::new(8 << 20);
+        let budget = crate::budget::MemoryBudget::new(1 << 30);
+        let (hot, scan) = (ChunkCache::in_tier(&tier), ChunkCache::in_tier(&tier));
+        for _ in 0..5 {
+            fill(&hot, "1", 8, 1).await;
+        }
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let fetch = |n: Arc<AtomicUsize>| async move {
+            n.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(Bytes::from(vec![2u8; 1 << 20]))
+        };
+        for i in 0..40 {
+            let fid = format!("2,{i:02x}");
+            let charge = budget.try_readahead(1 << 20);
+            scan.prefetch_chunk(&fid, true, charge, fetch(fetches.clone()))
+                .await;
+            tier.cache.run_pending_tasks().await;
+            for _ in 0..2 {
+                let b = scan
+                    .get_or_fetch(&fid, fetch(fetches.clone()))
+                    .await
+                    .unwrap();
+                assert_eq!(b.len(), 1 << 20);
+                tier.cache.run_pending_tasks().await;
+            }
+            scan.release_arrived(&fid);
+        }
+        assert_eq!(fetches.load(Ordering::SeqCst), 40);
+        assert_eq!(budget.readahead(), 0, "every hold gave its charge back");
+        assert!(tier.weighted_size() <= 8 << 20);
     }
 
     #[tokio::test]

@@ -150,6 +150,9 @@ impl Fs {
                         Err(e) => return Err(e.into()),
                     }
                 };
+                if offset_in_chunk + len >= chunk.size {
+                    self.cache.release_arrived(&key);
+                }
                 let lo = offset_in_chunk as usize;
                 let hi = lo + len as usize;
                 if hi > data.len() {
@@ -194,13 +197,19 @@ impl Fs {
             let Ok(permit) = self.prefetch_sem.clone().try_acquire_owned() else {
                 return;
             };
+            // the node's readahead allowance (memory budget) is shared by every session
+            let Some(charge) = self.cfg.budget.try_readahead(chunk.size) else {
+                return;
+            };
             let cache = self.cache.clone();
             let store = self.store.clone();
             tokio::spawn(async move {
                 let c = chunk.clone();
                 let to_disk = c.cipher_key.is_empty();
-                let _ = cache
-                    .get_or_fetch_chunk(&key, to_disk, async move { store.fetch_chunk(&c).await })
+                cache
+                    .prefetch_chunk(&key, to_disk, Some(charge), async move {
+                        store.fetch_chunk(&c).await
+                    })
                     .await;
                 drop(permit);
             });

@@ -41,11 +41,12 @@ pub enum MountError {
 
 /// Smallest chunk cache: sequential readahead lands in the cache, so even `cacheCapacityMB=0`
 /// keeps this much (readahead in flight is bounded separately by `concurrentReaders`).
-pub const MIN_CACHE_BYTES: u64 = 32 << 20;
+pub use crate::budget::MIN_CACHE_BYTES;
 
-/// Chunk cache size: `cacheCapacityMB` less the chunks that may be in flight for readahead
-/// (at most a quarter of it), so that a full cache, fetches in flight and the runtime together
-/// stay within `cacheCapacityMB` + 64 MiB of resident memory.
+/// Chunk cache size of a session without a node memory budget (`--memoryBudgetMB=0`):
+/// `cacheCapacityMB` less the chunks that may be in flight for readahead (at most a quarter
+/// of it), so that a full cache, fetches in flight and the runtime together stay within
+/// `cacheCapacityMB` + 64 MiB of resident memory. With a budget, the node's tier is used.
 pub fn cache_bytes(opts: &MountOptions) -> u64 {
     let cap = opts.cache_capacity_mb << 20;
     let in_flight = opts.concurrent_readers as u64 * (u64::from(opts.chunk_size_limit_mb) << 20);
@@ -139,7 +140,7 @@ pub async fn build_fs(
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
     tune_allocator();
-    let cache = with_disk_tier(ChunkCache::new(cache_bytes(opts)), opts, conf.cipher).await;
+    let cache = with_disk_tier(ChunkCache::for_node(cache_bytes(opts)), opts, conf.cipher).await;
     let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
     let fs = Fs::new(cfg, filer, store, cache);
     fs.init_root().await?;
