@@ -23,6 +23,10 @@ pub const MIN_DIRTY_BYTES: u64 = 32 << 20;
 const DIRTY_EIGHTHS: u64 = 2;
 const CACHE_EIGHTHS: u64 = 3;
 const READAHEAD_EIGHTHS: u64 = 1;
+const META_EIGHTHS: u64 = 1;
+
+/// The smallest metadata allowance: a few large directories.
+pub const MIN_META_BYTES: u64 = 16 << 20;
 
 /// The smallest chunk cache: sequential readahead lands in it.
 pub const MIN_CACHE_BYTES: u64 = 32 << 20;
@@ -38,6 +42,10 @@ pub struct MemoryBudget {
     dirty: AtomicU64,
     /// Bytes of readahead fetches in flight, node-wide.
     readahead: AtomicU64,
+    /// Bytes of cached directory listings, node-wide.
+    meta: AtomicU64,
+    /// Times a session dropped listings to stay within the metadata part (a metric).
+    pub meta_evictions: AtomicU64,
     /// Writers that found the budget spent: every session seals its dirty slots.
     pressure: Notify,
     /// Dirty bytes went from over the limit to less.
@@ -54,6 +62,8 @@ impl MemoryBudget {
             dirty_limit: AtomicU64::new(u64::MAX),
             dirty: AtomicU64::new(0),
             readahead: AtomicU64::new(0),
+            meta: AtomicU64::new(0),
+            meta_evictions: AtomicU64::new(0),
             pressure: Notify::new(),
             freed: Notify::new(),
             waits: AtomicU64::new(0),
@@ -131,6 +141,33 @@ impl MemoryBudget {
             u64::MAX => u64::MAX,
             t => (t / 8 * eighths).max(min),
         }
+    }
+
+    /// Bytes the metadata caches of every session may hold (`u64::MAX`: unbounded).
+    pub fn meta_limit(&self) -> u64 {
+        self.share(META_EIGHTHS, MIN_META_BYTES)
+    }
+
+    /// Bytes of cached listings right now, node-wide.
+    pub fn meta(&self) -> u64 {
+        self.meta.load(Ordering::Relaxed)
+    }
+
+    pub fn meta_add(&self, n: u64) {
+        self.meta.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn meta_sub(&self, n: u64) {
+        // never below zero, whatever a caller's arithmetic
+        let _ = self
+            .meta
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                Some(m.saturating_sub(n))
+            });
+    }
+
+    pub fn meta_evictions(&self) {
+        self.meta_evictions.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Readahead bytes in flight right now, node-wide.
@@ -231,6 +268,16 @@ impl Collector for BudgetCollector {
                 b.dirty(),
             ),
             (
+                "seaweedfs_csi_metadata_cache_limit_bytes",
+                "Cached directory listings allowed node-wide (0: unbounded).",
+                finite(b.meta_limit()),
+            ),
+            (
+                "seaweedfs_csi_metadata_cache_bytes",
+                "Cached directory listings held node-wide (approximate bytes).",
+                b.meta(),
+            ),
+            (
                 "seaweedfs_csi_readahead_limit_bytes",
                 "Readahead fetches allowed in flight node-wide (0: unbounded).",
                 finite(b.readahead_limit()),
@@ -255,6 +302,13 @@ impl Collector for BudgetCollector {
             "Writes that waited for room in the memory budget.",
             MetricType::Counter,
             [(NO_LABELS, b.waits.load(Ordering::Relaxed))],
+        )?;
+        encode_values(
+            &mut encoder,
+            "seaweedfs_csi_metadata_cache_evictions",
+            "Times a session dropped cached listings to stay within the metadata budget.",
+            MetricType::Counter,
+            [(NO_LABELS, b.meta_evictions.load(Ordering::Relaxed))],
         )
     }
 }

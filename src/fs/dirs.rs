@@ -388,6 +388,55 @@ mod tests {
         assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
     }
 
+    /// Per-directory and per-inode bookkeeping goes when it is no longer needed: the lock
+    /// of a directory listing when the listing is done, the page-cache generations of an
+    /// inode when the kernel forgets it (a later open then drops the kernel's pages).
+    #[tokio::test]
+    async fn per_directory_and_per_inode_state_does_not_pile_up() {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let mut dirs = Vec::new();
+        for i in 0..50 {
+            dirs.push(
+                fs.mkdir(ROOT_INO, &format!("d{i}"), 0o755, 0, 0, 0)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for d in &dirs {
+            assert!(matches!(
+                fs.lookup(d.ino, "nothing").await,
+                Err(e) if e.errno == libc::ENOENT
+            ));
+        }
+        assert!(
+            fs.dir_locks.lock().is_empty(),
+            "{} locks left",
+            fs.dir_locks.lock().len()
+        );
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"12345").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        for _ in 0..2 {
+            let fh = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+            fs.keep_cache(a.ino); // as the adapter does at each open
+            fs.release(fh, a.ino).await.unwrap();
+        }
+        assert!(fs.keep_cache(a.ino), "unchanged: the pages stay valid");
+        assert!(fs.opened_gen.lock().contains_key(&a.ino));
+        fs.forget(a.ino, 1);
+        assert!(!fs.content_gen.lock().contains_key(&a.ino));
+        assert!(!fs.opened_gen.lock().contains_key(&a.ino));
+        assert!(!fs.keep_cache(a.ino), "forgotten: a new open starts afresh");
+    }
+
     /// POSIX: after rewinddir, names added since opendir are listed (xfstests generic/471).
     #[tokio::test]
     async fn rewinddir_lists_names_created_since_opendir() {

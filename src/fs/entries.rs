@@ -35,18 +35,29 @@ impl Fs {
         &self.entry_locks[h.finish() as usize % self.entry_locks.len()]
     }
 
-    fn dir_lock(&self, dir: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.dir_locks
+    fn dir_lock(&self, dir: &str) -> DirLock<'_> {
+        let lock = self
+            .dir_locks
             .lock()
             .entry(dir.to_string())
             .or_default()
-            .clone()
+            .clone();
+        DirLock {
+            map: &self.dir_locks,
+            dir: dir.to_string(),
+            lock,
+        }
+    }
+
+    /// Drops expired listings, and the per-inode state of inodes the kernel forgot.
+    pub fn sweep_caches(&self) {
+        self.meta.sweep();
     }
 
     /// Lists `dir` into the metadata cache (coalesced per directory).
     pub(super) async fn load_dir(&self, dir: &str) -> Result<bool> {
         let lock = self.dir_lock(dir);
-        let _g = lock.lock().await;
+        let _g = lock.lock.lock().await;
         if self.meta.is_cached(dir) {
             return Ok(true);
         }
@@ -436,7 +447,10 @@ impl Fs {
     }
 
     pub fn forget(&self, ino: u64, n: u64) {
-        self.inodes.forget(ino, n);
+        if self.inodes.forget(ino, n) {
+            // the kernel dropped the inode and its pages: a later open starts afresh
+            self.forget_content_gen(ino);
+        }
     }
 
     pub async fn getattr(&self, ino: u64) -> Result<Attr> {
@@ -528,5 +542,23 @@ impl Fs {
 
     pub fn access_ok(&self, _ino: u64) -> Result<()> {
         Ok(())
+    }
+}
+
+/// One directory's listing lock, taken out of `Fs::dir_locks` while used and removed from
+/// it by its last user (the map would otherwise keep every directory ever listed).
+struct DirLock<'a> {
+    map: &'a parking_lot::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    dir: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for DirLock<'_> {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        // the map's and ours: nobody else has it, and newcomers go through the map (locked)
+        if m.get(&self.dir).is_some_and(|l| Arc::strong_count(l) == 2) {
+            m.remove(&self.dir);
+        }
     }
 }

@@ -275,6 +275,11 @@ impl Fs {
         prev == Some(cur)
     }
 
+    pub(super) fn forget_content_gen(&self, ino: u64) {
+        self.content_gen.lock().remove(&ino);
+        self.opened_gen.lock().remove(&ino);
+    }
+
     pub(super) fn bump_content_gen(&self, ino: u64) {
         *self.content_gen.lock().entry(ino).or_default() += 1;
     }

@@ -464,11 +464,13 @@ impl InodeTable {
         }
     }
 
-    /// Kernel FORGET: drops the mapping when its lookup count reaches zero.
-    pub fn forget(&self, ino: u64, n: u64) {
-        if self.forget_quiet(ino, n) {
+    /// Kernel FORGET: drops the mapping when its lookup count reaches zero (then true).
+    pub fn forget(&self, ino: u64, n: u64) -> bool {
+        let gone = self.forget_quiet(ino, n);
+        if gone {
             self.journal(JournalOp::Forget { ino });
         }
+        gone
     }
 
     /// Returns whether the node was dropped.

@@ -1105,7 +1105,8 @@ async fn a_restarted_plugin_reads_a_disk_cached_file_with_no_gets() {
     };
     let (store, filer) = (Arc::new(MockChunkStore::new()), Arc::new(MockFiler::new()));
     let node = |disk: bool| {
-        let mut cache = ChunkCache::new(1 << 20);
+        // room for a few chunks: a tier smaller than one chunk keeps none
+        let mut cache = ChunkCache::new(8 << 20);
         if disk {
             cache = cache.with_disk(DiskCache::open(&dir, 64 << 20).unwrap());
         }

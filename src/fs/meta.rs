@@ -2,8 +2,10 @@
 //! metadata subscription. A listed directory answers lookups (including authoritative ENOENT)
 //! and readdir without leaving the process while it is fresh.
 
+use crate::budget::MemoryBudget;
 use crate::pb::filer as pb;
 use parking_lot::Mutex;
+use prost::Message;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,19 +15,56 @@ struct Listing {
     loaded: Instant,
     /// Number of subdirectories (for the directory's link count).
     subdirs: usize,
+    /// Bytes charged for its entries ([`entry_weight`]).
+    weight: u64,
+    /// When it last answered a lookup or listing ([`Inner::tick`]): the least recently used
+    /// listings are dropped first.
+    used: u64,
 }
 
-#[derive(Default)]
+/// Memory one cached entry takes, approximately: the entry's fields (its encoded size is a
+/// fair measure of its strings and chunk list), the struct, the name kept twice (key and
+/// entry) and the tree's and `Arc`'s bookkeeping.
+pub fn entry_weight(e: &pb::Entry) -> u64 {
+    (e.encoded_len() + std::mem::size_of::<pb::Entry>() + e.name.len() + 128) as u64
+}
+
 struct Inner {
     dirs: HashMap<String, Listing>,
-    /// Bumped by every change to a directory, so a listing that raced with a change is not
-    /// installed over it.
+    /// A directory's generation: the value of `counter` at its last change, so a listing that
+    /// raced with a change is not installed over it. Directories not cached are pruned from
+    /// it; theirs is then `floor` (the counter at the last prune), which differs from any
+    /// generation a listing in flight took if anything changed since.
     gens: HashMap<String, u64>,
+    counter: u64,
+    floor: u64,
+    /// Bytes charged by every listing here.
+    weight: u64,
+    tick: u64,
+    ttl: Duration,
+    budget: Arc<MemoryBudget>,
     /// Latest known shared state (attributes, chunks, link count) of each hard-link group.
     /// Every name of the group shows it, so a change through one name is seen through all.
     links: HashMap<Vec<u8>, Arc<pb::Entry>>,
     /// Directories found too large to cache, and when: not listed again within the TTL.
     too_large: HashMap<String, Instant>,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Inner {
+            dirs: HashMap::new(),
+            gens: HashMap::new(),
+            counter: 0,
+            floor: 0,
+            weight: 0,
+            tick: 0,
+            ttl: Duration::ZERO,
+            budget: MemoryBudget::new(u64::MAX),
+            links: HashMap::new(),
+            too_large: HashMap::new(),
+        }
+    }
 }
 
 /// `e` with the shared state of its hard-link group, if that is known and differs.
@@ -43,9 +82,125 @@ fn overlay(links: &HashMap<Vec<u8>, Arc<pb::Entry>>, e: &Arc<pb::Entry>) -> Arc<
     }
 }
 
+impl Inner {
+    fn bump(&mut self, dir: &str) {
+        self.counter += 1;
+        let c = self.counter;
+        self.gens.insert(dir.to_string(), c);
+    }
+
+    /// A directory's generation, remembered from now on: a change to it after this point
+    /// gives another.
+    fn generation(&mut self, dir: &str) -> u64 {
+        let c = self.counter;
+        *self.gens.entry(dir.to_string()).or_insert(c)
+    }
+
+    /// Whether `gen` is still the directory's generation (a listing taken at `gen` may be
+    /// installed). A generation pruned since is `floor`: equal only if nothing changed at all.
+    fn current(&self, dir: &str, gen: u64) -> bool {
+        self.gens.get(dir).copied().unwrap_or(self.floor) == gen
+    }
+
+    fn touch(&mut self, dir: &str) {
+        self.tick += 1;
+        let t = self.tick;
+        if let Some(l) = self.dirs.get_mut(dir) {
+            l.used = t;
+        }
+    }
+
+    /// Changes a listing's weight (and the session's, and the node's) by `add - sub`.
+    fn reweigh(&mut self, dir: &str, add: u64, sub: u64) {
+        if let Some(l) = self.dirs.get_mut(dir) {
+            let sub = sub.min(l.weight + add);
+            l.weight = l.weight + add - sub;
+            self.weight = self.weight + add - sub;
+            self.budget.meta_add(add);
+            self.budget.meta_sub(sub);
+        }
+    }
+
+    /// Drops one listing, giving back its weight.
+    fn drop_listing(&mut self, dir: &str) {
+        if let Some(l) = self.dirs.remove(dir) {
+            self.weight -= l.weight.min(self.weight);
+            self.budget.meta_sub(l.weight);
+        }
+    }
+
+    fn drop_expired(&mut self, keep: &str) {
+        let ttl = self.ttl;
+        let expired: Vec<String> = self
+            .dirs
+            .iter()
+            .filter(|(d, l)| d.as_str() != keep && l.loaded.elapsed() >= ttl)
+            .map(|(d, _)| d.clone())
+            .collect();
+        for d in expired {
+            self.drop_listing(&d);
+        }
+    }
+
+    /// Drops the least recently used listings (never `keep`) until this session holds at
+    /// most `to` bytes or the node is within `node_to`.
+    fn shed(&mut self, keep: &str, to: u64, node_to: u64) {
+        if self.weight <= to {
+            return;
+        }
+        let mut by_use: Vec<(u64, String)> = self
+            .dirs
+            .iter()
+            .filter(|(d, _)| d.as_str() != keep)
+            .map(|(d, l)| (l.used, d.clone()))
+            .collect();
+        by_use.sort_unstable();
+        for (_, d) in by_use {
+            if self.weight <= to || self.budget.meta() <= node_to {
+                break;
+            }
+            self.drop_listing(&d);
+        }
+        self.prune();
+    }
+
+    /// Forgets the generations and hard-link states that no cached listing needs.
+    fn prune(&mut self) {
+        let dirs = &self.dirs;
+        self.gens.retain(|d, _| dirs.contains_key(d));
+        self.floor = self.counter;
+        if self.links.is_empty() {
+            return;
+        }
+        let used: std::collections::HashSet<Vec<u8>> = self
+            .dirs
+            .values()
+            .flat_map(|l| l.entries.values())
+            .filter(|e| !e.hard_link_id.is_empty())
+            .map(|e| e.hard_link_id.clone())
+            .collect();
+        self.links.retain(|id, _| used.contains(id));
+    }
+}
+
+/// Every session's metadata cache, so that one that needs room can make others give back
+/// what they hold past their fair share.
+static SESSIONS: Mutex<Vec<std::sync::Weak<Mutex<Inner>>>> = Mutex::new(Vec::new());
+
 pub struct MetaCache {
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
     ttl: Duration,
+    /// The node's budget: the metadata caches of every session share its metadata part.
+    budget: Arc<MemoryBudget>,
+}
+
+impl Drop for MetaCache {
+    fn drop(&mut self) {
+        let mut g = self.inner.lock();
+        self.budget.meta_sub(g.weight);
+        g.weight = 0;
+        g.dirs.clear();
+    }
 }
 
 /// Result of a cached lookup.
@@ -59,10 +214,75 @@ pub enum Cached {
 }
 
 impl MetaCache {
+    /// A cache with no budget (for tests and tools).
     pub fn new(ttl: Duration) -> Self {
-        MetaCache {
-            inner: Mutex::new(Inner::default()),
+        Self::with_budget(ttl, MemoryBudget::new(u64::MAX))
+    }
+
+    pub fn with_budget(ttl: Duration, budget: Arc<MemoryBudget>) -> Self {
+        let inner = Arc::new(Mutex::new(Inner {
             ttl,
+            budget: budget.clone(),
+            ..Inner::default()
+        }));
+        let mut all = SESSIONS.lock();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&inner));
+        MetaCache { inner, ttl, budget }
+    }
+
+    /// Bytes this session's listings are charged.
+    pub fn weight(&self) -> u64 {
+        self.inner.lock().weight
+    }
+
+    /// Brings the node's metadata back within its part of the budget (call without holding
+    /// any session's lock): expired listings go everywhere; then every session holding more
+    /// than a fair share of 7/8 of the limit sheds its least recently used listings down to
+    /// it, largest first; then, if the node is still over, this session sheds more. `keep`
+    /// (this session's listing just installed) stays. Shedding to 7/8 makes this run once
+    /// per many installs.
+    fn relieve(&self, keep: &str) {
+        let limit = self.budget.meta_limit();
+        if self.budget.meta() <= limit {
+            return;
+        }
+        self.budget.meta_evictions();
+        let target = limit / 8 * 7;
+        let mine = Arc::as_ptr(&self.inner);
+        let sessions: Vec<Arc<Mutex<Inner>>> =
+            SESSIONS.lock().iter().filter_map(|w| w.upgrade()).collect();
+        let sessions: Vec<Arc<Mutex<Inner>>> = sessions
+            .into_iter()
+            .filter(|s| Arc::ptr_eq(&s.lock().budget, &self.budget))
+            .collect();
+        let keep_of = |s: &Arc<Mutex<Inner>>| if Arc::as_ptr(s) == mine { keep } else { "" };
+        for s in &sessions {
+            s.lock().drop_expired(keep_of(s));
+        }
+        let fair = target / sessions.len().max(1) as u64;
+        let mut by_weight: Vec<(u64, &Arc<Mutex<Inner>>)> =
+            sessions.iter().map(|s| (s.lock().weight, s)).collect();
+        by_weight.sort_unstable_by_key(|(w, _)| std::cmp::Reverse(*w));
+        for (_, s) in by_weight {
+            if self.budget.meta() <= target {
+                break;
+            }
+            s.lock().shed(keep_of(s), fair, target);
+        }
+        if self.budget.meta() > target {
+            self.inner.lock().shed(keep, 0, target);
+        }
+    }
+
+    /// Drops expired listings and what only they needed (run now and then: a session that
+    /// stopped listing would otherwise keep them).
+    pub fn sweep(&self) {
+        let mut g = self.inner.lock();
+        let before = g.dirs.len();
+        g.drop_expired("");
+        if g.dirs.len() != before || g.gens.len() > g.dirs.len() {
+            g.prune();
         }
     }
 
@@ -71,23 +291,28 @@ impl MetaCache {
     }
 
     pub fn lookup(&self, dir: &str, name: &str) -> Cached {
-        let g = self.inner.lock();
-        match g.dirs.get(dir) {
+        let mut g = self.inner.lock();
+        let r = match g.dirs.get(dir) {
             Some(l) if self.fresh(l) => match l.entries.get(name) {
                 Some(e) => Cached::Found(overlay(&g.links, e)),
                 None => Cached::Absent,
             },
-            _ => Cached::Unknown,
-        }
+            _ => return Cached::Unknown,
+        };
+        g.touch(dir);
+        r
     }
 
     /// Sorted entries of a fresh cached directory.
     pub fn listing(&self, dir: &str) -> Option<Vec<Arc<pb::Entry>>> {
-        let g = self.inner.lock();
-        g.dirs
+        let mut g = self.inner.lock();
+        let l: Vec<_> = g
+            .dirs
             .get(dir)
             .filter(|l| self.fresh(l))
-            .map(|l| l.entries.values().map(|e| overlay(&g.links, e)).collect())
+            .map(|l| l.entries.values().map(|e| overlay(&g.links, e)).collect())?;
+        g.touch(dir);
+        Some(l)
     }
 
     /// Number of subdirectories of a fresh cached directory.
@@ -149,7 +374,7 @@ impl MetaCache {
 
     /// Generation of a directory, taken before listing it from the filer.
     pub fn generation(&self, dir: &str) -> u64 {
-        *self.inner.lock().gens.get(dir).unwrap_or(&0)
+        self.inner.lock().generation(dir)
     }
 
     /// Installs a listing fetched from the filer, unless the directory changed meanwhile.
@@ -161,16 +386,24 @@ impl MetaCache {
         gen: u64,
         pinned: &[Arc<pb::Entry>],
     ) -> bool {
-        let mut g = self.inner.lock();
-        if *g.gens.get(dir).unwrap_or(&0) != gen {
-            return false;
-        }
         let mut map: BTreeMap<String, Arc<pb::Entry>> = entries
             .into_iter()
             .map(|e| (e.name.clone(), Arc::new(e)))
             .collect();
         for p in pinned {
             map.insert(p.name.clone(), p.clone());
+        }
+        let weight: u64 = map.values().map(|e| entry_weight(e)).sum();
+        let mut g = self.inner.lock();
+        if !g.current(dir, gen) {
+            return false;
+        }
+        g.drop_listing(dir);
+        if weight > self.budget.meta_limit() / 2 {
+            // it would push out everything else, and be pushed out itself at once
+            drop(g);
+            self.mark_too_large(dir);
+            return false;
         }
         for e in map.values() {
             if !e.hard_link_id.is_empty() {
@@ -179,27 +412,39 @@ impl MetaCache {
             }
         }
         let subdirs = map.values().filter(|e| e.is_directory).count();
+        g.tick += 1;
+        let used = g.tick;
         g.dirs.insert(
             dir.to_string(),
             Listing {
                 entries: map,
                 loaded: Instant::now(),
                 subdirs,
+                weight,
+                used,
             },
         );
+        g.weight += weight;
+        self.budget.meta_add(weight);
+        drop(g);
+        self.relieve(dir);
         true
     }
 
     /// An entry was created or changed in `dir`.
     pub fn upsert(&self, dir: &str, entry: Arc<pb::Entry>) {
         let mut g = self.inner.lock();
-        *g.gens.entry(dir.to_string()).or_default() += 1;
+        g.bump(dir);
         if !entry.hard_link_id.is_empty() {
             g.links.insert(entry.hard_link_id.clone(), entry.clone());
         }
+        let mut weights = None;
         if let Some(l) = g.dirs.get_mut(dir) {
             let new_dir = entry.is_directory;
+            let add = entry_weight(&entry);
+            let mut sub = 0;
             if let Some(old) = l.entries.insert(entry.name.clone(), entry) {
+                sub = entry_weight(&old);
                 if old.is_directory {
                     l.subdirs -= 1;
                 }
@@ -207,30 +452,49 @@ impl MetaCache {
             if new_dir {
                 l.subdirs += 1;
             }
+            weights = Some((add, sub));
+        }
+        if let Some((add, sub)) = weights {
+            g.reweigh(dir, add, sub);
+            drop(g);
+            self.relieve(dir);
         }
     }
 
     /// An entry was removed from `dir`.
     pub fn remove(&self, dir: &str, name: &str) {
         let mut g = self.inner.lock();
-        *g.gens.entry(dir.to_string()).or_default() += 1;
+        g.bump(dir);
+        let mut sub = None;
         if let Some(l) = g.dirs.get_mut(dir) {
             if let Some(old) = l.entries.remove(name) {
                 if old.is_directory {
                     l.subdirs -= 1;
                 }
+                sub = Some(entry_weight(&old));
             }
+        }
+        if let Some(sub) = sub {
+            g.reweigh(dir, 0, sub);
         }
     }
 
     /// Drops a directory's listing (and everything below it when `recursive`).
     pub fn invalidate_dir(&self, dir: &str, recursive: bool) {
         let mut g = self.inner.lock();
-        *g.gens.entry(dir.to_string()).or_default() += 1;
-        g.dirs.remove(dir);
+        g.bump(dir);
+        g.drop_listing(dir);
         if recursive {
             let prefix = format!("{}/", dir.trim_end_matches('/'));
-            g.dirs.retain(|k, _| !k.starts_with(&prefix));
+            let below: Vec<String> = g
+                .dirs
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            for k in below {
+                g.drop_listing(&k);
+            }
         }
     }
 
@@ -239,9 +503,9 @@ impl MetaCache {
         let mut g = self.inner.lock();
         let keys: Vec<String> = g.dirs.keys().cloned().collect();
         for k in keys {
-            *g.gens.entry(k).or_default() += 1;
+            g.bump(&k);
+            g.drop_listing(&k);
         }
-        g.dirs.clear();
         g.links.clear();
     }
 
@@ -324,6 +588,114 @@ mod tests {
         let l = m.listing("/d").unwrap();
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].hard_link_counter, 1);
+    }
+
+    fn many(prefix: &str, n: usize) -> Vec<pb::Entry> {
+        (0..n).map(|i| e(&format!("{prefix}-{i:06}"))).collect()
+    }
+
+    /// Two sessions share a 16 MiB metadata part (a 128 MiB budget). Listings are dropped
+    /// least recently used first, by the session that needs room, and the node's total stays
+    /// within the limit; a dropped listing answers "ask the filer", never "absent".
+    #[test]
+    fn listings_beyond_the_metadata_budget_are_dropped_least_recently_used_first() {
+        let budget = MemoryBudget::new(128 << 20);
+        let limit = budget.meta_limit();
+        assert_eq!(limit, 16 << 20);
+        let a = MetaCache::with_budget(Duration::from_secs(600), budget.clone());
+        let b = MetaCache::with_budget(Duration::from_secs(600), budget.clone());
+        let one = many("x", 5000).iter().map(entry_weight).sum::<u64>();
+        assert!(one > 1 << 20, "{one}");
+        a.install("/hot", many("h", 5000), a.generation("/hot"), &[]);
+        for d in 0..40 {
+            let dir = format!("/a{d}");
+            assert!(a.install(&dir, many("x", 5000), a.generation(&dir), &[]));
+            // the hot one is used between installs
+            assert!(matches!(a.lookup("/hot", "h-000001"), Cached::Found(_)));
+            assert!(budget.meta() <= limit, "{} > {limit}", budget.meta());
+        }
+        // b's five listings are well under its fair share (7/8 of the limit, halved)
+        for d in 0..5 {
+            let dir = format!("/b{d}");
+            assert!(b.install(&dir, many("y", 2000), b.generation(&dir), &[]));
+        }
+        assert!(b.weight() < limit / 8 * 7 / 2, "{}", b.weight());
+        assert!(budget.meta() <= limit);
+        assert_eq!(a.weight() + b.weight(), budget.meta());
+        // b asked for room under its fair share: a, over its share, gave it
+        for d in 0..5 {
+            assert!(b.is_cached(&format!("/b{d}")), "b's /b{d} was dropped");
+        }
+        assert!(matches!(a.lookup("/hot", "h-000002"), Cached::Found(_)));
+        assert!(matches!(a.lookup("/a39", "x-000002"), Cached::Found(_)));
+        // the oldest were dropped: unknown, so the filer is asked
+        assert!(matches!(a.lookup("/a0", "x-000002"), Cached::Unknown));
+        assert!(matches!(a.lookup("/a0", "nope"), Cached::Unknown));
+        assert!(
+            budget
+                .meta_evictions
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 0
+        );
+        drop(a);
+        assert_eq!(
+            budget.meta(),
+            b.weight(),
+            "a closed session gives back its part"
+        );
+    }
+
+    #[test]
+    fn a_listing_too_heavy_for_the_budget_is_not_cached() {
+        let budget = MemoryBudget::new(64 << 20); // 16 MiB floor
+        let m = MetaCache::with_budget(Duration::from_secs(600), budget.clone());
+        assert!(!m.install("/huge", many("z", 60_000), m.generation("/huge"), &[]));
+        assert!(m.is_too_large("/huge"));
+        assert!(matches!(m.lookup("/huge", "z-000001"), Cached::Unknown));
+        assert_eq!(budget.meta(), 0);
+    }
+
+    /// Changes to directories that are not cached leave no generation behind once swept, and
+    /// a listing taken before such a change is still refused after the sweep.
+    #[test]
+    fn swept_generations_still_refuse_a_listing_older_than_a_change() {
+        let m = MetaCache::new(Duration::from_millis(0));
+        for d in 0..1000 {
+            m.upsert(&format!("/d{d}"), Arc::new(e("a")));
+        }
+        let before = m.generation("/x");
+        m.remove("/x", "old");
+        m.sweep();
+        assert!(m.inner.lock().gens.is_empty());
+        assert!(!m.install("/x", vec![e("old")], before, &[]));
+        // a listing with nothing changed since is installed
+        let m = MetaCache::new(Duration::from_secs(60));
+        let g = m.generation("/y");
+        m.upsert("/other", Arc::new(e("a")));
+        m.sweep();
+        m.upsert("/other", Arc::new(e("b")));
+        assert!(
+            !m.install("/y", vec![e("a")], g, &[]),
+            "a change elsewhere since: refused"
+        );
+        let g = m.generation("/y");
+        m.sweep();
+        assert!(m.install("/y", vec![e("a")], g, &[]));
+    }
+
+    #[test]
+    fn weights_follow_upserts_removes_and_invalidation() {
+        let budget = MemoryBudget::new(1 << 30);
+        let m = MetaCache::with_budget(Duration::from_secs(60), budget.clone());
+        m.install("/d", vec![e("a")], m.generation("/d"), &[]);
+        let w1 = m.weight();
+        m.upsert("/d", Arc::new(e("bbbbbbbb")));
+        assert_eq!(m.weight(), w1 + entry_weight(&e("bbbbbbbb")));
+        m.remove("/d", "a");
+        assert_eq!(m.weight(), entry_weight(&e("bbbbbbbb")));
+        m.install("/d/s", vec![e("c")], m.generation("/d/s"), &[]);
+        m.invalidate_dir("/d", true);
+        assert_eq!((m.weight(), budget.meta()), (0, 0));
     }
 
     #[test]

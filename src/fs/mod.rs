@@ -342,7 +342,7 @@ impl Fs {
             .unwrap_or(1);
         Arc::new(Fs {
             inodes: InodeTable::new(&cfg.root),
-            meta: MetaCache::new(cfg.meta_ttl),
+            meta: MetaCache::with_budget(cfg.meta_ttl, cfg.budget.clone()),
             upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
             prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
             closed: AtomicBool::new(false),

@@ -172,9 +172,12 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
     let f = fs.clone();
     let flusher = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
-        loop {
+        for n in 0u64.. {
             tick.tick().await;
             f.flush_dir_times().await;
+            if n % 10 == 0 {
+                f.sweep_caches();
+            }
         }
     });
     let f = fs.clone();
