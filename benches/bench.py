@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -686,21 +687,6 @@ class Bench:
         a = self.args
         self.cluster.start()
         log(f"weed server: filer 127.0.0.1:{self.cluster.filer}, metrics :{self.cluster.metrics_port}")
-        # shared fixtures, created once: the ls directory and the cache-filling file
-        m = self.mount("ours", "setup")
-        if self.wants("ls"):
-            d = os.path.join(m.mnt, "ls5000")
-            os.makedirs(d)
-            for i in range(a.ls_entries):
-                os.close(os.open(os.path.join(d, f"entry-{i:05d}"), os.O_WRONLY | os.O_CREAT, 0o644))
-        if self.wants("cold"):
-            write_seq(os.path.join(m.mnt, "fill"), a.size_mb, self.ref, 999)
-        m.stop()
-        if self.wants("writes"):
-            self.tarball = os.path.join(self.root, "tree.tar")
-            files, total = make_source_tree_tar(self.tarball, a.untar_files, self.ref)
-            self.meta["untar tree"] = {"files": files, "bytes": total}
-            log(f"source tree tarball: {files} files, {total / MiB:.0f} MiB")
         # memfs is optional: the ceiling is skipped without the test-support binary
         try:
             r = subprocess.run([self.memfs_bin, "memfs", "--help"], capture_output=True)
@@ -709,6 +695,20 @@ class Bench:
             self.memfs_ok = False
         if not self.memfs_ok:
             log("memfs subcommand missing: ceiling skipped")
+        # shared fixtures, created once: the ls directories and the cache-filling file
+        m = self.mount("ours", "setup")
+        if self.wants("ls"):
+            self.fill_dir(m, "ls5000", a.ls_entries)
+        if self.wants("bigdir"):
+            self.fill_dir(m, "bigdir", a.bigdir_entries)
+        if self.wants("cold"):
+            write_seq(os.path.join(m.mnt, "fill"), a.size_mb, self.ref, 999)
+        m.stop()
+        if self.wants("writes"):
+            self.tarball = os.path.join(self.root, "tree.tar")
+            files, total = make_source_tree_tar(self.tarball, a.untar_files, self.ref)
+            self.meta["untar tree"] = {"files": files, "bytes": total}
+            log(f"source tree tarball: {files} files, {total / MiB:.0f} MiB")
 
     # -- phases (each runs every impl of the round, in the round's order)
 
@@ -957,6 +957,40 @@ class Bench:
                 pass
         m.stop()
 
+    def fill_dir(self, m, name, n):
+        """Directory `name` of the bench tree with `n` empty files: made over gRPC by the
+        test-support binary (a million names in minutes), else created through mount `m`."""
+        t0 = time.perf_counter()
+        if self.memfs_ok:
+            subprocess.run([self.memfs_bin, "fill-dir", f"--filer=127.0.0.1:{self.cluster.filer}",
+                            f"--dir=/bench/{name}", f"--count={n}"], check=True)
+        else:
+            d = os.path.join(m.mnt, name)
+            os.makedirs(d)
+            for i in range(n):
+                os.close(os.open(os.path.join(d, f"entry-{i:07d}"), os.O_WRONLY | os.O_CREAT, 0o644))
+        log(f"{name}: {n} entries in {time.perf_counter() - t0:.0f} s")
+
+    def phase_bigdir(self, order):
+        """`ls -f | wc -l` of one directory of --bigdir-entries names, after drop_caches on a
+        fresh mount: it must list every name; entries/s and the mount process's peak RSS."""
+        a = self.args
+        for impl in order:
+            drop_caches()
+            m = self.mount(impl, "bigdir")
+            d = os.path.join(m.mnt, "bigdir")
+            t0 = time.perf_counter()
+            r = subprocess.run(f"ls -f {shlex.quote(d)} | wc -l", shell=True,
+                               capture_output=True, text=True)
+            dt = time.perf_counter() - t0
+            listed = int(r.stdout.strip() or 0) - 2
+            if listed != a.bigdir_entries:
+                log(f"{impl}: ls -f listed {listed} of {a.bigdir_entries} ({r.stderr.strip()})")
+            self.record("ls -f big dir, names missing", impl, a.bigdir_entries - listed)
+            self.record("ls -f big dir (entries/s)", impl, a.bigdir_entries / dt)
+            self.record("ls -f big dir VmHWM (MiB)", impl, m.stats()[0])
+            m.stop()
+
     def wants(self, phase):
         only = set(self.args.only.split(",")) if self.args.only else None
         if only is None or phase in only:
@@ -979,6 +1013,7 @@ class Bench:
                 ("disk", lambda: self.phase_disk(order, rnd)),
                 ("random", lambda: self.phase_random(order, rnd)),
                 ("ls", lambda: self.phase_ls(order)),
+                ("bigdir", lambda: self.phase_bigdir(order)),
                 ("parallel", lambda: self.phase_parallel(order, rnd, ra)),
                 ("writes", lambda: self.phase_writes(order, rnd)),
                 ("memfs", lambda: self.phase_memfs(rnd)),
@@ -1150,6 +1185,8 @@ def main():
                     help="cacheCapacityMB of both mounts (must hold the big file)")
     ap.add_argument("--small-files", type=int, default=2000)
     ap.add_argument("--ls-entries", type=int, default=5000)
+    ap.add_argument("--bigdir-entries", type=int, default=1_000_000,
+                    help="names in the directory of phase bigdir (ls -f)")
     ap.add_argument("--fio-runtime", type=int, default=15)
     ap.add_argument("--readahead-kb", type=int, default=4096,
                     help="read_ahead_kb for the weed-ra variant and memfs (ours raises its own)")
@@ -1167,7 +1204,7 @@ def main():
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
                     help="skip the weed benchmark ceiling after seq write")
     ap.add_argument("--only", default="",
-                    help="comma list of phases: write,remount,cold,random,ls,parallel,writes,memfs "
+                    help="comma list of phases: write,remount,cold,random,ls,bigdir,parallel,writes,memfs "
                          "(write also runs for the read phases, which read its file)")
     ap.add_argument("--workdir", default="/tmp")
     ap.add_argument("--out", default=os.path.join(REPO, "target/bench"))

@@ -4,6 +4,8 @@
 //!
 //! - `memfs`: a trivial in-memory FUSE filesystem with the same takeover machinery as the
 //!   product (the takeover tests, and the benchmark ceiling);
+//! - `fill-dir`: creates many empty files in one filer directory over gRPC (the big-directory
+//!   benchmarks: a million names in minutes, where creating them through a mount takes long);
 //! - `--fakeStager=DIR`: the driver stages volumes as bind mounts of scratch directories under
 //!   DIR instead of FUSE sessions (CSI tests that need mounts surviving the process, or
 //!   `CSI_TEST_STAGER=fake`).
@@ -39,6 +41,8 @@ struct TestCli {
 enum TestCommand {
     /// A trivial in-memory FUSE filesystem (takeover tests and the benchmark ceiling).
     Memfs(memfs::MemfsArgs),
+    /// Creates `count` empty files `<prefix><n>` in a filer directory (benchmarks).
+    FillDir(FillDirArgs),
     #[command(flatten)]
     Product(Command),
 }
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Some(TestCommand::Memfs(args)) => memfs::run(args),
+        Some(TestCommand::FillDir(args)) => fill_dir(args),
         Some(TestCommand::Product(Command::Mount(args))) => {
             seaweedfs_csi_driver::fuse::mount_cmd::run(*args)
         }
@@ -72,4 +77,72 @@ fn main() -> ExitCode {
         }
     };
     cli::exit_code(result)
+}
+
+#[derive(Debug, clap::Args)]
+struct FillDirArgs {
+    /// Filer address (host:port)
+    #[arg(long)]
+    filer: String,
+    /// Directory to fill (made if missing)
+    #[arg(long)]
+    dir: String,
+    #[arg(long)]
+    count: usize,
+    #[arg(long, default_value = "entry-")]
+    prefix: String,
+    /// Creates in flight at once
+    #[arg(long, default_value_t = 64)]
+    parallel: usize,
+}
+
+fn fill_dir(a: FillDirArgs) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use seaweedfs_csi_driver::filer::grpc::FilerClientOptions;
+    use seaweedfs_csi_driver::filer::hub::FilerHub;
+    use seaweedfs_csi_driver::filer::FilerApi;
+    use seaweedfs_csi_driver::pb::filer as pb;
+
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let shared = FilerHub::global()
+            .connect(FilerClientOptions {
+                addresses: vec![a.filer.clone()],
+                ..Default::default()
+            })
+            .await?;
+        let filer = shared.session();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs() as i64;
+        let width = a.count.to_string().len();
+        let creates = futures::stream::iter(0..a.count).map(|i| {
+            let filer = filer.clone();
+            let req = pb::CreateEntryRequest {
+                directory: a.dir.clone(),
+                entry: Some(pb::Entry {
+                    name: format!("{}{i:0width$}", a.prefix),
+                    attributes: Some(pb::FuseAttributes {
+                        file_mode: 0o644,
+                        mtime: now,
+                        crtime: now,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            async move { filer.create_entry(req).await }
+        });
+        let mut results = creates.buffer_unordered(a.parallel.max(1));
+        let mut done = 0usize;
+        while let Some(r) = results.next().await {
+            r?;
+            done += 1;
+            if done % 100_000 == 0 {
+                eprintln!("fill-dir: {done} of {} in {}", a.count, a.dir);
+            }
+        }
+        Ok(())
+    })
 }

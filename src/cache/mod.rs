@@ -170,14 +170,28 @@ impl Drop for Owner {
     fn drop(&mut self) {
         self.tier.owners.lock().remove(&self.id);
         let id = self.id;
-        if let Err(e) = self.tier.cache.invalidate_entries_if(move |k, _| k.0 == id) {
-            tracing::warn!(error = %e, "chunk cache: could not drop a closed session's chunks");
-        }
-        // the invalidation is applied on moka's maintenance path: run it now, not at the
-        // next read of another session
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let c = self.tier.cache.clone();
-            rt.spawn(async move { c.run_pending_tasks().await });
+        let c = self.tier.cache.clone();
+        match tokio::runtime::Handle::try_current() {
+            // removed one by one: a predicate (`invalidate_entries_if`) is applied a few
+            // hundred entries per maintenance run, and only while the cache has traffic
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let mine: Vec<Arc<TierKey>> = c
+                        .iter()
+                        .filter(|(k, _)| k.0 == id)
+                        .map(|(k, _)| k)
+                        .collect();
+                    for k in mine {
+                        c.invalidate(&*k).await;
+                    }
+                    c.run_pending_tasks().await;
+                });
+            }
+            Err(_) => {
+                if let Err(e) = c.invalidate_entries_if(move |k, _| k.0 == id) {
+                    tracing::warn!(error = %e, "chunk cache: could not drop a closed session's chunks");
+                }
+            }
         }
     }
 }
@@ -230,12 +244,15 @@ pub struct ChunkCache {
     /// Disk writes queued, in KiB: a reader outrunning the disk by far skips caching rather
     /// than queueing chunks in memory without bound.
     disk_writes: Arc<tokio::sync::Semaphore>,
-    /// Chunks readahead fetched that the reader has not read to their end yet. The tier may
-    /// refuse a chunk seen once (TinyLFU admission: a big file read once must not push out
-    /// chunks read often), and a reader that then fetched it again would double the GETs of a
-    /// scan, so readahead holds what it fetched here until the reader reads the chunk's end
-    /// ([`Self::release_arrived`]), [`ARRIVED_TTL`] passes, or [`ARRIVED_MAX`] newer chunks
-    /// arrive. Each hold keeps its readahead charge: the node's readahead share bounds them.
+    /// Chunks readahead fetched that the reader has not read whole yet. The tier may refuse
+    /// a chunk seen once (TinyLFU admission: a big file read once must not push out chunks
+    /// read often), and a reader that then fetched it again would double the GETs of a scan,
+    /// so readahead holds what it fetched here, and reads take it from here without touching
+    /// the tier (which would raise the chunk's frequency until it is admitted). A hold goes
+    /// when its bytes have all been read ([`Self::served`]), after [`ARRIVED_TTL`]
+    /// ([`Self::expire_arrived`], run every second), or to keep a session's holds within
+    /// [`ARRIVED_MAX_BYTES`]. Each keeps its readahead charge: the node's readahead share
+    /// bounds them too.
     arrived: Arc<Mutex<HashMap<String, Arrived>>>,
     pub stats: Arc<CacheStats>,
 }
@@ -244,13 +261,15 @@ pub struct ChunkCache {
 struct Prefetch(Option<crate::budget::ReadaheadCharge>);
 
 /// How long a chunk fetched by readahead waits for its reader.
-const ARRIVED_TTL: Duration = Duration::from_secs(15);
-/// Most chunks one session keeps waiting for their readers.
-const ARRIVED_MAX: usize = 64;
+const ARRIVED_TTL: Duration = Duration::from_secs(5);
+/// Most bytes one session keeps waiting for their readers.
+const ARRIVED_MAX_BYTES: usize = 64 << 20;
 
 struct Arrived {
     data: Bytes,
     at: std::time::Instant,
+    /// Bytes of it read so far.
+    served: u64,
     _charge: Option<crate::budget::ReadaheadCharge>,
 }
 
@@ -449,6 +468,15 @@ impl ChunkCache {
         F: Future<Output = Result<Bytes, E>>,
         E: Send + Sync + 'static,
     {
+        if prefetch.is_none() {
+            if let Some(b) = self.arrived(fid) {
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .bytes_from_cache
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                return Ok(b);
+            }
+        }
         match &self.owner {
             Some(o) => {
                 let stats = self.stats.clone();
@@ -534,9 +562,13 @@ impl ChunkCache {
         let now = std::time::Instant::now();
         let mut m = self.arrived.lock();
         m.retain(|_, a| now.duration_since(a.at) < ARRIVED_TTL);
-        if m.len() >= ARRIVED_MAX {
-            if let Some(oldest) = m.iter().min_by_key(|(_, a)| a.at).map(|(k, _)| k.clone()) {
-                m.remove(&oldest);
+        let mut held: usize = m.values().map(|a| a.data.len()).sum();
+        while held + data.len() > ARRIVED_MAX_BYTES && !m.is_empty() {
+            let Some(oldest) = m.iter().min_by_key(|(_, a)| a.at).map(|(k, _)| k.clone()) else {
+                break;
+            };
+            if let Some(a) = m.remove(&oldest) {
+                held -= a.data.len();
             }
         }
         m.insert(
@@ -544,6 +576,7 @@ impl ChunkCache {
             Arrived {
                 data: data.clone(),
                 at: now,
+                served: 0,
                 _charge: charge,
             },
         );
@@ -558,12 +591,38 @@ impl ChunkCache {
         m.get(fid).map(|a| a.data.clone())
     }
 
-    /// The reader is done with the chunk (it read its end): readahead's hold on it, and the
-    /// hold's charge, are given back.
-    pub fn release_arrived(&self, fid: &str) {
+    /// Whether readahead holds the chunk for its reader.
+    pub fn is_held(&self, fid: &str) -> bool {
+        let m = self.arrived.lock();
+        !m.is_empty() && m.contains_key(fid)
+    }
+
+    /// A reader read `len` bytes of chunk `fid` (of `size` bytes): once all of them have
+    /// been read, readahead's hold on it, and the hold's charge, are given back. (Counting
+    /// bytes, not the read of its end: the kernel's reads of one chunk finish out of order.)
+    pub fn served(&self, fid: &str, len: u64, size: u64) {
+        let mut m = self.arrived.lock();
+        if m.is_empty() {
+            return;
+        }
+        let done = match m.get_mut(fid) {
+            Some(a) => {
+                a.served += len;
+                a.served >= size
+            }
+            None => false,
+        };
+        if done {
+            m.remove(fid);
+        }
+    }
+
+    /// Gives back the holds no reader came for within [`ARRIVED_TTL`] (a reader that stopped
+    /// half way, a seek): run every second, so an idle session holds no readahead share.
+    pub fn expire_arrived(&self) {
         let mut m = self.arrived.lock();
         if !m.is_empty() {
-            m.remove(fid);
+            m.retain(|_, a| a.at.elapsed() < ARRIVED_TTL);
         }
     }
 
@@ -762,41 +821,133 @@ mod tests {
         assert!(tier.weighted_size() <= 8 << 20);
     }
 
-    /// A scan of a file bigger than the tier, with another session's hot chunks in it: each
-    /// chunk is fetched by readahead, then read in two requests. The tier refuses most of the
-    /// scan's chunks, and still each is fetched once: readahead held it for its reader.
-    #[tokio::test]
-    async fn a_scan_the_tier_refuses_still_fetches_each_chunk_once() {
+    fn mib(n: usize, v: u8) -> Bytes {
+        Bytes::from(vec![v; n << 20])
+    }
+
+    /// A tier full of another session's hot chunks (each read 5 times).
+    async fn hot_tier(chunks: usize) -> (Arc<MemoryTier>, ChunkCache) {
         let tier = MemoryTier::new(8 << 20);
-        let budget = crate::budget::MemoryBudget::new(1 << 30);
-        let (hot, scan) = (ChunkCache::in_tier(&tier), ChunkCache::in_tier(&tier));
+        let hot = ChunkCache::in_tier(&tier);
         for _ in 0..5 {
-            fill(&hot, "1", 8, 1).await;
+            fill(&hot, "1", chunks, 1).await;
         }
+        (tier, hot)
+    }
+
+    /// A scan of a file bigger than the tier, with another session's hot chunks in it: each
+    /// chunk is fetched by readahead, then read in 8 pieces, as the kernel reads. The tier
+    /// refuses the scan's chunks, each is still fetched once (readahead held it for its
+    /// reader), the reads never touch the tier (they would raise the chunk's frequency until
+    /// it pushed the hot chunks out), and every hold is given back once read.
+    #[tokio::test]
+    async fn a_scan_the_tier_refuses_is_fetched_once_and_leaves_the_hot_chunks() {
+        let (tier, hot) = hot_tier(7).await;
+        let budget = crate::budget::MemoryBudget::new(1 << 30);
+        let scan = ChunkCache::in_tier(&tier);
         let fetches = Arc::new(AtomicUsize::new(0));
         let fetch = |n: Arc<AtomicUsize>| async move {
             n.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, std::io::Error>(Bytes::from(vec![2u8; 1 << 20]))
+            Ok::<_, std::io::Error>(mib(1, 2))
         };
         for i in 0..40 {
             let fid = format!("2,{i:02x}");
             let charge = budget.try_readahead(1 << 20);
             scan.prefetch_chunk(&fid, true, charge, fetch(fetches.clone()))
                 .await;
-            tier.cache.run_pending_tasks().await;
-            for _ in 0..2 {
+            for _ in 0..8 {
                 let b = scan
                     .get_or_fetch(&fid, fetch(fetches.clone()))
                     .await
                     .unwrap();
                 assert_eq!(b.len(), 1 << 20);
-                tier.cache.run_pending_tasks().await;
+                scan.served(&fid, 128 << 10, 1 << 20);
             }
-            scan.release_arrived(&fid);
         }
+        tier.cache.run_pending_tasks().await;
         assert_eq!(fetches.load(Ordering::SeqCst), 40);
+        let left = (0..7)
+            .filter(|i| hot.contains(&format!("1,{i:02x}")))
+            .count();
+        assert_eq!(left, 7, "hot chunks pushed out by a one-pass scan");
         assert_eq!(budget.readahead(), 0, "every hold gave its charge back");
         assert!(tier.weighted_size() <= 8 << 20);
+    }
+
+    /// The kernel's reads of one chunk finish out of order: the read of its end before the
+    /// read of its middle must not end the hold.
+    #[tokio::test]
+    async fn reads_of_a_held_chunk_out_of_order_fetch_it_once() {
+        let (tier, _hot) = hot_tier(8).await;
+        let scan = ChunkCache::in_tier(&tier);
+        let n = Arc::new(AtomicUsize::new(0));
+        let f = |n: Arc<AtomicUsize>| async move {
+            n.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(mib(1, 2))
+        };
+        scan.prefetch_chunk("2,01", false, None, f(n.clone())).await;
+        scan.get_or_fetch("2,01", f(n.clone())).await.unwrap(); // its end
+        scan.served("2,01", 512 << 10, 1 << 20);
+        scan.get_or_fetch("2,01", f(n.clone())).await.unwrap(); // its middle, later
+        scan.served("2,01", 512 << 10, 1 << 20);
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+        assert!(!scan.is_held("2,01"), "read whole: given back");
+    }
+
+    /// Holds a reader never comes for (it stopped half way) are given back after the TTL, so
+    /// an idle session holds none of the node's readahead share; and one session never holds
+    /// more than its cap.
+    #[tokio::test]
+    async fn holds_nobody_reads_expire_and_stay_within_a_cap() {
+        let budget = crate::budget::MemoryBudget::new(128 << 20); // 16 MiB of readahead
+        let a = ChunkCache::in_tier(&MemoryTier::new(64 << 20));
+        for i in 0..8 {
+            let charge = budget.try_readahead(2 << 20);
+            assert!(charge.is_some());
+            a.prefetch_chunk(&format!("3,{i:02x}"), false, charge, async {
+                Ok::<_, std::io::Error>(mib(2, 1))
+            })
+            .await;
+        }
+        assert!(budget.try_readahead(2 << 20).is_none());
+        a.expire_arrived();
+        assert_eq!(budget.readahead(), 16 << 20, "not expired yet");
+        for h in a.arrived.lock().values_mut() {
+            h.at -= ARRIVED_TTL;
+        }
+        a.expire_arrived();
+        assert_eq!(budget.readahead(), 0);
+        assert!(budget.try_readahead(2 << 20).is_some());
+        for i in 0..40 {
+            a.prefetch_chunk(&format!("4,{i:02x}"), false, None, async {
+                Ok::<_, std::io::Error>(mib(2, 1))
+            })
+            .await;
+        }
+        let held: usize = a.arrived.lock().values().map(|h| h.data.len()).sum();
+        assert!(held <= ARRIVED_MAX_BYTES, "{held}");
+    }
+
+    /// A closed session's chunks leave an idle tier (no other traffic to drive moka's
+    /// maintenance), however many there are.
+    #[tokio::test]
+    async fn a_closed_sessions_many_chunks_leave_an_idle_tier() {
+        let tier = MemoryTier::new(256 << 20);
+        let a = ChunkCache::in_tier(&tier);
+        for i in 0..4000 {
+            a.insert(format!("1,{i:04x}"), Bytes::from(vec![0u8; 16 << 10]))
+                .await;
+        }
+        assert!(tier.cache.entry_count() > 3000);
+        drop(a);
+        for _ in 0..200 {
+            if tier.cache.entry_count() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(tier.cache.entry_count(), 0);
+        assert_eq!(tier.weighted_size(), 0);
     }
 
     #[tokio::test]

@@ -82,14 +82,24 @@ pub trait FilerApi: Send + Sync + 'static {
 
     /// Every entry of a directory, paged.
     async fn list_all(&self, dir: &str) -> Result<Vec<pb::Entry>> {
-        const PAGE: u32 = 1024;
+        self.list_upto(dir, usize::MAX).await
+    }
+
+    /// The first `max` entries of a directory (fewer: that is all of it), paged: a caller
+    /// that only wants to know whether a directory is small reads no more than that.
+    async fn list_upto(&self, dir: &str, max: usize) -> Result<Vec<pb::Entry>> {
+        const PAGE: usize = 1024;
         let mut out: Vec<pb::Entry> = Vec::new();
         loop {
+            let want = (max - out.len()).min(PAGE);
+            if want == 0 {
+                return Ok(out);
+            }
             let start = out.last().map(|e| e.name.clone()).unwrap_or_default();
-            let page = self.list_page(dir, &start, false, PAGE).await?;
+            let page = self.list_page(dir, &start, false, want as u32).await?;
             let n = page.len();
             out.extend(page);
-            if n < PAGE as usize {
+            if n < want {
                 return Ok(out);
             }
         }

@@ -5,6 +5,7 @@ use super::attr::{self, entry_attr, Attr, Kind};
 use super::inode::{join, split, Claim, FileId, ROOT_INO};
 use super::meta::Cached;
 use super::{errno, Fs, Result};
+use crate::pb::filer as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -23,11 +24,32 @@ pub struct DirEntryOut {
 }
 
 /// The entries an open directory handle lists (a snapshot taken when it is read from 0).
+/// For a directory too large to cache, a window of [`DIR_PAGE`] entries that the handle
+/// moves forward as the kernel reads on: memory stays flat however large the directory.
 #[derive(Debug, Default)]
 pub struct DirListing {
     pub entries: Vec<DirEntryOut>,
+    /// The readdir offset of `entries[0]` (0 unless a later page of a large directory). The
+    /// entry at index `i` has offset `base + i` and is followed by offset `base + i + 1`.
+    pub base: u64,
+    /// A page of a large directory that may go on: its last name, where the next page starts.
+    next: Option<String>,
     /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
     names_gone: u64,
+}
+
+/// Entries per page of a directory too large to cache.
+pub const DIR_PAGE: usize = 1024;
+
+impl DirListing {
+    /// The index in `entries` of readdir offset `offset` (`entries.len()`: none left here).
+    pub fn index_of(&self, offset: u64) -> usize {
+        (offset.saturating_sub(self.base) as usize).min(self.entries.len())
+    }
+
+    fn end(&self) -> u64 {
+        self.base + self.entries.len() as u64
+    }
 }
 
 impl Fs {
@@ -112,7 +134,8 @@ impl Fs {
         Ok(self.next_fh.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The directory's entries as of now, with "." and "..".
+    /// The directory's entries as of now, with "." and "..": all of them, or for a
+    /// directory too large to cache, its first page.
     async fn dir_snapshot(&self, ino: u64) -> Result<DirListing> {
         // read first: a name an event takes away from here on is caught by `gone_since`
         let names_gone = self.names_gone.load(Ordering::SeqCst);
@@ -124,33 +147,86 @@ impl Fs {
         };
         let entries = match cached {
             Some(l) => l,
+            None if self.meta.is_too_large(&dir) => {
+                return self.dir_page(ino, &dir, "", 0, names_gone).await;
+            }
             None => self.list_uncached(&dir).await?,
         };
-        let parent_ino = if ino == ROOT_INO {
-            ROOT_INO
-        } else {
-            self.inodes.ino_of(&split(&dir).0).unwrap_or(ROOT_INO)
-        };
+        Ok(self
+            .dir_listing(ino, &dir, &entries, 0, None, names_gone)
+            .await)
+    }
+
+    /// The page of a large directory after name `after` (from its start when empty), whose
+    /// first entry has readdir offset `base`.
+    async fn dir_page(
+        &self,
+        ino: u64,
+        dir: &str,
+        after: &str,
+        base: u64,
+        names_gone: u64,
+    ) -> Result<DirListing> {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        let page = self
+            .filer
+            .list_page(dir, after, false, DIR_PAGE as u32)
+            .await?;
+        let full = page.len() == DIR_PAGE;
+        let mut entries: Vec<Arc<pb::Entry>> = page.into_iter().map(Arc::new).collect();
+        let next = full.then(|| entries.last().map(|e| e.name.clone()).unwrap_or_default());
+        // files created here and not on the filer yet, in this page's range of names
+        let pending = self.pending_in_dir(dir, None);
+        if !pending.is_empty() {
+            let within = |n: &str| n > after && next.as_deref().is_none_or(|last| n <= last);
+            let have: std::collections::HashSet<String> =
+                entries.iter().map(|e| e.name.clone()).collect();
+            entries.extend(
+                pending
+                    .into_iter()
+                    .filter(|p| within(&p.name) && !have.contains(&p.name)),
+            );
+            entries.sort_by(|x, y| x.name.cmp(&y.name));
+        }
+        Ok(self
+            .dir_listing(ino, dir, &entries, base, next, names_gone)
+            .await)
+    }
+
+    /// Readdir entries for `entries` of `dir` (with "." and ".." first when `base` is 0).
+    async fn dir_listing(
+        &self,
+        ino: u64,
+        dir: &str,
+        entries: &[Arc<pb::Entry>],
+        base: u64,
+        next: Option<String>,
+        names_gone: u64,
+    ) -> DirListing {
+        // the whole directory, not a page of it
+        let whole = base == 0 && next.is_none();
         let mut out = Vec::with_capacity(entries.len() + 2);
-        out.push(DirEntryOut {
-            name: ".".into(),
-            ino,
-            kind: Kind::Dir,
-            attr: None,
-            ident: None,
-        });
-        out.push(DirEntryOut {
-            name: "..".into(),
-            ino: parent_ino,
-            kind: Kind::Dir,
-            attr: None,
-            ident: None,
-        });
+        if base == 0 {
+            let parent_ino = if ino == ROOT_INO {
+                ROOT_INO
+            } else {
+                self.inodes.ino_of(&split(dir).0).unwrap_or(ROOT_INO)
+            };
+            for (name, ino) in [(".", ino), ("..", parent_ino)] {
+                out.push(DirEntryOut {
+                    name: name.into(),
+                    ino,
+                    kind: Kind::Dir,
+                    attr: None,
+                    ident: None,
+                });
+            }
+        }
         // ids handed to files (not hard links) in this listing: a second file with a number
         // (two uploads the filer numbered alike) gets another
         let mut handed = std::collections::HashSet::new();
         for e in entries.iter() {
-            let path = join(&dir, &e.name);
+            let path = join(dir, &e.name);
             let ident = e.hard_link_id.is_empty().then(|| attr::file_id(&path, e));
             let mut eino = match &ident {
                 Some(id) => match self.inodes.claim(&path, id) {
@@ -158,14 +234,14 @@ impl Fs {
                     Claim::Ask(other) => {
                         // a number another name holds: this listing answers for names in it
                         let (odir, oname) = split(&other);
-                        let live = if odir == dir {
-                            entries.iter().any(|o| {
-                                o.name == oname
-                                    && o.hard_link_id.is_empty()
+                        let listed = entries.iter().find(|o| o.name == oname);
+                        let live = match listed {
+                            Some(o) if odir == dir => {
+                                o.hard_link_id.is_empty()
                                     && attr::file_id(&other, o).base == id.base
-                            })
-                        } else {
-                            self.still_holds(&other, id).await
+                            }
+                            None if odir == dir && whole => false,
+                            _ => self.still_holds(&other, id).await,
                         };
                         self.inodes.id_of(&path, id, live)
                     }
@@ -187,26 +263,39 @@ impl Fs {
                 ident,
             });
         }
-        Ok(DirListing {
+        DirListing {
             entries: out,
+            base,
+            next,
             names_gone,
-        })
+        }
     }
 
-    /// Entries from `offset` on. The first read of a handle, and every read from offset 0
-    /// (a rewinddir), takes the listing: POSIX wants names created since opendir listed
-    /// after a rewind (xfstests generic/471), and the kernel asks from 0 again once the
-    /// directory changed. Later offsets read that same listing, so a listing in pages stays
-    /// consistent. With `plus`, each returned entry counts as a lookup.
+    /// Entries from `offset` on (see [`DirListing::index_of`]). The first read of a handle,
+    /// and every read from offset 0 (a rewinddir), takes the listing: POSIX wants names
+    /// created since opendir listed after a rewind (xfstests generic/471), and the kernel
+    /// asks from 0 again once the directory changed. Later offsets read that same listing,
+    /// so a listing in pages stays consistent; a large directory's handle moves on to the
+    /// next page when the kernel reads past its window. With `plus`, each returned entry
+    /// counts as a lookup.
     pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
-        if offset != 0 {
-            if let Some(l) = self.dir_handles.lock().get(&fh).cloned() {
-                return Ok(l);
-            }
-            // not read yet here (the kernel served offset 0 from its cache), or a handle
-            // from a previous process (takeover)
+        let held = self.dir_handles.lock().get(&fh).cloned();
+        let mut l = match held {
+            Some(l) if offset != 0 && offset >= l.base => l,
+            // not read yet here (the kernel served offset 0 from its cache), a handle from
+            // a previous process (takeover), a rewind, or a seek back before the window
+            _ => Arc::new(self.dir_snapshot(ino).await?),
+        };
+        // a large directory: on to the page that holds `offset`
+        while offset >= l.end() {
+            let Some(after) = l.next.clone() else { break };
+            let names_gone = self.names_gone.load(Ordering::SeqCst);
+            let dir = self.path_of(ino)?;
+            let page = self
+                .dir_page(ino, &dir, &after, l.end(), names_gone)
+                .await?;
+            l = Arc::new(page);
         }
-        let l = Arc::new(self.dir_snapshot(ino).await?);
         self.dir_handles.lock().insert(fh, l.clone());
         Ok(l)
     }
@@ -355,6 +444,7 @@ mod tests {
     use crate::cache::ChunkCache;
     use crate::config::MountOptions;
     use crate::filer::mock::MockFiler;
+    use crate::filer::FilerApi;
     use crate::fs::FsConfig;
     use crate::volume::mock::MockChunkStore;
 
@@ -435,6 +525,81 @@ mod tests {
         assert!(!fs.content_gen.lock().contains_key(&a.ino));
         assert!(!fs.opened_gen.lock().contains_key(&a.ino));
         assert!(!fs.keep_cache(a.ino), "forgotten: a new open starts afresh");
+    }
+
+    /// A directory too large to cache is listed in pages of [`DIR_PAGE`]: the handle holds one
+    /// window, moves on as the kernel reads on (in buffers that end mid-page), lists every
+    /// name once and in order, finds its way back after a seek, and deciding it is too large
+    /// reads only one entry more than the limit.
+    #[tokio::test]
+    async fn a_directory_too_large_to_cache_is_listed_in_pages() {
+        let filer = Arc::new(MockFiler::new());
+        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+        cfg.max_cached_dir_entries = 100;
+        let fs = Fs::new(
+            cfg,
+            filer.clone(),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        let d = fs.mkdir(ROOT_INO, "big", 0o755, 0, 0, 0).await.unwrap();
+        const N: usize = 2 * DIR_PAGE + 500;
+        let other = filer.other_client();
+        for i in 0..N {
+            let req = pb::CreateEntryRequest {
+                directory: "/big".into(),
+                entry: Some(pb::Entry {
+                    name: format!("f{i:05}"),
+                    attributes: Some(pb::FuseAttributes {
+                        file_mode: 0o644,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            other.create_entry(req).await.unwrap();
+        }
+        fs.meta.invalidate_dir("/big", false);
+        let before = filer.calls("list_page");
+        let dh = fs.opendir(d.ino).await.unwrap();
+        // the kernel's buffers hold 300 entries at a time
+        let (mut offset, mut names, mut widest) = (0u64, Vec::new(), 0);
+        loop {
+            let l = fs.readdir(d.ino, dh, offset).await.unwrap();
+            widest = widest.max(l.entries.len());
+            let start = l.index_of(offset);
+            let got: Vec<_> = l.entries[start..].iter().take(300).collect();
+            if got.is_empty() {
+                break;
+            }
+            names.extend(got.iter().map(|e| e.name.clone()));
+            offset = l.base + (start + got.len()) as u64;
+        }
+        let want: Vec<String> = [".".to_string(), "..".to_string()]
+            .into_iter()
+            .chain((0..N).map(|i| format!("f{i:05}")))
+            .collect();
+        assert!(
+            names == want,
+            "{} names listed, want {}",
+            names.len(),
+            want.len()
+        );
+        assert!(widest <= DIR_PAGE + 2, "a window of {widest} entries");
+        // load_dir: one page of 101; then 3 pages (the last one short)
+        assert_eq!(filer.calls("list_page") - before, 4);
+        // a seek back to an entry of the first page (telldir/seekdir)
+        let l = fs.readdir(d.ino, dh, 7).await.unwrap();
+        assert_eq!(l.entries[l.index_of(7)].name, "f00005");
+        // and forward again, past the first page
+        let far = (DIR_PAGE + 10) as u64;
+        let l = fs.readdir(d.ino, dh, far).await.unwrap();
+        assert_eq!(
+            l.entries[l.index_of(far)].name,
+            format!("f{:05}", DIR_PAGE + 8)
+        );
+        fs.releasedir(dh);
     }
 
     /// POSIX: after rewinddir, names added since opendir are listed (xfstests generic/471).

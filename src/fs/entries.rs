@@ -66,8 +66,10 @@ impl Fs {
         }
         let gen = self.meta.generation(dir);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let entries = self.filer.list_all(dir).await?;
-        if entries.len() > self.cfg.max_cached_dir_entries {
+        // one past the limit tells a directory too large to cache without reading it all
+        let max = self.cfg.max_cached_dir_entries;
+        let entries = self.filer.list_upto(dir, max.saturating_add(1)).await?;
+        if entries.len() > max {
             // every lookup in it would list it all again
             self.meta.mark_too_large(dir);
             return Ok(false);

@@ -137,6 +137,7 @@ impl Fs {
                     || !plain
                     || len > RANDOM_RANGE_MAX
                     || self.cache.contains_or_pending(&key)
+                    || self.cache.is_held(&key)
                     || self.cache.touch_ranged(&key);
                 let data = if whole {
                     self.whole_chunk(&chunk, &key).await?
@@ -150,9 +151,7 @@ impl Fs {
                         Err(e) => return Err(e.into()),
                     }
                 };
-                if offset_in_chunk + len >= chunk.size {
-                    self.cache.release_arrived(&key);
-                }
+                self.cache.served(&key, len, chunk.size);
                 let lo = offset_in_chunk as usize;
                 let hi = lo + len as usize;
                 if hi > data.len() {
@@ -191,7 +190,8 @@ impl Fs {
                 continue;
             };
             let key = chunk_key(&chunk);
-            if self.cache.contains(&key) {
+            // cached, on its way, or held: another fetch would only cost a GET and a charge
+            if self.cache.contains_or_pending(&key) || self.cache.is_held(&key) {
                 continue;
             }
             let Ok(permit) = self.prefetch_sem.clone().try_acquire_owned() else {

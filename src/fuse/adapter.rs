@@ -604,8 +604,10 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| fs.readdir(ino.0, fh.0, offset).await,
             |list| {
-                for (i, e) in list.entries.iter().enumerate().skip(offset as usize) {
-                    if reply.add(INodeNo(e.ino), (i + 1) as u64, kind(e.kind), &e.name) {
+                let start = list.index_of(offset);
+                for (i, e) in list.entries.iter().enumerate().skip(start) {
+                    let next = list.base + i as u64 + 1;
+                    if reply.add(INodeNo(e.ino), next, kind(e.kind), &e.name) {
                         break;
                     }
                 }
@@ -628,13 +630,13 @@ impl Filesystem for FuseAdapter {
             reply,
             |fs| fs.readdir(ino.0, fh.0, offset).await,
             |list| {
-                let start = (offset as usize).min(list.entries.len());
+                let start = list.index_of(offset);
                 let mut sent = start;
                 for (i, e) in list.entries.iter().enumerate().skip(start) {
                     let attr = dir_attr(&fs, ino.0, e);
                     if reply.add(
                         INodeNo(e.ino),
-                        (i + 1) as u64,
+                        list.base + i as u64 + 1,
                         &e.name,
                         &fs.cfg.meta_ttl,
                         &to_file_attr(&attr),

@@ -175,6 +175,7 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
         for n in 0u64.. {
             tick.tick().await;
             f.flush_dir_times().await;
+            f.cache.expire_arrived();
             if n % 10 == 0 {
                 f.sweep_caches();
             }
