@@ -921,3 +921,100 @@ async fn every_staged_volume_shares_one_chunk_cache_within_the_memory_budget() {
         pod.unpublish_and_unstage(&c).await;
     }
 }
+
+/// A directory too heavy for the metadata part of `--memoryBudgetMB=64` (16 MiB; one listing
+/// may take half) is not cached but listed in pages of 1,024 through the kernel: readdir
+/// (`ls -f`), readdir plus stat of every name (`ls -l`) and a walk see every one of 20,000
+/// names exactly once, on a fresh session, and the node's cached listings stay within
+/// their limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_directory_too_large_to_cache_lists_whole_in_pages_on_a_real_mount() {
+    use csi_common::*;
+    use std::collections::BTreeSet;
+
+    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("csibigdir")
+        .tempdir()
+        .unwrap();
+    let socket = dir.path().join("plugin/csi.sock");
+    let args = vec![
+        format!("--endpoint=unix://{}", socket.display()),
+        format!("--filer={}", weed.filer_addr()),
+        "--nodeid=node-1".to_string(),
+        format!("--metricsPort={port}"),
+        "--memoryBudgetMB=64".to_string(),
+    ];
+    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    let c = driver.clients().await;
+    const N: usize = 20_000;
+    let pod = driver.provision_and_publish("pvc-bigdir", "pod-a").await;
+    let t = pod.target.join("big");
+    tokio::task::spawn_blocking(move || {
+        std::fs::create_dir(&t).unwrap();
+        for i in 0..N {
+            std::fs::File::create(t.join(format!("name-{i:05}"))).unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    // a fresh session: nothing of the directory cached
+    pod.unpublish_and_unstage(&c).await;
+    let pod = driver.provision_and_publish("pvc-bigdir", "pod-b").await;
+    let t = pod.target.join("big");
+    let want: BTreeSet<String> = (0..N).map(|i| format!("name-{i:05}")).collect();
+    let (plain, stated, walked) = tokio::task::spawn_blocking(move || {
+        let names = || -> Vec<String> {
+            std::fs::read_dir(&t)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        };
+        let plain = names();
+        // as ls -l: every name listed, then stat
+        let stated: Vec<String> = names()
+            .into_iter()
+            .filter(|n| std::fs::symlink_metadata(t.join(n)).unwrap().is_file())
+            .collect();
+        let out = std::process::Command::new("find")
+            .arg(&t)
+            .args(["-type", "f"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let walked: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.rsplit('/').next().unwrap().to_string())
+            .collect();
+        (plain, stated, walked)
+    })
+    .await
+    .unwrap();
+    for (what, got) in [
+        ("readdir", plain),
+        ("readdir+stat", stated),
+        ("find", walked),
+    ] {
+        assert_eq!(got.len(), N, "{what}: {} names", got.len());
+        let set: BTreeSet<String> = got.into_iter().collect();
+        assert!(set == want, "{what}: names differ");
+    }
+    let m = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+        .await
+        .unwrap();
+    let limit = sample(&m, "seaweedfs_csi_metadata_cache_limit_bytes");
+    assert_eq!(limit, (16u64 << 20) as f64, "{m}");
+    // the big directory was not cached (it was listed in pages): 20,000 entries would
+    // weigh about 10 MiB
+    let held = sample(&m, "seaweedfs_csi_metadata_cache_bytes");
+    assert!(
+        held < (2u64 << 20) as f64,
+        "{held} bytes of listings cached"
+    );
+    pod.unpublish_and_unstage(&c).await;
+}
