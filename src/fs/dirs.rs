@@ -34,6 +34,9 @@ pub struct DirListing {
     pub base: u64,
     /// A page of a large directory that may go on: its last name, where the next page starts.
     next: Option<String>,
+    /// Where each page this handle has read so far starts: its offset and the name it
+    /// follows (a seek back fetches that page again instead of listing from the start).
+    starts: Vec<(u64, String)>,
     /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
     names_gone: u64,
 }
@@ -267,6 +270,7 @@ impl Fs {
             entries: out,
             base,
             next,
+            starts: Vec::new(),
             names_gone,
         }
     }
@@ -282,18 +286,43 @@ impl Fs {
         let held = self.dir_handles.lock().get(&fh).cloned();
         let mut l = match held {
             Some(l) if offset != 0 && offset >= l.base => l,
+            // a seek back within a large directory: the page that holds it, again
+            Some(l) if offset != 0 && l.starts.iter().any(|(b, _)| *b <= offset) => {
+                let (base, after) = l
+                    .starts
+                    .iter()
+                    .rev()
+                    .find(|(b, _)| *b <= offset)
+                    .cloned()
+                    .expect("found above");
+                let names_gone = self.names_gone.load(Ordering::SeqCst);
+                let dir = self.path_of(ino)?;
+                let mut page = self.dir_page(ino, &dir, &after, base, names_gone).await?;
+                page.starts = l.starts.clone();
+                Arc::new(page)
+            }
             // not read yet here (the kernel served offset 0 from its cache), a handle from
-            // a previous process (takeover), a rewind, or a seek back before the window
-            _ => Arc::new(self.dir_snapshot(ino).await?),
+            // a previous process (takeover), or a rewind
+            _ => {
+                let mut l = self.dir_snapshot(ino).await?;
+                if l.next.is_some() {
+                    l.starts.push((0, String::new()));
+                }
+                Arc::new(l)
+            }
         };
         // a large directory: on to the page that holds `offset`
         while offset >= l.end() {
             let Some(after) = l.next.clone() else { break };
             let names_gone = self.names_gone.load(Ordering::SeqCst);
             let dir = self.path_of(ino)?;
-            let page = self
+            let mut page = self
                 .dir_page(ino, &dir, &after, l.end(), names_gone)
                 .await?;
+            page.starts = l.starts.clone();
+            if !page.starts.iter().any(|(b, _)| *b == page.base) {
+                page.starts.push((page.base, after));
+            }
             l = Arc::new(page);
         }
         self.dir_handles.lock().insert(fh, l.clone());
@@ -525,6 +554,11 @@ mod tests {
         assert!(!fs.content_gen.lock().contains_key(&a.ino));
         assert!(!fs.opened_gen.lock().contains_key(&a.ino));
         assert!(!fs.keep_cache(a.ino), "forgotten: a new open starts afresh");
+        // an event about a file nobody here looked up bumps a generation FORGET never clears
+        fs.bump_content_gen(987_654_321);
+        fs.sweep_caches();
+        assert!(!fs.content_gen.lock().contains_key(&987_654_321));
+        assert!(fs.dir_locks.lock().is_empty());
     }
 
     /// A directory too large to cache is listed in pages of [`DIR_PAGE`]: the handle holds one
@@ -589,7 +623,17 @@ mod tests {
         assert!(widest <= DIR_PAGE + 2, "a window of {widest} entries");
         // load_dir: one page of 101; then 3 pages (the last one short)
         assert_eq!(filer.calls("list_page") - before, 4);
-        // a seek back to an entry of the first page (telldir/seekdir)
+        // a seek back (telldir/seekdir) from the last page to the middle one: that page
+        // again, not a listing from the start
+        let calls = filer.calls("list_page");
+        let mid = (DIR_PAGE + 2 + 3) as u64;
+        let l = fs.readdir(d.ino, dh, mid).await.unwrap();
+        assert_eq!(
+            l.entries[l.index_of(mid)].name,
+            format!("f{:05}", DIR_PAGE + 3)
+        );
+        assert_eq!(filer.calls("list_page") - calls, 1);
+        // and to the first
         let l = fs.readdir(d.ino, dh, 7).await.unwrap();
         assert_eq!(l.entries[l.index_of(7)].name, "f00005");
         // and forward again, past the first page

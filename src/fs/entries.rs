@@ -45,19 +45,35 @@ impl Fs {
         DirLock {
             map: &self.dir_locks,
             dir: dir.to_string(),
-            lock,
+            lock: Some(lock),
         }
     }
 
-    /// Drops expired listings, and the per-inode state of inodes the kernel forgot.
+    /// Drops expired listings, and the page-cache generations of inodes the kernel does not
+    /// hold (events bump them for files nobody here looked up; FORGET never comes for
+    /// those). Dropping one only makes the next open start without the kernel's pages.
     pub fn sweep_caches(&self) {
         self.meta.sweep();
+        for map in [&self.content_gen, &self.opened_gen] {
+            // no lock held while the inode table is asked
+            let keys: Vec<u64> = map.lock().keys().copied().collect();
+            let unknown: Vec<u64> = keys
+                .into_iter()
+                .filter(|&ino| ino != ROOT_INO && self.inodes.path(ino).is_none())
+                .collect();
+            if !unknown.is_empty() {
+                let mut m = map.lock();
+                for ino in unknown {
+                    m.remove(&ino);
+                }
+            }
+        }
     }
 
     /// Lists `dir` into the metadata cache (coalesced per directory).
     pub(super) async fn load_dir(&self, dir: &str) -> Result<bool> {
         let lock = self.dir_lock(dir);
-        let _g = lock.lock.lock().await;
+        let _g = lock.mutex().lock().await;
         if self.meta.is_cached(dir) {
             return Ok(true);
         }
@@ -552,14 +568,22 @@ impl Fs {
 struct DirLock<'a> {
     map: &'a parking_lot::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     dir: String,
-    lock: Arc<tokio::sync::Mutex<()>>,
+    lock: Option<Arc<tokio::sync::Mutex<()>>>,
+}
+
+impl DirLock<'_> {
+    fn mutex(&self) -> &tokio::sync::Mutex<()> {
+        self.lock.as_ref().expect("held until dropped")
+    }
 }
 
 impl Drop for DirLock<'_> {
     fn drop(&mut self) {
         let mut m = self.map.lock();
-        // the map's and ours: nobody else has it, and newcomers go through the map (locked)
-        if m.get(&self.dir).is_some_and(|l| Arc::strong_count(l) == 2) {
+        // ours let go under the map's lock: two users finishing together cannot both see
+        // the other's and leave the entry; newcomers go through the map (locked)
+        drop(self.lock.take());
+        if m.get(&self.dir).is_some_and(|l| Arc::strong_count(l) == 1) {
             m.remove(&self.dir);
         }
     }

@@ -129,7 +129,7 @@ impl Inner {
         }
     }
 
-    fn drop_expired(&mut self, keep: &str) {
+    fn drop_expired(&mut self, keep: &str) -> bool {
         let ttl = self.ttl;
         let expired: Vec<String> = self
             .dirs
@@ -137,16 +137,18 @@ impl Inner {
             .filter(|(d, l)| d.as_str() != keep && l.loaded.elapsed() >= ttl)
             .map(|(d, _)| d.clone())
             .collect();
+        let dropped = !expired.is_empty();
         for d in expired {
             self.drop_listing(&d);
         }
+        dropped
     }
 
     /// Drops the least recently used listings (never `keep`) until this session holds at
     /// most `to` bytes or the node is within `node_to`.
-    fn shed(&mut self, keep: &str, to: u64, node_to: u64) {
+    fn shed(&mut self, keep: &str, to: u64, node_to: u64) -> bool {
         if self.weight <= to {
-            return;
+            return false;
         }
         let mut by_use: Vec<(u64, String)> = self
             .dirs
@@ -155,13 +157,18 @@ impl Inner {
             .map(|(d, l)| (l.used, d.clone()))
             .collect();
         by_use.sort_unstable();
+        let mut dropped = false;
         for (_, d) in by_use {
             if self.weight <= to || self.budget.meta() <= node_to {
                 break;
             }
             self.drop_listing(&d);
+            dropped = true;
         }
-        self.prune();
+        if dropped {
+            self.prune();
+        }
+        dropped
     }
 
     /// Forgets the generations and hard-link states that no cached listing needs.
@@ -190,6 +197,8 @@ static SESSIONS: Mutex<Vec<std::sync::Weak<Mutex<Inner>>>> = Mutex::new(Vec::new
 pub struct MetaCache {
     inner: Arc<Mutex<Inner>>,
     ttl: Duration,
+    /// Listings of more entries are not cached (see [`Self::install`]'s caller).
+    max_entries: usize,
     /// The node's budget: the metadata caches of every session share its metadata part.
     budget: Arc<MemoryBudget>,
 }
@@ -228,7 +237,18 @@ impl MetaCache {
         let mut all = SESSIONS.lock();
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&inner));
-        MetaCache { inner, ttl, budget }
+        MetaCache {
+            inner,
+            ttl,
+            max_entries: usize::MAX,
+            budget,
+        }
+    }
+
+    /// Listings that grow past `n` entries (our own creates) stop being cached.
+    pub fn with_max_entries(mut self, n: usize) -> Self {
+        self.max_entries = n;
+        self
     }
 
     /// Bytes this session's listings are charged.
@@ -247,7 +267,6 @@ impl MetaCache {
         if self.budget.meta() <= limit {
             return;
         }
-        self.budget.meta_evictions();
         let target = limit / 8 * 7;
         let mine = Arc::as_ptr(&self.inner);
         let sessions: Vec<Arc<Mutex<Inner>>> =
@@ -257,8 +276,9 @@ impl MetaCache {
             .filter(|s| Arc::ptr_eq(&s.lock().budget, &self.budget))
             .collect();
         let keep_of = |s: &Arc<Mutex<Inner>>| if Arc::as_ptr(s) == mine { keep } else { "" };
+        let mut dropped = false;
         for s in &sessions {
-            s.lock().drop_expired(keep_of(s));
+            dropped |= s.lock().drop_expired(keep_of(s));
         }
         let fair = target / sessions.len().max(1) as u64;
         let mut by_weight: Vec<(u64, &Arc<Mutex<Inner>>)> =
@@ -268,10 +288,13 @@ impl MetaCache {
             if self.budget.meta() <= target {
                 break;
             }
-            s.lock().shed(keep_of(s), fair, target);
+            dropped |= s.lock().shed(keep_of(s), fair, target);
         }
         if self.budget.meta() > target {
-            self.inner.lock().shed(keep, 0, target);
+            dropped |= self.inner.lock().shed(keep, 0, target);
+        }
+        if dropped {
+            self.budget.meta_evictions();
         }
     }
 
@@ -279,9 +302,9 @@ impl MetaCache {
     /// stopped listing would otherwise keep them).
     pub fn sweep(&self) {
         let mut g = self.inner.lock();
-        let before = g.dirs.len();
-        g.drop_expired("");
-        if g.dirs.len() != before || g.gens.len() > g.dirs.len() {
+        // generations of directories not cached pile up with every change; pruned when they
+        // outnumber the listings by far (a prune refuses listings in flight)
+        if g.drop_expired("") || g.gens.len() > 2 * g.dirs.len() + 1024 {
             g.prune();
         }
     }
@@ -456,6 +479,16 @@ impl MetaCache {
         }
         if let Some((add, sub)) = weights {
             g.reweigh(dir, add, sub);
+            // grown past what a listing may be: not cached any more, as if listed so now
+            let over = g.dirs.get(dir).is_some_and(|l| {
+                l.weight > self.budget.meta_limit() / 2 || l.entries.len() > self.max_entries
+            });
+            if over {
+                g.drop_listing(dir);
+                drop(g);
+                self.mark_too_large(dir);
+                return;
+            }
             drop(g);
             self.relieve(dir);
         }
@@ -489,10 +522,13 @@ impl MetaCache {
             let below: Vec<String> = g
                 .dirs
                 .keys()
+                .chain(g.gens.keys())
                 .filter(|k| k.starts_with(&prefix))
                 .cloned()
                 .collect();
+            // listings in flight below it too (their directories are in `gens`)
             for k in below {
+                g.bump(&k);
                 g.drop_listing(&k);
             }
         }
@@ -503,9 +539,12 @@ impl MetaCache {
         let mut g = self.inner.lock();
         let keys: Vec<String> = g.dirs.keys().cloned().collect();
         for k in keys {
-            g.bump(&k);
             g.drop_listing(&k);
         }
+        // every generation moves on, listings in flight for uncached directories included
+        g.counter += 1;
+        g.gens.clear();
+        g.floor = g.counter;
         g.links.clear();
     }
 
@@ -660,7 +699,7 @@ mod tests {
     #[test]
     fn swept_generations_still_refuse_a_listing_older_than_a_change() {
         let m = MetaCache::new(Duration::from_millis(0));
-        for d in 0..1000 {
+        for d in 0..2000 {
             m.upsert(&format!("/d{d}"), Arc::new(e("a")));
         }
         let before = m.generation("/x");
@@ -668,19 +707,49 @@ mod tests {
         m.sweep();
         assert!(m.inner.lock().gens.is_empty());
         assert!(!m.install("/x", vec![e("old")], before, &[]));
-        // a listing with nothing changed since is installed
+        // a listing of a directory nothing changed in is installed (a few generations are
+        // not pruned: a prune would refuse it)
         let m = MetaCache::new(Duration::from_secs(60));
         let g = m.generation("/y");
         m.upsert("/other", Arc::new(e("a")));
         m.sweep();
         m.upsert("/other", Arc::new(e("b")));
-        assert!(
-            !m.install("/y", vec![e("a")], g, &[]),
-            "a change elsewhere since: refused"
-        );
-        let g = m.generation("/y");
-        m.sweep();
         assert!(m.install("/y", vec![e("a")], g, &[]));
+    }
+
+    /// A listing grown by our own creates past what a listing may be (entries or weight) is
+    /// not cached any more; a listing in flight for a directory that was not cached is
+    /// refused after a subscription gap (invalidate_all).
+    #[test]
+    fn a_listing_grown_past_its_limits_stops_being_cached() {
+        let budget = MemoryBudget::new(1 << 30);
+        let m =
+            MetaCache::with_budget(Duration::from_secs(600), budget.clone()).with_max_entries(100);
+        m.install("/d", many("x", 90), m.generation("/d"), &[]);
+        for i in 0..20 {
+            m.upsert("/d", Arc::new(e(&format!("new{i}"))));
+        }
+        assert!(!m.is_cached("/d"));
+        assert!(m.is_too_large("/d"));
+        assert!(matches!(m.lookup("/d", "x-000001"), Cached::Unknown));
+        assert_eq!((m.weight(), budget.meta()), (0, 0));
+        let small = MemoryBudget::new(64 << 20); // 16 MiB part: listings up to 8 MiB
+        let m = MetaCache::with_budget(Duration::from_secs(600), small.clone());
+        m.install("/w", vec![], m.generation("/w"), &[]);
+        for i in 0..30_000 {
+            m.upsert("/w", Arc::new(e(&format!("n{i:06}"))));
+        }
+        assert!(!m.is_cached("/w"));
+        assert!(small.meta() <= small.meta_limit() / 2);
+        assert_eq!(
+            small
+                .meta_evictions
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+        let g = m.generation("/never-cached");
+        m.invalidate_all();
+        assert!(!m.install("/never-cached", vec![e("a")], g, &[]));
     }
 
     #[test]

@@ -342,7 +342,8 @@ impl Fs {
             .unwrap_or(1);
         Arc::new(Fs {
             inodes: InodeTable::new(&cfg.root),
-            meta: MetaCache::with_budget(cfg.meta_ttl, cfg.budget.clone()),
+            meta: MetaCache::with_budget(cfg.meta_ttl, cfg.budget.clone())
+                .with_max_entries(cfg.max_cached_dir_entries),
             upload_sem: Arc::new(Semaphore::new(cfg.concurrent_writers)),
             prefetch_sem: Arc::new(Semaphore::new(cfg.concurrent_readers)),
             closed: AtomicBool::new(false),
