@@ -99,10 +99,17 @@ fn main() {
         println!("node_memory: bench");
         return;
     }
-    let budget_mb = env_or("NODE_MEM_BUDGET_MB", 1024);
-    let volumes = env_or("NODE_MEM_VOLUMES", 20).max(13) as usize;
-    let read_mb = env_or("NODE_MEM_READ_MB", 1024);
-    let entries = env_or("NODE_MEM_ENTRIES", 200_000);
+    // `cargo test --all-targets` runs this once without `--bench`: tiny sizes, so that it
+    // keeps working without costing the test run minutes
+    let measuring = std::env::args().any(|a| a == "--bench");
+    let tiny = |n: u64, small: u64| if measuring { n } else { small };
+    let budget_mb = env_or("NODE_MEM_BUDGET_MB", tiny(1024, 256));
+    let volumes = env_or("NODE_MEM_VOLUMES", tiny(20, 13)).max(13) as usize;
+    let read_mb = env_or("NODE_MEM_READ_MB", tiny(1024, 8));
+    let entries = env_or("NODE_MEM_ENTRIES", tiny(200_000, 2_000));
+    if !measuring {
+        eprintln!("node_memory: test mode (no --bench), tiny sizes");
+    }
     let rt = tokio::runtime::Runtime::new().unwrap();
     let weed = common::WeedServer::start();
     let port = common::free_port();
@@ -123,8 +130,10 @@ fn main() {
     let pods: Vec<(PathBuf, String)> = rt.block_on(async {
         let mut pods = Vec::new();
         for v in 0..volumes {
+            // room for the file read and its rewrite
+            let bytes = ((2 * read_mb + 256) << 20) as i64;
             let pod = driver
-                .provision_and_publish(&format!("pvc-mem-{v}"), &format!("pod-{v}"))
+                .provision_and_publish_sized(&format!("pvc-mem-{v}"), &format!("pod-{v}"), bytes)
                 .await;
             pods.push((pod.target.clone(), pod.vol.volume_id.clone()));
         }

@@ -700,15 +700,10 @@ async fn keeper_restart_between_stages() {
     assert_eq!(wait_status(addr, "/healthz", 200, 0).await.0, 200);
 }
 
-/// The driver binary with `--memoryBudgetMB=128` (32 MiB of dirty data node-wide): 40 files
-/// on one staged volume, each written 4 KiB at the ends of 4 chunks and kept open, would hold
-/// 320 MiB of dirty buffers unbounded. Every write succeeds (writers wait, never fail), the
-/// scrape shows the budget, the limit and writers that waited, every file reads back, and
-/// nothing stays charged once they are closed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
+/// A real filer, and the driver binary with the FUSE stager and `--memoryBudgetMB=<mb>`
+/// serving metrics on the returned address.
+async fn driver_with_budget(mb: u64) -> (common::WeedServer, SocketAddr, csi_common::Driver) {
     use csi_common::*;
-
     let weed = tokio::task::spawn_blocking(common::WeedServer::start)
         .await
         .unwrap();
@@ -724,9 +719,20 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
         format!("--filer={}", weed.filer_addr()),
         "--nodeid=node-1".to_string(),
         format!("--metricsPort={port}"),
-        "--memoryBudgetMB=128".to_string(),
+        format!("--memoryBudgetMB={mb}"),
     ];
     let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    (weed, addr, driver)
+}
+
+/// The driver binary with `--memoryBudgetMB=128` (32 MiB of dirty data node-wide): 40 files
+/// on one staged volume, each written 4 KiB at the ends of 4 chunks and kept open, would hold
+/// 320 MiB of dirty buffers unbounded. Every write succeeds (writers wait, never fail), the
+/// scrape shows the budget, the limit and writers that waited, every file reads back, and
+/// nothing stays charged once they are closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
+    let (_weed, addr, driver) = driver_with_budget(128).await;
     let c = driver.clients().await;
     let pod = driver.provision_and_publish("pvc-budget", "pod-a").await;
     let target = pod.target.clone();
@@ -823,26 +829,7 @@ fn rss_mib(pid: u32) -> f64 {
 /// plus a fixed overhead. Unstaging a volume gives its cached chunks back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_staged_volume_shares_one_chunk_cache_within_the_memory_budget() {
-    use csi_common::*;
-
-    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
-        .await
-        .unwrap();
-    let port = common::free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let dir = tempfile::Builder::new()
-        .prefix("csitier")
-        .tempdir()
-        .unwrap();
-    let socket = dir.path().join("plugin/csi.sock");
-    let args = vec![
-        format!("--endpoint=unix://{}", socket.display()),
-        format!("--filer={}", weed.filer_addr()),
-        "--nodeid=node-1".to_string(),
-        format!("--metricsPort={port}"),
-        "--memoryBudgetMB=128".to_string(),
-    ];
-    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    let (weed, addr, driver) = driver_with_budget(128).await;
     let c = driver.clients().await;
     const SIZE: usize = 40 << 20;
     let data = |v: usize| -> Vec<u8> {
@@ -929,27 +916,9 @@ async fn every_staged_volume_shares_one_chunk_cache_within_the_memory_budget() {
 /// their limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_directory_too_large_to_cache_lists_whole_in_pages_on_a_real_mount() {
-    use csi_common::*;
     use std::collections::BTreeSet;
 
-    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
-        .await
-        .unwrap();
-    let port = common::free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let dir = tempfile::Builder::new()
-        .prefix("csibigdir")
-        .tempdir()
-        .unwrap();
-    let socket = dir.path().join("plugin/csi.sock");
-    let args = vec![
-        format!("--endpoint=unix://{}", socket.display()),
-        format!("--filer={}", weed.filer_addr()),
-        "--nodeid=node-1".to_string(),
-        format!("--metricsPort={port}"),
-        "--memoryBudgetMB=64".to_string(),
-    ];
-    let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
+    let (_weed, addr, driver) = driver_with_budget(64).await;
     let c = driver.clients().await;
     const N: usize = 20_000;
     let pod = driver.provision_and_publish("pvc-bigdir", "pod-a").await;

@@ -477,14 +477,21 @@ mod tests {
     use crate::fs::FsConfig;
     use crate::volume::mock::MockChunkStore;
 
-    #[tokio::test]
-    async fn readdirplus_attrs_are_current_not_from_the_opendir_snapshot() {
-        let fs = Fs::new(
-            FsConfig::from_mount_options(&MountOptions::default()),
-            Arc::new(MockFiler::new()),
+    /// A filesystem on `filer` that caches listings of up to `max_cached` entries.
+    fn new_fs(filer: Arc<MockFiler>, max_cached: usize) -> Arc<Fs> {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+        cfg.max_cached_dir_entries = max_cached;
+        Fs::new(
+            cfg,
+            filer,
             Arc::new(MockChunkStore::new()),
             ChunkCache::new(1 << 20),
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn readdirplus_attrs_are_current_not_from_the_opendir_snapshot() {
+        let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
         let (a, fh) = fs
             .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
             .await
@@ -512,12 +519,7 @@ mod tests {
     /// inode when the kernel forgets it (a later open then drops the kernel's pages).
     #[tokio::test]
     async fn per_directory_and_per_inode_state_does_not_pile_up() {
-        let fs = Fs::new(
-            FsConfig::from_mount_options(&MountOptions::default()),
-            Arc::new(MockFiler::new()),
-            Arc::new(MockChunkStore::new()),
-            ChunkCache::new(1 << 20),
-        );
+        let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
         let mut dirs = Vec::new();
         for i in 0..50 {
             dirs.push(
@@ -568,14 +570,7 @@ mod tests {
     #[tokio::test]
     async fn a_directory_too_large_to_cache_is_listed_in_pages() {
         let filer = Arc::new(MockFiler::new());
-        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
-        cfg.max_cached_dir_entries = 100;
-        let fs = Fs::new(
-            cfg,
-            filer.clone(),
-            Arc::new(MockChunkStore::new()),
-            ChunkCache::new(1 << 20),
-        );
+        let fs = new_fs(filer.clone(), 100);
         let d = fs.mkdir(ROOT_INO, "big", 0o755, 0, 0, 0).await.unwrap();
         const N: usize = 2 * DIR_PAGE + 500;
         let other = filer.other_client();
@@ -649,12 +644,7 @@ mod tests {
     /// POSIX: after rewinddir, names added since opendir are listed (xfstests generic/471).
     #[tokio::test]
     async fn rewinddir_lists_names_created_since_opendir() {
-        let fs = Fs::new(
-            FsConfig::from_mount_options(&MountOptions::default()),
-            Arc::new(MockFiler::new()),
-            Arc::new(MockChunkStore::new()),
-            ChunkCache::new(1 << 20),
-        );
+        let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
         let names = |l: &DirListing| l.entries.iter().map(|e| e.name.clone()).collect::<Vec<_>>();
         let dh = fs.opendir(ROOT_INO).await.unwrap();
         assert_eq!(

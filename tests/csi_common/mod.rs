@@ -282,11 +282,21 @@ impl Driver {
     /// NodePublishVolume into `pod`'s target directory, multi-node multi-writer, as the
     /// provisioner and kubelet do.
     pub async fn provision_and_publish(&self, name: &str, pod: &str) -> PodVolume {
+        self.provision_and_publish_sized(name, pod, 1 << 30).await
+    }
+
+    /// [`Driver::provision_and_publish`] of a volume of `bytes`.
+    pub async fn provision_and_publish_sized(
+        &self,
+        name: &str,
+        pod: &str,
+        bytes: i64,
+    ) -> PodVolume {
         let c = self.clients().await;
         let vol = c
             .controller
             .clone()
-            .create_volume(create_req(name, 1 << 30, &[]))
+            .create_volume(create_req(name, bytes, &[]))
             .await
             .unwrap()
             .into_inner()
