@@ -29,11 +29,26 @@ fn candidate(base: u16, span: u16) -> u16 {
     base + rand::random::<u16>() % span
 }
 
+/// Ports this process handed out. A port is free when checked but bound only later by the
+/// server it is for, so without this one `WeedServer` could get the same port for two of its
+/// servers, or two tests running at once the same one (CI: "bind: address already in use").
+static HANDED: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+
+/// Takes `ports` if none was handed out before and all can be bound now.
+fn take(ports: &[u16]) -> bool {
+    let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+    if ports.iter().any(|p| handed.contains(p)) || !ports.iter().all(|&p| bindable(p)) {
+        return false;
+    }
+    handed.extend_from_slice(ports);
+    true
+}
+
 /// A free loopback port whose +10000 neighbour is free too (SeaweedFS's gRPC convention).
 pub fn free_port_pair() -> u16 {
     for _ in 0..500 {
         let p = candidate(PAIR_BASE, PAIR_SPAN);
-        if bindable(p) && bindable(p + 10000) {
+        if take(&[p, p + 10000]) {
             return p;
         }
     }
@@ -44,7 +59,7 @@ pub fn free_port_pair() -> u16 {
 pub fn free_port() -> u16 {
     for _ in 0..500 {
         let p = candidate(SINGLE_BASE, SINGLE_SPAN);
-        if bindable(p) {
+        if take(&[p]) {
             return p;
         }
     }
