@@ -166,7 +166,7 @@ impl MemoryBudget {
             });
     }
 
-    pub fn meta_evictions(&self) {
+    pub fn count_meta_eviction(&self) {
         self.meta_evictions.fetch_add(1, Ordering::Relaxed);
     }
 

@@ -284,23 +284,16 @@ impl Fs {
     /// counts as a lookup.
     pub async fn readdir(&self, ino: u64, fh: u64, offset: u64) -> Result<Arc<DirListing>> {
         let held = self.dir_handles.lock().get(&fh).cloned();
-        let mut l = match held {
-            Some(l) if offset != 0 && offset >= l.base => l,
-            // a seek back within a large directory: the page that holds it, again
-            Some(l) if offset != 0 && l.starts.iter().any(|(b, _)| *b <= offset) => {
-                let (base, after) = l
-                    .starts
-                    .iter()
-                    .rev()
-                    .find(|(b, _)| *b <= offset)
-                    .cloned()
-                    .expect("found above");
-                let names_gone = self.names_gone.load(Ordering::SeqCst);
-                let dir = self.path_of(ino)?;
-                let mut page = self.dir_page(ino, &dir, &after, base, names_gone).await?;
-                page.starts = l.starts.clone();
-                Arc::new(page)
+        // a seek back within a large directory: where the page that holds it starts
+        let back = match &held {
+            Some(l) if offset != 0 && offset < l.base => {
+                l.starts.iter().rev().find(|(b, _)| *b <= offset).cloned()
             }
+            _ => None,
+        };
+        let mut l = match (held, back) {
+            (Some(l), _) if offset != 0 && offset >= l.base => l,
+            (Some(l), Some((base, after))) => self.page_at(ino, base, after, &l.starts).await?,
             // not read yet here (the kernel served offset 0 from its cache), a handle from
             // a previous process (takeover), or a rewind
             _ => {
@@ -314,19 +307,29 @@ impl Fs {
         // a large directory: on to the page that holds `offset`
         while offset >= l.end() {
             let Some(after) = l.next.clone() else { break };
-            let names_gone = self.names_gone.load(Ordering::SeqCst);
-            let dir = self.path_of(ino)?;
-            let mut page = self
-                .dir_page(ino, &dir, &after, l.end(), names_gone)
-                .await?;
-            page.starts = l.starts.clone();
-            if !page.starts.iter().any(|(b, _)| *b == page.base) {
-                page.starts.push((page.base, after));
-            }
-            l = Arc::new(page);
+            l = self.page_at(ino, l.end(), after, &l.starts).await?;
         }
         self.dir_handles.lock().insert(fh, l.clone());
         Ok(l)
+    }
+
+    /// The page of a large directory that starts at offset `base`, after name `after`,
+    /// remembering where it starts along with the pages read before (`starts`).
+    async fn page_at(
+        &self,
+        ino: u64,
+        base: u64,
+        after: String,
+        starts: &[(u64, String)],
+    ) -> Result<Arc<DirListing>> {
+        let names_gone = self.names_gone.load(Ordering::SeqCst);
+        let dir = self.path_of(ino)?;
+        let mut page = self.dir_page(ino, &dir, &after, base, names_gone).await?;
+        page.starts = starts.to_vec();
+        if !page.starts.iter().any(|(b, _)| *b == base) {
+            page.starts.push((base, after));
+        }
+        Ok(Arc::new(page))
     }
 
     /// Attributes of a listed entry as of now. The listing is a snapshot from opendir; sending

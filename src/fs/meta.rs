@@ -294,7 +294,7 @@ impl MetaCache {
             dropped |= self.inner.lock().shed(keep, 0, target);
         }
         if dropped {
-            self.budget.meta_evictions();
+            self.budget.count_meta_eviction();
         }
     }
 
