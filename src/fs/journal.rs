@@ -17,7 +17,8 @@ const HEADER: u64 = 16;
 const OP_REMEMBER: u8 = 1;
 const OP_FORGET: u8 = 2;
 const OP_RENAME: u8 = 3;
-/// Compact when the live range exceeds this many bytes.
+/// Compact when the live range exceeds this many bytes, or twice the last snapshot (a table
+/// whose snapshot alone passes the mark would otherwise be copied out on every append).
 const COMPACT_AT: u64 = 32 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +40,8 @@ pub enum JournalOp {
 pub struct Journal {
     file: File,
     state: parking_lot::Mutex<(u64, u64)>,
+    /// The live range that triggers the next compaction.
+    compact_at: std::sync::atomic::AtomicU64,
 }
 
 impl Journal {
@@ -51,6 +54,7 @@ impl Journal {
         let j = Journal {
             file: File::from(fd),
             state: parking_lot::Mutex::new((HEADER, HEADER)),
+            compact_at: COMPACT_AT.into(),
         };
         j.write_header(HEADER, HEADER)?;
         Ok(j)
@@ -72,6 +76,7 @@ impl Journal {
         Ok(Journal {
             file,
             state: parking_lot::Mutex::new((start, end)),
+            compact_at: COMPACT_AT.into(),
         })
     }
 
@@ -124,8 +129,9 @@ impl Journal {
 
     /// Replaces the journal's content with `snapshot` when it has grown large.
     pub fn maybe_compact(&self, snapshot: impl FnOnce() -> Vec<JournalOp>) -> io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
         let mut st = self.state.lock();
-        if st.1 - st.0 < COMPACT_AT {
+        if st.1 - st.0 < self.compact_at.load(Relaxed) {
             return Ok(());
         }
         let mut buf = Vec::new();
@@ -136,6 +142,8 @@ impl Journal {
         self.file.write_all_at(&buf, new_start)?;
         let new_end = new_start + buf.len() as u64;
         self.write_header(new_start, new_end)?;
+        self.compact_at
+            .store(COMPACT_AT.max(2 * buf.len() as u64), Relaxed);
         let old = *st;
         *st = (new_start, new_end);
         // give the old range's pages back
@@ -234,6 +242,36 @@ mod tests {
                 JournalOp::Forget { ino: 5 },
             ]
         );
+    }
+
+    /// A table whose snapshot passes the mark is compacted once, then again only after the
+    /// journal has doubled: not on every append (each one copying out the whole table).
+    #[test]
+    fn a_large_snapshot_is_not_rewritten_on_every_append() {
+        let j = Journal::create().unwrap();
+        let op = |i: u64| JournalOp::Remember {
+            ino: i,
+            path: format!("/buckets/v/{i:0>1000}"),
+            is_dir: false,
+        };
+        // a live table of ~34 MiB: past the mark on its own
+        let table: Vec<JournalOp> = (0..34_000).map(op).collect();
+        let compactions = std::cell::Cell::new(0);
+        let (mut i, mut after) = (0, 0);
+        while after < 20 {
+            j.append(&op(i)).unwrap();
+            j.maybe_compact(|| {
+                compactions.set(compactions.get() + 1);
+                table.clone()
+            })
+            .unwrap();
+            i += 1;
+            after += (compactions.get() > 0) as u32;
+        }
+        assert_eq!(compactions.get(), 1, "compacted again at once");
+        let ops = j.replay().unwrap();
+        assert_eq!(ops.len(), table.len() + 19);
+        assert_eq!(ops.last(), Some(&op(i - 1)));
     }
 
     #[test]
