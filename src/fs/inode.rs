@@ -7,7 +7,7 @@ use super::attr::Kind;
 use super::journal::{Journal, JournalOp};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 pub const ROOT_INO: u64 = 1;
@@ -96,8 +96,13 @@ fn derived(base: u64, path: &str, birth: (i64, i32), k: u64) -> u64 {
 
 #[derive(Default)]
 struct Inner {
-    by_ino: HashMap<u64, NodeRecord>,
-    by_path: HashMap<String, u64>,
+    /// Boxed: a table sized for a million nodes has ~2 million slots (a power of two), so a
+    /// slot holding the record itself (112 bytes) cost ~240 bytes per node.
+    by_ino: HashMap<u64, Box<NodeRecord>>,
+    /// Sorted, so a directory's descendants are one range (a rename moved them by a scan of
+    /// every known path: ~50 ms under the lock with a million); `Box<str>`: 8 bytes less a
+    /// key than `String`.
+    by_path: BTreeMap<Box<str>, u64>,
 }
 
 pub struct InodeTable {
@@ -113,7 +118,7 @@ impl InodeTable {
         };
         t.inner.write().by_ino.insert(
             ROOT_INO,
-            NodeRecord {
+            Box::new(NodeRecord {
                 ino: ROOT_INO,
                 path: root_path.to_string(),
                 is_dir: true,
@@ -121,12 +126,9 @@ impl InodeTable {
                 aliases: Vec::new(),
                 birth: None,
                 base: None,
-            },
+            }),
         );
-        t.inner
-            .write()
-            .by_path
-            .insert(root_path.to_string(), ROOT_INO);
+        t.inner.write().by_path.insert(root_path.into(), ROOT_INO);
         t
     }
 
@@ -234,14 +236,16 @@ impl InodeTable {
         hard_link: bool,
     ) -> bool {
         let mut changed = !g.by_ino.contains_key(&ino);
-        let rec = g.by_ino.entry(ino).or_insert_with(|| NodeRecord {
-            ino,
-            path: path.to_string(),
-            is_dir: kind == Kind::Dir,
-            nlookup: 0,
-            aliases: Vec::new(),
-            birth: None,
-            base: None,
+        let rec = g.by_ino.entry(ino).or_insert_with(|| {
+            Box::new(NodeRecord {
+                ino,
+                path: path.to_string(),
+                is_dir: kind == Kind::Dir,
+                nlookup: 0,
+                aliases: Vec::new(),
+                birth: None,
+                base: None,
+            })
         });
         if counted {
             rec.nlookup += 1;
@@ -259,11 +263,11 @@ impl InodeTable {
             }
         }
         for old in dropped {
-            if g.by_path.get(&old) == Some(&ino) {
-                g.by_path.remove(&old);
+            if g.by_path.get(old.as_str()) == Some(&ino) {
+                g.by_path.remove(old.as_str());
             }
         }
-        g.by_path.insert(path.to_string(), ino);
+        g.by_path.insert(path.into(), ino);
         changed
     }
 
@@ -368,7 +372,7 @@ impl InodeTable {
         } else if id.birth.1 != 0 && r.birth == Some(id.birth) {
             // creation nanoseconds tell files apart: the same file, renamed unseen
             true
-        } else if g.by_path.get(&r.path) != Some(&id.base) {
+        } else if g.by_path.get(r.path.as_str()) != Some(&id.base) {
             // its name is gone here (deleted, or another file took it): a node the kernel
             // may still hold open for the old file never stands for a new one
             false
@@ -489,8 +493,8 @@ impl InodeTable {
         if gone {
             if let Some(rec) = g.by_ino.remove(&ino) {
                 for p in std::iter::once(&rec.path).chain(rec.aliases.iter()) {
-                    if g.by_path.get(p) == Some(&ino) {
-                        g.by_path.remove(p);
+                    if g.by_path.get(p.as_str()) == Some(&ino) {
+                        g.by_path.remove(p.as_str());
                     }
                 }
             }
@@ -547,16 +551,19 @@ impl InodeTable {
     fn rename_quiet(&self, old: &str, new: &str) {
         let mut g = self.inner.write();
         let prefix = format!("{}/", old.trim_end_matches('/'));
-        let moved: Vec<(String, u64)> = g
+        use std::ops::Bound;
+        // the name itself, then its descendants: "a/..." sort together ("a-b" between them)
+        let own = g.by_path.get(old).map(|i| (old.to_string(), *i));
+        let below = g
             .by_path
-            .iter()
-            .filter(|(p, _)| p.as_str() == old || p.starts_with(&prefix))
-            .map(|(p, i)| (p.clone(), *i))
-            .collect();
+            .range::<str, _>((Bound::Included(prefix.as_str()), Bound::Unbounded))
+            .take_while(|(p, _)| p.starts_with(&prefix))
+            .map(|(p, i)| (p.to_string(), *i));
+        let moved: Vec<(String, u64)> = own.into_iter().chain(below).collect();
         for (p, ino) in moved {
             let np = format!("{}{}", new, &p[old.len()..]);
-            g.by_path.remove(&p);
-            g.by_path.insert(np.clone(), ino);
+            g.by_path.remove(p.as_str());
+            g.by_path.insert(np.as_str().into(), ino);
             if let Some(rec) = g.by_ino.get_mut(&ino) {
                 if rec.path == p {
                     rec.path = np;
@@ -568,7 +575,12 @@ impl InodeTable {
     }
 
     pub fn snapshot(&self) -> Vec<NodeRecord> {
-        self.inner.read().by_ino.values().cloned().collect()
+        self.inner
+            .read()
+            .by_ino
+            .values()
+            .map(|r| NodeRecord::clone(r))
+            .collect()
     }
 
     pub fn restore(&self, records: Vec<NodeRecord>) {
@@ -577,8 +589,8 @@ impl InodeTable {
             if r.ino == ROOT_INO {
                 continue;
             }
-            g.by_path.insert(r.path.clone(), r.ino);
-            g.by_ino.insert(r.ino, r);
+            g.by_path.insert(r.path.as_str().into(), r.ino);
+            g.by_ino.insert(r.ino, Box::new(r));
         }
     }
 
@@ -619,10 +631,18 @@ mod tests {
         t.remember(10, "/m/a", Kind::Dir, true);
         t.remember(11, "/m/a/f", Kind::File, true);
         t.remember(12, "/m/ab", Kind::File, true);
+        // names that sort between "/m/a" and "/m/a/", and a deeper one
+        t.remember(13, "/m/a-x", Kind::File, true);
+        t.remember(14, "/m/a.y/z", Kind::File, true);
+        t.remember(15, "/m/a/d/g", Kind::File, true);
         t.rename("/m/a", "/m/b");
         assert_eq!(t.path(10).unwrap(), "/m/b");
         assert_eq!(t.path(11).unwrap(), "/m/b/f");
         assert_eq!(t.path(12).unwrap(), "/m/ab");
+        assert_eq!(t.path(13).unwrap(), "/m/a-x");
+        assert_eq!(t.path(14).unwrap(), "/m/a.y/z");
+        assert_eq!(t.path(15).unwrap(), "/m/b/d/g");
+        assert_eq!(t.ino_of("/m/a/d/g"), None);
         assert_eq!(t.ino_of("/m/b/f"), Some(11));
         t.forget(11, 1);
         assert!(t.path(11).is_none());
