@@ -56,6 +56,14 @@ fn sample(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The sum of a family's series (one per volume).
+fn sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 fn write_file(path: &Path, mib: u64) {
     let mut f = std::fs::File::create(path).unwrap();
     let block: Vec<u8> = (0..1 << 20).map(|i| (i % 253) as u8).collect();
@@ -111,7 +119,11 @@ fn main() {
         eprintln!("node_memory: test mode (no --bench), tiny sizes");
     }
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let weed = common::WeedServer::start();
+    // 20 collections of 7 volumes each, and the readers' files
+    let weed = common::WeedServer::start_with(common::WeedOptions {
+        max_volumes: 200 + (4 * 2 * read_mb / 256) as u32,
+        ..Default::default()
+    });
     let port = common::free_port();
     let dir = tempfile::Builder::new()
         .prefix("nodemem")
@@ -165,6 +177,7 @@ fn main() {
             let mut meta_peak = 0f64;
             let mut cache_peak = 0f64;
             let mut dirty_peak = 0f64;
+            let mut inodes_peak = 0f64;
             let mut n = 0u64;
             while !done.load(Ordering::Relaxed) {
                 peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
@@ -173,11 +186,12 @@ fn main() {
                     meta_peak = meta_peak.max(sample(&m, "seaweedfs_csi_metadata_cache_bytes"));
                     cache_peak = cache_peak.max(sample(&m, "seaweedfs_csi_memory_cache_bytes"));
                     dirty_peak = dirty_peak.max(sample(&m, "seaweedfs_csi_dirty_bytes"));
+                    inodes_peak = inodes_peak.max(sum(&m, "seaweedfs_csi_inodes"));
                 }
                 n += 1;
                 std::thread::sleep(Duration::from_millis(100));
             }
-            (meta_peak, cache_peak, dirty_peak)
+            (meta_peak, cache_peak, dirty_peak, inodes_peak)
         })
     };
     let t0 = Instant::now();
@@ -232,7 +246,7 @@ fn main() {
     });
     let secs = t0.elapsed().as_secs_f64();
     done.store(true, Ordering::Relaxed);
-    let (meta_peak, cache_peak, dirty_peak) = sampler.join().unwrap();
+    let (meta_peak, cache_peak, dirty_peak, inodes_peak) = sampler.join().unwrap();
     let peak_mib = peak.load(Ordering::Relaxed) as f64 / 1024.0;
     let mib = |v: f64| v / 1048576.0;
     println!(
@@ -244,7 +258,7 @@ fn main() {
     println!(
         "node_memory: peak resident {peak_mib:.0} MiB (budget + {:.0} MiB; idle with {volumes} \
          volumes: {} MiB); peaks of the parts: chunk cache {:.0} MiB, listings {:.0} MiB, \
-         dirty {:.0} MiB",
+         dirty {:.0} MiB; inodes the kernel held: {inodes_peak:.0}",
         peak_mib - budget_mb as f64,
         idle / 1024,
         mib(cache_peak),

@@ -14,6 +14,9 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
+    if !matches!(cli.command, Some(Command::Keeper(_))) {
+        seaweedfs_csi_driver::fuse::session::start_heap_trimmer();
+    }
     let result = match cli.command {
         Some(Command::Mount(args)) => seaweedfs_csi_driver::fuse::mount_cmd::run(*args),
         Some(Command::Keeper(args)) => seaweedfs_csi_driver::keeper::run(args),

@@ -704,9 +704,15 @@ async fn keeper_restart_between_stages() {
 /// serving metrics on the returned address.
 async fn driver_with_budget(mb: u64) -> (common::WeedServer, SocketAddr, csi_common::Driver) {
     use csi_common::*;
-    let weed = tokio::task::spawn_blocking(common::WeedServer::start)
-        .await
-        .unwrap();
+    // each staged volume is a collection, which grows 7 volumes at once
+    let weed = tokio::task::spawn_blocking(|| {
+        common::WeedServer::start_with(common::WeedOptions {
+            max_volumes: 200,
+            ..Default::default()
+        })
+    })
+    .await
+    .unwrap();
     let port = common::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let dir = tempfile::Builder::new()
@@ -912,24 +918,33 @@ async fn every_staged_volume_shares_one_chunk_cache_within_the_memory_budget() {
 /// Staged volumes that serve nothing cost little resident memory: 12 more sessions (4 FUSE
 /// threads each, each with fuser's 16 MiB read buffer) add under 3 MiB apiece. With glibc's
 /// sliding mmap threshold the buffers landed in the heap, where `calloc` zeroes reused memory:
-/// ~16 MiB resident per idle volume.
+/// ~17 MiB resident per idle volume. Then, after a read larger than the chunk cache has left
+/// evicted chunks' space free in the heap (and the trimmer has given its pages back), 4 more
+/// add under 12 MiB (a buffer served from that space would be zeroed there, 16 MiB each;
+/// not seen so far).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn idle_staged_volumes_cost_little_resident_memory() {
-    let (_weed, _addr, driver) = driver_with_budget(256).await;
+    let (weed, _addr, driver) = driver_with_budget(256).await;
     let c = driver.clients().await;
     let pid = driver.pid().unwrap();
     let mut pods = vec![driver.provision_and_publish("pvc-idle-0", "pod-0").await];
     let first = rss_mib(pid);
     const MORE: usize = 12;
+    let stage = |v: usize| {
+        let driver = &driver;
+        async move {
+            let pod = driver
+                .provision_and_publish(&format!("pvc-idle-{v}"), &format!("pod-{v}"))
+                .await;
+            let t = pod.target.join("probe");
+            tokio::task::spawn_blocking(move || std::fs::write(t, b"x").unwrap())
+                .await
+                .unwrap();
+            pod
+        }
+    };
     for v in 1..=MORE {
-        let pod = driver
-            .provision_and_publish(&format!("pvc-idle-{v}"), &format!("pod-{v}"))
-            .await;
-        let t = pod.target.join("probe");
-        tokio::task::spawn_blocking(move || std::fs::write(t, b"x").unwrap())
-            .await
-            .unwrap();
-        pods.push(pod);
+        pods.push(stage(v).await);
     }
     let after = rss_mib(pid);
     let each = (after - first) / MORE as f64;
@@ -938,6 +953,27 @@ async fn idle_staged_volumes_cost_little_resident_memory() {
         MORE + 1
     );
     assert!(each < 3.0, "{each:.1} MiB resident per idle staged volume");
+    // 160 MiB through a 96 MiB chunk cache
+    let data: Vec<u8> = (0..160usize << 20).map(|i| (i % 251) as u8).collect();
+    weed.filer_put("/buckets/pvc-idle-0/big", &data, "");
+    let t = pods[0].target.join("big");
+    let got = tokio::task::spawn_blocking(move || std::fs::read(t).unwrap())
+        .await
+        .unwrap();
+    assert!(got == data, "the big file read back wrong");
+    drop((got, data));
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let churned = rss_mib(pid);
+    for v in MORE + 1..=MORE + 4 {
+        pods.push(stage(v).await);
+    }
+    let last = rss_mib(pid);
+    eprintln!("resident {churned:.0} MiB after the read, {last:.0} MiB with 4 more volumes");
+    assert!(
+        last - churned < 12.0,
+        "4 volumes staged after cache churn took {:.0} MiB",
+        last - churned
+    );
     for pod in &pods {
         pod.unpublish_and_unstage(&c).await;
     }

@@ -138,12 +138,13 @@ impl Journal {
         for op in snapshot() {
             Self::encode(&op, &mut buf);
         }
+        // raised first: a compaction that fails (a full memfd) is not retried on every append
+        self.compact_at
+            .store(COMPACT_AT.max(2 * buf.len() as u64), Relaxed);
         let new_start = st.1;
         self.file.write_all_at(&buf, new_start)?;
         let new_end = new_start + buf.len() as u64;
         self.write_header(new_start, new_end)?;
-        self.compact_at
-            .store(COMPACT_AT.max(2 * buf.len() as u64), Relaxed);
         let old = *st;
         *st = (new_start, new_end);
         // give the old range's pages back

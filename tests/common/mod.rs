@@ -76,6 +76,22 @@ pub struct WeedOptions {
     pub filer_args: Vec<String>,
     /// Run the volume server as its own process (`stop_volume`/`start_volume`).
     pub separate_volume: bool,
+    /// Volumes (256 MiB each) the volume server may hold; 0: 100. Each collection (volume)
+    /// grows 7 at once, so many staged volumes or gigabytes of data need more.
+    pub max_volumes: u32,
+}
+
+impl WeedOptions {
+    fn max_volumes_arg(&self) -> String {
+        format!(
+            "{}",
+            if self.max_volumes == 0 {
+                100
+            } else {
+                self.max_volumes
+            }
+        )
+    }
 }
 
 pub struct WeedServer {
@@ -177,7 +193,7 @@ impl WeedServer {
                 ),
                 format!("-metricsPort={}", w.metrics_port),
                 "-master.volumeSizeLimitMB=256".into(),
-                "-volume.max=100".into(),
+                format!("-volume.max={}", w.opts.max_volumes_arg()),
                 "-master.peers=none".into(),
                 format!("-volume={}", !w.opts.separate_volume),
             ])
@@ -269,7 +285,7 @@ impl WeedServer {
                 "-ip=127.0.0.1".into(),
                 "-ip.bind=127.0.0.1".into(),
                 format!("-port={}", self.volume_port),
-                "-max=100".into(),
+                format!("-max={}", self.opts.max_volumes_arg()),
             ])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
