@@ -158,15 +158,15 @@ fn memory_per_inode(c: &mut Criterion) {
     );
     c.bench_function("inode_table/rename_file_among_1M", |bch| {
         bch.iter(|| {
-            table.rename(a, b);
-            table.rename(b, a);
+            table.rename(a, b, true);
+            table.rename(b, a, true);
         })
     });
     let (a, b) = ("/buckets/pvc-0123/d", "/buckets/pvc-0123/e");
     c.bench_function("inode_table/rename_dir_of_1000_among_1M", |bch| {
         bch.iter(|| {
-            table.rename(a, b);
-            table.rename(b, a);
+            table.rename(a, b, false);
+            table.rename(b, a, false);
         })
     });
     // kept: its freed memory would be measured as the next benchmark's

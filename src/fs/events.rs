@@ -419,7 +419,7 @@ impl Fs {
                                 self.moved_node(old_ino, &npath);
                             }
                         } else {
-                            self.moved(&opath, &npath);
+                            self.moved(&opath, &npath, !old.is_directory);
                         }
                     }
                 }

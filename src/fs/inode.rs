@@ -182,7 +182,7 @@ impl InodeTable {
                 JournalOp::Forget { ino } => {
                     self.forget_quiet(ino, u64::MAX);
                 }
-                JournalOp::Rename { from, to } => self.rename_quiet(&from, &to),
+                JournalOp::Rename { from, to } => self.rename_quiet(&from, &to, false),
             }
         }
     }
@@ -538,30 +538,32 @@ impl InodeTable {
         }
     }
 
-    /// `old` (and everything below it) is now at `new`.
-    pub fn rename(&self, old: &str, new: &str) {
-        self.rename_quiet(old, new);
+    /// `old` (and everything below it) is now at `new`. `file`: the filer entry moved is not
+    /// a directory (its caller knows), so only the name itself moves; otherwise every known
+    /// path is scanned for descendants (~50 ms under the lock with a million).
+    pub fn rename(&self, old: &str, new: &str, file: bool) {
+        self.rename_quiet(old, new, file);
         self.journal(JournalOp::Rename {
             from: old.to_string(),
             to: new.to_string(),
         });
     }
 
-    fn rename_quiet(&self, old: &str, new: &str) {
+    fn rename_quiet(&self, old: &str, new: &str, file: bool) {
         let mut g = self.inner.write();
         let prefix = format!("{}/", old.trim_end_matches('/'));
-        // a file has no descendants: only a directory's rename (or one of a name not known
-        // here) scans every known path (~50 ms under the lock with a million)
-        let own = g.by_path.get(old).copied();
-        let file = own.is_some_and(|i| g.by_ino.get(&i).is_some_and(|r| !r.is_dir));
-        let moved: Vec<(String, u64)> = match own {
-            Some(i) if file => vec![(old.to_string(), i)],
-            _ => g
-                .by_path
+        let moved: Vec<(String, u64)> = if file {
+            // (a record here that calls the name a directory is stale: the filer's word wins)
+            g.by_path
+                .get(old)
+                .map(|&i| vec![(old.to_string(), i)])
+                .unwrap_or_default()
+        } else {
+            g.by_path
                 .iter()
                 .filter(|(p, _)| &***p == old || p.starts_with(&prefix))
                 .map(|(p, i)| (p.to_string(), *i))
-                .collect(),
+                .collect()
         };
         for (p, ino) in moved {
             let np = format!("{}{}", new, &p[old.len()..]);
@@ -638,7 +640,7 @@ mod tests {
         t.remember(13, "/m/a-x", Kind::File, true);
         t.remember(14, "/m/a.y/z", Kind::File, true);
         t.remember(15, "/m/a/d/g", Kind::File, true);
-        t.rename("/m/a", "/m/b");
+        t.rename("/m/a", "/m/b", false);
         assert_eq!(t.path(10).unwrap(), "/m/b");
         assert_eq!(t.path(11).unwrap(), "/m/b/f");
         assert_eq!(t.path(12).unwrap(), "/m/ab");
@@ -646,6 +648,14 @@ mod tests {
         assert_eq!(t.path(14).unwrap(), "/m/a.y/z");
         assert_eq!(t.path(15).unwrap(), "/m/b/d/g");
         assert_eq!(t.ino_of("/m/a/d/g"), None);
+        // a file moves alone, also when a stale record calls its name a directory
+        t.remember(16, "/m/file", Kind::Dir, true);
+        t.remember(17, "/m/file/stale", Kind::File, true);
+        t.rename("/m/file", "/m/file2", true);
+        assert_eq!(t.path(16).unwrap(), "/m/file2");
+        assert_eq!(t.ino_of("/m/file"), None);
+        assert_eq!(t.path(17).unwrap(), "/m/file/stale");
+        t.rename("/m/nothing", "/m/else", true);
         assert_eq!(t.ino_of("/m/b/f"), Some(11));
         t.forget(11, 1);
         assert!(t.path(11).is_none());
@@ -664,7 +674,7 @@ mod tests {
         t.unlink_path("/m/f");
         assert_eq!(t.path(20).unwrap(), "/m/l1");
         assert_eq!(t.ino_of("/m/f"), None);
-        t.rename("/m/d", "/m/e");
+        t.rename("/m/d", "/m/e", false);
         assert_eq!(t.ino_of("/m/e/l2"), Some(20));
         t.unlink_path("/m/l1");
         assert_eq!(t.path(20).unwrap(), "/m/e/l2");
@@ -725,7 +735,7 @@ mod tests {
         t.set_journal(j.clone());
         t.remember(11, "/m/a/f", Kind::File, true);
         t.remember(12, "/m/g", Kind::File, true);
-        t.rename("/m/a", "/m/b");
+        t.rename("/m/a", "/m/b", false);
         t.forget(12, 1);
         let t2 = InodeTable::new("/m");
         t2.replay(j.replay().unwrap());

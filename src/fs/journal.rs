@@ -138,7 +138,8 @@ impl Journal {
         for op in snapshot() {
             Self::encode(&op, &mut buf);
         }
-        // raised first: a compaction that fails (a full memfd) is not retried on every append
+        // raised first: a compaction of a snapshot over 16 MiB that fails (a full memfd) is
+        // not retried on every append
         self.compact_at
             .store(COMPACT_AT.max(2 * buf.len() as u64), Relaxed);
         let new_start = st.1;

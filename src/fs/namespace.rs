@@ -581,7 +581,7 @@ impl Fs {
             self.meta.invalidate_dir(&opath, true);
             self.meta.invalidate_dir(&npath, true);
         }
-        self.moved(&opath, &npath);
+        self.moved(&opath, &npath, !src.is_directory);
         // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
         // now: `src` may be older than another node's last write to it.
         let moved = match self
@@ -634,8 +634,9 @@ impl Fs {
     }
 
     /// `opath` (and everything below it) is now at `npath`: node ids and open files follow.
-    pub(super) fn moved(&self, opath: &str, npath: &str) {
-        self.inodes.rename(opath, npath);
+    /// `file`: the entry moved is not a directory.
+    pub(super) fn moved(&self, opath: &str, npath: &str, file: bool) {
+        self.inodes.rename(opath, npath, file);
         let prefix = format!("{opath}/");
         {
             // pending directory times go with their directories (at the old path they would

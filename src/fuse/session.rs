@@ -61,8 +61,9 @@ pub fn cache_bytes(opts: &MountOptions) -> u64 {
 /// low but page-faulted every new buffer: +30 % CPU on writes). Call it before threads start
 /// (`main` does); `build_fs` calls it too, for embedders.
 ///
-/// The mmap threshold is fixed just above 16 MiB: chunks (2 MiB by default, up to 16 MiB)
-/// stay in the arena, while fuser's zeroed 16 MiB + 4 KiB read buffer (one per FUSE thread,
+/// The mmap threshold is fixed just above 16 MiB: chunks of up to 16 MiB (2 MiB by default)
+/// stay in the arena (larger ones, `chunkSizeLimitMB` > 16, are mapped: a page fault per new
+/// page), while fuser's zeroed 16 MiB + 4 KiB read buffer (one per FUSE thread,
 /// four per volume) is mapped, and so resident only as far as requests fill it. With glibc's
 /// sliding threshold, one freed large buffer moved the rest into the heap, where `calloc`
 /// zeroes reused memory: ~17 MiB resident per idle staged volume. Each setting is left alone when the
