@@ -31,15 +31,6 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or(0)
-}
-
 fn scrape(port: u16) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
@@ -47,21 +38,6 @@ fn scrape(port: u16) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
-}
-
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .next()
-        .unwrap_or(0.0)
-}
-
-/// The sum of a family's series (one per volume).
-fn sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 fn write_file(path: &Path, mib: u64) {
@@ -151,7 +127,7 @@ fn main() {
         }
         pods
     });
-    let idle = rss_kib(pid);
+    let idle = common::rss_kib(pid);
     eprintln!(
         "node_memory: {volumes} volumes staged, plugin resident {} MiB",
         idle / 1024
@@ -180,13 +156,15 @@ fn main() {
             let mut inodes_peak = 0f64;
             let mut n = 0u64;
             while !done.load(Ordering::Relaxed) {
-                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                peak.fetch_max(common::rss_kib(pid), Ordering::Relaxed);
                 if n % 10 == 0 {
                     let m = scrape(port);
-                    meta_peak = meta_peak.max(sample(&m, "seaweedfs_csi_metadata_cache_bytes"));
-                    cache_peak = cache_peak.max(sample(&m, "seaweedfs_csi_memory_cache_bytes"));
-                    dirty_peak = dirty_peak.max(sample(&m, "seaweedfs_csi_dirty_bytes"));
-                    inodes_peak = inodes_peak.max(sum(&m, "seaweedfs_csi_inodes"));
+                    meta_peak =
+                        meta_peak.max(common::metric(&m, "seaweedfs_csi_metadata_cache_bytes"));
+                    cache_peak =
+                        cache_peak.max(common::metric(&m, "seaweedfs_csi_memory_cache_bytes"));
+                    dirty_peak = dirty_peak.max(common::metric(&m, "seaweedfs_csi_dirty_bytes"));
+                    inodes_peak = inodes_peak.max(common::metric_sum(&m, "seaweedfs_csi_inodes"));
                 }
                 n += 1;
                 std::thread::sleep(Duration::from_millis(100));

@@ -155,14 +155,7 @@ fn pct(v: &[f64], p: f64) -> f64 {
 }
 
 fn rss_kib(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
-        .filter_map(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .sum()
+    pids.iter().map(|&p| common::rss_kib(p)).sum()
 }
 
 fn idle_cpu_percent(pids: &[u32], secs: u64) -> f64 {

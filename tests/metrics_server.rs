@@ -4,6 +4,8 @@
 mod common;
 mod csi_common;
 
+use common::{metric as sample, metric_sum as sum_of};
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,17 +44,6 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
         format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
     );
     (status, body)
-}
-
-/// Value of one exact series line (`name{labels}`), 0 when the series does not exist yet.
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == series).then(|| v.parse::<f64>().ok()).flatten()
-        })
-        .unwrap_or(0.0)
 }
 
 /// Every metric the Grafana dashboard (deploy/grafana) queries is a series of this scrape (a
@@ -808,23 +799,8 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
     pod.unpublish_and_unstage(&c).await;
 }
 
-/// Sum of every series of `name` (each label set), 0 when there is none.
-fn sum_of(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
-
 fn rss_mib(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: f64 = s
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap();
-    kib / 1024.0
+    common::rss_kib(pid) as f64 / 1024.0
 }
 
 /// The driver binary with `--memoryBudgetMB=128`: its chunk cache is one node-wide tier of

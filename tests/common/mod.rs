@@ -82,15 +82,12 @@ pub struct WeedOptions {
 }
 
 impl WeedOptions {
-    fn max_volumes_arg(&self) -> String {
-        format!(
-            "{}",
-            if self.max_volumes == 0 {
-                100
-            } else {
-                self.max_volumes
-            }
-        )
+    fn max_volumes(&self) -> u32 {
+        if self.max_volumes == 0 {
+            100
+        } else {
+            self.max_volumes
+        }
     }
 }
 
@@ -193,7 +190,7 @@ impl WeedServer {
                 ),
                 format!("-metricsPort={}", w.metrics_port),
                 "-master.volumeSizeLimitMB=256".into(),
-                format!("-volume.max={}", w.opts.max_volumes_arg()),
+                format!("-volume.max={}", w.opts.max_volumes()),
                 "-master.peers=none".into(),
                 format!("-volume={}", !w.opts.separate_volume),
             ])
@@ -285,7 +282,7 @@ impl WeedServer {
                 "-ip=127.0.0.1".into(),
                 "-ip.bind=127.0.0.1".into(),
                 format!("-port={}", self.volume_port),
-                format!("-max={}", self.opts.max_volumes_arg()),
+                format!("-max={}", self.opts.max_volumes()),
             ])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -409,4 +406,34 @@ impl Drop for WeedServer {
 
 pub fn data_dir(w: &WeedServer) -> PathBuf {
     w.dir.path().join("data")
+}
+
+/// Resident memory of process `pid` in KiB (0 once it is gone).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Value of one exact series (`name` or `name{labels}`) of a Prometheus scrape, 0 when the
+/// series does not exist yet.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == series).then(|| v.parse::<f64>().ok()).flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+/// The sum of every series of the family `name` (one per volume, say).
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
