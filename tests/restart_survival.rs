@@ -472,9 +472,13 @@ impl Proc {
     fn spawn(name: &str, args: &[String], dir: &Path) -> Proc {
         let log = dir.join(format!("{name}.log"));
         let f = File::create(&log).unwrap();
-        let child = Command::new(driver_binary())
-            .args(args)
-            .env_remove("RUST_LOG")
+        let mut cmd = Command::new(driver_binary());
+        cmd.args(args).env_remove("RUST_LOG");
+        // RESTART_SURVIVAL_LOG: the drivers' log filter when chasing a failure (e.g. debug)
+        if let Ok(filter) = std::env::var("RESTART_SURVIVAL_LOG") {
+            cmd.env("RUST_LOG", filter);
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
             .stderr(f)
@@ -1030,6 +1034,45 @@ fn errors(r: &PodReport) -> Vec<&Op> {
     r.ops.iter().filter(|o| o.err.is_some()).collect()
 }
 
+/// What a failed files-worker op is about: every op on that file, its record, what the filer
+/// holds under its name and the drivers' log lines that name it.
+fn explain_failures(
+    weed: &common::WeedServer,
+    v: &Volume,
+    fx: &Fixture,
+    r: &PodReport,
+    errs: &[&Op],
+) -> String {
+    let mut out = String::new();
+    for i in errs
+        .iter()
+        .filter(|o| o.worker == "files")
+        .filter_map(|o| o.file)
+    {
+        let Some(f) = r.files.get(i) else { continue };
+        out += &format!("file {i}: {f:?}\n");
+        for o in r
+            .ops
+            .iter()
+            .filter(|o| o.worker == "files" && o.file == Some(i))
+        {
+            out += &format!("  {} {}..{} {:?}\n", o.op, o.start, o.end, o.err);
+        }
+        let got = weed.filer_get(&v.filer_path(&f.name));
+        out += &format!(
+            "  on the filer now: {:?} bytes, equal: {:?}\n",
+            got.as_ref().map(Vec::len),
+            got.map(|g| g == file_data(f.seed, f.len))
+        );
+        for p in &fx.procs {
+            for line in p.log().lines().filter(|l| l.contains(&f.name)) {
+                out += &format!("  [{}] {line}\n", p.name);
+            }
+        }
+    }
+    out
+}
+
 /// Every block of the held file that must be there (`must(block, write end)`) is there.
 /// Returns (blocks checked, other written blocks that are not on the filer).
 fn check_held(
@@ -1190,7 +1233,8 @@ async fn upgrade_hands_over_every_session_without_errors() {
         let errs = errors(r);
         assert!(
             errs.is_empty(),
-            "pod {pod}: operations failed (event at {t_event}, old process gone at {t_gone}): {errs:#?}"
+            "pod {pod}: operations failed (event at {t_event}, old process gone at {t_gone}): {errs:#?}\n{}",
+            explain_failures(&weed, &v, &fx, r, &errs)
         );
     }
     let an = analyze(&reports, t_event, t_gone, false);

@@ -131,43 +131,55 @@ impl InodeTable {
         t
     }
 
-    /// Starts recording every change to `j` (after writing the current table into it).
+    /// Starts recording every change to `j` (after writing the current table into it; no
+    /// change slips in between).
     pub fn set_journal(&self, j: Arc<Journal>) {
-        for r in self.snapshot() {
-            if r.ino != ROOT_INO {
-                self.log(
-                    &j,
-                    JournalOp::Remember {
-                        ino: r.ino,
-                        path: r.path,
-                        is_dir: r.is_dir,
-                    },
-                );
-            }
+        let g = self.inner.write();
+        for op in Self::records_of(&g) {
+            Self::log(&j, &op);
         }
         *self.journal.write() = Some(j);
     }
 
-    fn log(&self, j: &Journal, op: JournalOp) {
-        if let Err(e) = j.append(&op) {
+    /// The table as journal records (the root is implied).
+    fn records_of(g: &Inner) -> Vec<JournalOp> {
+        g.by_ino
+            .values()
+            .filter(|r| r.ino != ROOT_INO)
+            .map(|r| JournalOp::Remember {
+                ino: r.ino,
+                path: r.path.clone(),
+                is_dir: r.is_dir,
+            })
+            .collect()
+    }
+
+    fn log(j: &Journal, op: &JournalOp) {
+        if let Err(e) = j.append(op) {
             tracing::warn!(error = %e, "inode journal append failed");
         }
     }
 
-    fn journal(&self, op: JournalOp) {
+    /// Journals a change. Called with the table's write lock held (`_g`): records land in
+    /// the order of the changes they stand for, else a successor's replay of two racing
+    /// changes to one node ends in the state the table never had.
+    fn journal(&self, _g: &mut Inner, op: JournalOp) {
+        #[cfg(test)]
+        tests::journal_pause();
         if let Some(j) = self.journal.read().as_ref() {
-            self.log(j, op);
-            let _ = j.maybe_compact(|| {
-                self.snapshot()
-                    .into_iter()
-                    .filter(|r| r.ino != ROOT_INO)
-                    .map(|r| JournalOp::Remember {
-                        ino: r.ino,
-                        path: r.path,
-                        is_dir: r.is_dir,
-                    })
-                    .collect()
-            });
+            Self::log(j, &op);
+        }
+    }
+
+    /// Compacts the journal when it has grown large; called without the table's lock held.
+    /// The snapshot is taken under the read lock, which also keeps appends (made under the
+    /// write lock) out until the compaction is done: the snapshot is the journal's end state.
+    fn compact_journal(&self) {
+        if let Some(j) = self.journal.read().as_ref() {
+            if j.due() {
+                let g = self.inner.read();
+                let _ = j.maybe_compact(|| Self::records_of(&g));
+            }
         }
     }
 
@@ -204,13 +216,18 @@ impl InodeTable {
     /// Like [`remember`](Self::remember); with `hard_link` the path is added as one more name
     /// of the node instead of replacing the one it has.
     pub fn remember_as(&self, ino: u64, path: &str, kind: Kind, counted: bool, hard_link: bool) {
-        if self.remember_quiet(ino, path, kind, counted, hard_link) {
-            self.journal(JournalOp::Remember {
-                ino,
-                path: path.to_string(),
-                is_dir: kind == Kind::Dir,
-            });
+        {
+            let mut g = self.inner.write();
+            if Self::remember_in(&mut g, ino, path, kind, counted, hard_link) {
+                let op = JournalOp::Remember {
+                    ino,
+                    path: path.to_string(),
+                    is_dir: kind == Kind::Dir,
+                };
+                self.journal(&mut g, op);
+            }
         }
+        self.compact_journal();
     }
 
     /// Returns whether the node's primary path is new or changed (an added alias is not
@@ -403,8 +420,12 @@ impl InodeTable {
     /// Records that the kernel now knows the file `id` as node `ino` at `path` (one more
     /// lookup when `counted`); the number and birth go with the node.
     pub fn remember_file(&self, ino: u64, path: &str, id: &FileId, counted: bool) {
-        let changed = Self::remember_file_in(&mut self.inner.write(), ino, path, id, counted);
-        self.journal_remembered(changed, ino, path, id);
+        {
+            let mut g = self.inner.write();
+            let changed = Self::remember_file_in(&mut g, ino, path, id, counted);
+            self.journal_remembered(&mut g, changed, ino, path, id);
+        }
+        self.compact_journal();
     }
 
     /// Records which file node `ino` stands for, without naming it (see
@@ -436,15 +457,17 @@ impl InodeTable {
         counted: bool,
         other_live: Option<bool>,
     ) -> std::result::Result<u64, String> {
-        let (ino, changed) = {
+        let ino = {
             let mut g = self.inner.write();
             let ino = match Self::claim_in(&g, path, id, other_live) {
                 Claim::Id(ino) => ino,
                 Claim::Ask(other) => return Err(other),
             };
-            (ino, Self::remember_file_in(&mut g, ino, path, id, counted))
+            let changed = Self::remember_file_in(&mut g, ino, path, id, counted);
+            self.journal_remembered(&mut g, changed, ino, path, id);
+            ino
         };
-        self.journal_remembered(changed, ino, path, id);
+        self.compact_journal();
         Ok(ino)
     }
 
@@ -457,31 +480,42 @@ impl InodeTable {
         changed
     }
 
-    fn journal_remembered(&self, changed: bool, ino: u64, path: &str, id: &FileId) {
+    fn journal_remembered(&self, g: &mut Inner, changed: bool, ino: u64, path: &str, id: &FileId) {
         if changed {
-            self.journal(JournalOp::Remember {
-                ino,
-                path: path.to_string(),
-                is_dir: id.is_dir,
-            });
+            self.journal(
+                g,
+                JournalOp::Remember {
+                    ino,
+                    path: path.to_string(),
+                    is_dir: id.is_dir,
+                },
+            );
         }
     }
 
     /// Kernel FORGET: drops the mapping when its lookup count reaches zero (then true).
     pub fn forget(&self, ino: u64, n: u64) -> bool {
-        let gone = self.forget_quiet(ino, n);
-        if gone {
-            self.journal(JournalOp::Forget { ino });
-        }
+        let gone = {
+            let mut g = self.inner.write();
+            let gone = Self::forget_in(&mut g, ino, n);
+            if gone {
+                self.journal(&mut g, JournalOp::Forget { ino });
+            }
+            gone
+        };
+        self.compact_journal();
         gone
     }
 
     /// Returns whether the node was dropped.
     fn forget_quiet(&self, ino: u64, n: u64) -> bool {
+        Self::forget_in(&mut self.inner.write(), ino, n)
+    }
+
+    fn forget_in(g: &mut Inner, ino: u64, n: u64) -> bool {
         if ino == ROOT_INO {
             return false;
         }
-        let mut g = self.inner.write();
         let gone = match g.by_ino.get_mut(&ino) {
             Some(rec) => {
                 rec.nlookup = rec.nlookup.saturating_sub(n);
@@ -504,12 +538,12 @@ impl InodeTable {
     /// A path was deleted: forget the path mapping (the node id lives on until FORGET). A
     /// hard-linked node keeps being reachable through its other names.
     pub fn unlink_path(&self, path: &str) {
-        let promoted = {
+        {
             let mut g = self.inner.write();
             let Some(ino) = g.by_path.remove(path) else {
                 return;
             };
-            match g.by_ino.get_mut(&ino) {
+            let promoted = match g.by_ino.get_mut(&ino) {
                 Some(rec) => {
                     rec.aliases.retain(|a| a != path);
                     if rec.path == path && !rec.aliases.is_empty() {
@@ -520,11 +554,12 @@ impl InodeTable {
                     }
                 }
                 None => None,
+            };
+            if let Some((ino, path, is_dir)) = promoted {
+                self.journal(&mut g, JournalOp::Remember { ino, path, is_dir });
             }
-        };
-        if let Some((ino, path, is_dir)) = promoted {
-            self.journal(JournalOp::Remember { ino, path, is_dir });
         }
+        self.compact_journal();
     }
 
     /// Every known name of a node (the primary one first).
@@ -542,15 +577,23 @@ impl InodeTable {
     /// a directory (its caller knows), so only the name itself moves; otherwise every known
     /// path is scanned for descendants (~50 ms under the lock with a million).
     pub fn rename(&self, old: &str, new: &str, file: bool) {
-        self.rename_quiet(old, new, file);
-        self.journal(JournalOp::Rename {
-            from: old.to_string(),
-            to: new.to_string(),
-        });
+        {
+            let mut g = self.inner.write();
+            Self::rename_in(&mut g, old, new, file);
+            let op = JournalOp::Rename {
+                from: old.to_string(),
+                to: new.to_string(),
+            };
+            self.journal(&mut g, op);
+        }
+        self.compact_journal();
     }
 
     fn rename_quiet(&self, old: &str, new: &str, file: bool) {
-        let mut g = self.inner.write();
+        Self::rename_in(&mut self.inner.write(), old, new, file)
+    }
+
+    fn rename_in(g: &mut Inner, old: &str, new: &str, file: bool) {
         let prefix = format!("{}/", old.trim_end_matches('/'));
         let moved: Vec<(String, u64)> = if file {
             // (a record here that calls the name a directory is stale: the filer's word wins)
@@ -742,5 +785,56 @@ mod tests {
         assert_eq!(t2.path(10).unwrap(), "/m/b");
         assert_eq!(t2.path(11).unwrap(), "/m/b/f");
         assert!(t2.path(12).is_none());
+    }
+
+    thread_local! {
+        /// A pause before each journal append on this thread: widens the window in which an
+        /// append made after the table's lock was let go would land out of order.
+        static PAUSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    pub(super) fn journal_pause() {
+        if PAUSE.get() {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+
+    /// Threads move one node back and forth at once (a lookup under its new name racing an
+    /// event's rename): a successor replaying the journal must end where the table is.
+    #[test]
+    fn racing_changes_are_journaled_in_the_order_they_were_made() {
+        for round in 0..5 {
+            let t = Arc::new(InodeTable::new("/m"));
+            let j = Arc::new(Journal::create().unwrap());
+            t.set_journal(j.clone());
+            t.remember(10, "/m/a", Kind::File, true);
+            let movers: Vec<_> = [("/m/a", "/m/b"), ("/m/b", "/m/a")]
+                .into_iter()
+                .cycle()
+                .take(4)
+                .enumerate()
+                .map(|(k, (from, to))| {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        PAUSE.set(true);
+                        for i in 0..500 {
+                            if (i + k) % 3 == 0 {
+                                t.remember(10, to, Kind::File, false);
+                            } else {
+                                t.rename(from, to, true);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for m in movers {
+                m.join().unwrap();
+            }
+            let t2 = InodeTable::new("/m");
+            t2.replay(j.replay().unwrap());
+            assert_eq!(t2.path(10), t.path(10), "round {round}");
+            assert_eq!(t2.ino_of("/m/a"), t.ino_of("/m/a"), "round {round}");
+            assert_eq!(t2.ino_of("/m/b"), t.ino_of("/m/b"), "round {round}");
+        }
     }
 }

@@ -127,6 +127,12 @@ impl Journal {
         self.write_header(st.0, st.1)
     }
 
+    /// Whether the live range has grown to the next compaction.
+    pub fn due(&self) -> bool {
+        let st = self.state.lock();
+        st.1 - st.0 >= self.compact_at.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Replaces the journal's content with `snapshot` when it has grown large.
     pub fn maybe_compact(&self, snapshot: impl FnOnce() -> Vec<JournalOp>) -> io::Result<()> {
         use std::sync::atomic::Ordering::Relaxed;
