@@ -766,6 +766,18 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // a failed scenario: the drivers' last words say what they were doing
+            for p in &self.procs {
+                let log = p.log();
+                let lines: Vec<&str> = log.lines().collect();
+                eprintln!(
+                    "----- {} log, last lines:\n{}",
+                    p.name,
+                    lines[lines.len().saturating_sub(60)..].join("\n")
+                );
+            }
+        }
         for p in &mut self.pods {
             if let Ok(None) = p.child.try_wait() {
                 let _ = kill(Pid::from_raw(p.child.id() as i32), Signal::SIGKILL);

@@ -905,6 +905,68 @@ async fn jwt_keys_sign_reads_and_missing_key_is_unauthorized() {
     assert_eq!(w.filer_get("/jwt/a.bin").unwrap(), data);
 }
 
+/// Small files of one directory share an assign: ids are reserved 16 at a time (`fid_n`),
+/// the volume server takes the suffixed ids under the assign's write JWT, each chunk is stored
+/// with a plain id, and the filer serves every file. A filer.conf rule that ends inside a
+/// directory's names (`/rules/tmp-`) makes that directory's files assign one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_of_one_directory_share_an_assign() {
+    let sec = "[jwt.signing]\nkey = \"write-secret-123\"\nexpires_after_seconds = 10\n";
+    let w = WeedServer::start_with(WeedOptions {
+        security_toml: Some(sec.into()),
+        ..Default::default()
+    });
+    let real = connect_filer(&w).await;
+    let fake = Arc::new(FakeFiler {
+        inner: Some(real.clone()),
+        ..Default::default()
+    });
+    let store = client(fake.clone(), |_| {});
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..20u64 {
+        let data = random_bytes(100 + i, 3000 + i as usize);
+        let opts = UploadOptions {
+            path: format!("/pool/f{i}"),
+            ..Default::default()
+        };
+        let c = upload_at(&store, &data, 0, now_ns(), &opts).await;
+        assert!(!c.file_id.contains('_'), "stored plainly: {}", c.file_id);
+        assert!(ids.insert(c.file_id.clone()), "id {} given twice", c.file_id);
+        let name = format!("f{i}");
+        create(&real, "/pool", file_entry(&name, vec![c], data.len() as u64)).await;
+        assert_eq!(w.filer_get(&format!("/pool/{name}")).unwrap(), data);
+    }
+    assert_eq!(
+        fake.assigns.load(Ordering::SeqCst),
+        2,
+        "20 uploads in one directory: an assign of 16 ids, then another"
+    );
+
+    let conf = br#"{"locations":[{"locationPrefix":"/rules/tmp-","collection":"tmpcol"}]}"#;
+    let mut e = file_entry("filer.conf", Vec::new(), conf.len() as u64);
+    e.content = conf.to_vec();
+    create(&real, "/etc/seaweedfs", e).await;
+    let fake = Arc::new(FakeFiler {
+        inner: Some(real.clone()),
+        ..Default::default()
+    });
+    let store = client(fake.clone(), |_| {});
+    for (i, dir) in ["/rules", "/rules", "/rules", "/pool", "/pool"].iter().enumerate() {
+        let data = random_bytes(200 + i as u64, 2000);
+        let opts = UploadOptions {
+            path: format!("{dir}/g{i}"),
+            ..Default::default()
+        };
+        let c = upload_at(&store, &data, 0, now_ns(), &opts).await;
+        assert_eq!(&store.fetch_chunk(&c).await.unwrap()[..], &data[..]);
+    }
+    assert_eq!(
+        fake.assigns.load(Ordering::SeqCst),
+        4,
+        "3 alone in the split directory, 1 for both files of the other"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fault injection (no weed needed).
 

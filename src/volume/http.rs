@@ -12,6 +12,7 @@ use super::chunkbuf::{self, ChunkBuf};
 use super::cipher;
 use super::compress::{self, detect_mime, maybe_gzip};
 use super::fid::{chunk_fid, FileId};
+use super::fidpool::{self, FidPool, PoolKey};
 use super::jwt::mint_read_jwt;
 use super::location::{ordered_hosts, LocationCache};
 use super::md5x;
@@ -77,7 +78,14 @@ pub struct VolumeClient {
     opts: VolumeClientOptions,
     scheme: &'static str,
     locations: LocationCache,
+    /// File ids reserved by earlier assigns (see [`super::fidpool`]).
+    fids: FidPool,
+    /// The filer's path-rule prefixes and when they were read (None: unknown, assign alone).
+    rules: parking_lot::Mutex<(Option<Instant>, Option<Arc<Vec<String>>>)>,
 }
+
+/// How long the filer's path rules (filer.conf) are trusted before they are read again.
+const RULES_FOR: Duration = Duration::from_secs(10);
 
 /// Outcome of one HTTP exchange, classified for the retry logic.
 #[derive(Debug)]
@@ -223,6 +231,8 @@ impl VolumeClient {
             opts,
             scheme,
             locations,
+            fids: FidPool::default(),
+            rules: parking_lot::Mutex::new((None, None)),
         })
     }
 
@@ -469,13 +479,82 @@ impl VolumeClient {
         }
     }
 
+    /// A file id for one upload: one reserved earlier for files placed alike, else a new
+    /// assign that reserves more. Also returns the pool the id came from or went to.
     async fn assign(
         &self,
         opts: &UploadOptions,
         size: u64,
+    ) -> std::result::Result<(pb::AssignVolumeResponse, Option<PoolKey>), (VolumeError, bool)> {
+        let key = self.pool_key(opts).await;
+        if let Some(a) = key.as_ref().and_then(|k| self.fids.take(k)) {
+            return Ok((a, key));
+        }
+        let count = if key.is_some() { fidpool::BATCH } else { 1 };
+        let a = self.assign_once(opts, size, count).await?;
+        if let Some(k) = &key {
+            self.fids.keep(k.clone(), &a);
+        }
+        Ok((a, key))
+    }
+
+    /// Uploads that may share an assign with others of `opts`'s directory, unless a path
+    /// rule of the filer tells files of that directory apart or the rules are unknown.
+    async fn pool_key(&self, opts: &UploadOptions) -> Option<PoolKey> {
+        let (dir, _) = opts.path.rsplit_once('/')?;
+        let dir = if dir.is_empty() { "/" } else { dir };
+        let rules = self.path_rules().await?;
+        if fidpool::splits_dir(dir, &rules) {
+            return None;
+        }
+        Some(PoolKey {
+            collection: opts.collection.clone(),
+            replication: opts.replication.clone(),
+            ttl_sec: opts.ttl_sec,
+            data_center: opts.data_center.clone(),
+            disk_type: opts.disk_type.clone(),
+            dir: dir.to_string(),
+        })
+    }
+
+    /// The filer's path-rule prefixes, read again every [`RULES_FOR`]. None when they
+    /// cannot be read or parsed.
+    async fn path_rules(&self) -> Option<Arc<Vec<String>>> {
+        {
+            let r = self.rules.lock();
+            if r.0.is_some_and(|at| at.elapsed() < RULES_FOR) {
+                return r.1.clone();
+            }
+        }
+        let read = tokio::time::timeout(
+            self.opts.filer_timeout,
+            self.filer.lookup_entry("/etc/seaweedfs", "filer.conf"),
+        )
+        .await;
+        let rules = match read {
+            Ok(Err(FilerError::NotFound(_))) => Some(Vec::new()),
+            // rules kept in chunks (a huge file) are not read here: assign alone
+            Ok(Ok(e)) if e.chunks.is_empty() => fidpool::rule_prefixes(&e.content),
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "filer.conf not readable; file ids assigned one at a time");
+                None
+            }
+            Err(_) => None,
+        };
+        let rules = rules.map(Arc::new);
+        *self.rules.lock() = (Some(Instant::now()), rules.clone());
+        rules
+    }
+
+    async fn assign_once(
+        &self,
+        opts: &UploadOptions,
+        size: u64,
+        count: i32,
     ) -> std::result::Result<pb::AssignVolumeResponse, (VolumeError, bool)> {
         let req = pb::AssignVolumeRequest {
-            count: 1,
+            count,
             collection: opts.collection.clone(),
             replication: opts.replication.clone(),
             ttl_sec: opts.ttl_sec,
@@ -780,15 +859,17 @@ impl ChunkStore for VolumeClient {
         loop {
             let (err, retryable) = match self.assign(opts, clear_len).await {
                 Err(e) => e,
-                Ok(assign) => {
+                Ok((assign, pool)) => {
                     let fid = FileId::parse(&assign.file_id).map_err(|_| {
                         VolumeError::Assign(format!(
                             "assign returned bad file id {:?}",
                             assign.file_id
                         ))
                     })?;
+                    // stored without a `_n` suffix (every client reads plain ids); uploaded
+                    // with it (the write JWT names the assign's first id)
                     let fid_str = fid.to_string();
-                    let url = self.upload_url(&assign, &fid_str)?;
+                    let url = self.upload_url(&assign, &assign.file_id)?;
                     let body = multipart_body(&boundary, &url, &part, payload.clone());
                     match self
                         .upload_to_fid(&url, &assign.auth, body, &boundary)
@@ -806,6 +887,9 @@ impl ChunkStore for VolumeClient {
                             })
                         }
                         Err(f) => {
+                            if let Some(k) = &pool {
+                                self.fids.forget(k);
+                            }
                             // 5xx and unreachable servers: another volume may work (re-assign).
                             let retryable = matches!(&f, Failure::Status(s, _) if *s >= 500)
                                 || matches!(f, Failure::Transport { .. });

@@ -8,6 +8,7 @@ pub mod chunkbuf;
 pub mod cipher;
 pub mod compress;
 pub mod fid;
+pub mod fidpool;
 pub mod http;
 pub mod jwt;
 pub mod location;
