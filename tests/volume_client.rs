@@ -931,9 +931,18 @@ async fn files_of_one_directory_share_an_assign() {
         };
         let c = upload_at(&store, &data, 0, now_ns(), &opts).await;
         assert!(!c.file_id.contains('_'), "stored plainly: {}", c.file_id);
-        assert!(ids.insert(c.file_id.clone()), "id {} given twice", c.file_id);
+        assert!(
+            ids.insert(c.file_id.clone()),
+            "id {} given twice",
+            c.file_id
+        );
         let name = format!("f{i}");
-        create(&real, "/pool", file_entry(&name, vec![c], data.len() as u64)).await;
+        create(
+            &real,
+            "/pool",
+            file_entry(&name, vec![c], data.len() as u64),
+        )
+        .await;
         assert_eq!(w.filer_get(&format!("/pool/{name}")).unwrap(), data);
     }
     assert_eq!(
@@ -951,7 +960,10 @@ async fn files_of_one_directory_share_an_assign() {
         ..Default::default()
     });
     let store = client(fake.clone(), |_| {});
-    for (i, dir) in ["/rules", "/rules", "/rules", "/pool", "/pool"].iter().enumerate() {
+    for (i, dir) in ["/rules", "/rules", "/rules", "/pool", "/pool"]
+        .iter()
+        .enumerate()
+    {
         let data = random_bytes(200 + i as u64, 2000);
         let opts = UploadOptions {
             path: format!("{dir}/g{i}"),

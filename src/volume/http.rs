@@ -81,8 +81,11 @@ pub struct VolumeClient {
     /// File ids reserved by earlier assigns (see [`super::fidpool`]).
     fids: FidPool,
     /// The filer's path-rule prefixes and when they were read (None: unknown, assign alone).
-    rules: parking_lot::Mutex<(Option<Instant>, Option<Arc<Vec<String>>>)>,
+    rules: parking_lot::Mutex<(Option<Instant>, Option<PathRules>)>,
 }
+
+/// Location prefixes of the filer's path rules.
+type PathRules = Arc<Vec<String>>;
 
 /// How long the filer's path rules (filer.conf) are trusted before they are read again.
 const RULES_FOR: Duration = Duration::from_secs(10);
@@ -519,7 +522,7 @@ impl VolumeClient {
 
     /// The filer's path-rule prefixes, read again every [`RULES_FOR`]. None when they
     /// cannot be read or parsed.
-    async fn path_rules(&self) -> Option<Arc<Vec<String>>> {
+    async fn path_rules(&self) -> Option<PathRules> {
         {
             let r = self.rules.lock();
             if r.0.is_some_and(|at| at.elapsed() < RULES_FOR) {
