@@ -175,11 +175,11 @@ impl InodeTable {
     /// The snapshot is taken under the read lock, which also keeps appends (made under the
     /// write lock) out until the compaction is done: the snapshot is the journal's end state.
     fn compact_journal(&self) {
-        if let Some(j) = self.journal.read().as_ref() {
-            if j.due() {
-                let g = self.inner.read();
-                let _ = j.maybe_compact(|| Self::records_of(&g));
-            }
+        // the journal's guard is let go first: set_journal takes the two the other way round
+        let j = self.journal.read().clone();
+        if let Some(j) = j.filter(|j| j.due()) {
+            let g = self.inner.read();
+            let _ = j.maybe_compact(|| Self::records_of(&g));
         }
     }
 

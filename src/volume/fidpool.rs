@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub const BATCH: i32 = 16;
 /// Reserved ids older than this are not handed out.
 pub const FRESH_FOR: Duration = Duration::from_secs(2);
+/// Uploads larger than this assign alone (the assign is a small part of their time).
+pub const MAX_POOLED_SIZE: u64 = 256 << 10;
 /// Directories with reserved ids at once (older ones are dropped past it).
 const MAX_KEYS: usize = 256;
 
@@ -66,6 +68,9 @@ impl FidPool {
         if assign.count <= 1 {
             return;
         }
+        // never more than asked for, whatever the answer says
+        let mut assign = assign.clone();
+        assign.count = assign.count.min(BATCH);
         let mut m = self.reserved.lock();
         if m.len() >= MAX_KEYS {
             m.retain(|_, r| r.at.elapsed() < FRESH_FOR && r.next < r.assign.count);
@@ -76,7 +81,7 @@ impl FidPool {
         m.insert(
             key,
             Reserved {
-                assign: assign.clone(),
+                assign,
                 next: 1,
                 at: Instant::now(),
             },
@@ -91,6 +96,13 @@ impl FidPool {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.reserved.lock().len()
+    }
+
+    #[cfg(test)]
+    fn age(&self, key: &PoolKey, by: Duration) {
+        if let Some(r) = self.reserved.lock().get_mut(key) {
+            r.at -= by;
+        }
     }
 }
 
@@ -168,6 +180,22 @@ mod tests {
         k.ttl_sec = 60;
         p.keep(key("/d"), &assign(3));
         assert!(p.take(&k).is_none(), "another TTL assigns alone");
+    }
+
+    #[test]
+    fn reserved_ids_expire_and_never_exceed_the_batch() {
+        let p = FidPool::default();
+        p.keep(key("/d"), &assign(5));
+        assert!(p.take(&key("/d")).is_some());
+        p.age(&key("/d"), FRESH_FOR);
+        assert!(p.take(&key("/d")).is_none(), "older than FRESH_FOR");
+        p.keep(key("/d"), &assign(1000));
+        let n = std::iter::from_fn(|| p.take(&key("/d"))).count();
+        assert_eq!(
+            n,
+            BATCH as usize - 1,
+            "a larger count than asked is not trusted"
+        );
     }
 
     #[test]

@@ -82,13 +82,19 @@ pub struct VolumeClient {
     fids: FidPool,
     /// The filer's path-rule prefixes and when they were read (None: unknown, assign alone).
     rules: parking_lot::Mutex<(Option<Instant>, Option<PathRules>)>,
+    /// One reader of filer.conf at a time.
+    rules_read: tokio::sync::Mutex<()>,
+    /// Reserving ids is off: the operator said so (`SEAWEEDFS_ASSIGN_BATCH=1`) or a reserved
+    /// id was another upload's (a master whose sequencer ignores `count`, e.g. snowflake).
+    no_pool: std::sync::atomic::AtomicBool,
 }
 
 /// Location prefixes of the filer's path rules.
 type PathRules = Arc<Vec<String>>;
 
-/// How long the filer's path rules (filer.conf) are trusted before they are read again.
-const RULES_FOR: Duration = Duration::from_secs(10);
+/// How long the filer's path rules (filer.conf) are trusted before they are read again: as
+/// long as reserved ids live, so a rule added meanwhile misplaces nothing after ~2 x this.
+const RULES_FOR: Duration = fidpool::FRESH_FOR;
 
 /// Outcome of one HTTP exchange, classified for the retry logic.
 #[derive(Debug)]
@@ -236,6 +242,8 @@ impl VolumeClient {
             locations,
             fids: FidPool::default(),
             rules: parking_lot::Mutex::new((None, None)),
+            rules_read: tokio::sync::Mutex::new(()),
+            no_pool: (std::env::var("SEAWEEDFS_ASSIGN_BATCH").as_deref() == Ok("1")).into(),
         })
     }
 
@@ -489,7 +497,7 @@ impl VolumeClient {
         opts: &UploadOptions,
         size: u64,
     ) -> std::result::Result<(pb::AssignVolumeResponse, Option<PoolKey>), (VolumeError, bool)> {
-        let key = self.pool_key(opts).await;
+        let key = self.pool_key(opts, size).await;
         if let Some(a) = key.as_ref().and_then(|k| self.fids.take(k)) {
             return Ok((a, key));
         }
@@ -503,7 +511,13 @@ impl VolumeClient {
 
     /// Uploads that may share an assign with others of `opts`'s directory, unless a path
     /// rule of the filer tells files of that directory apart or the rules are unknown.
-    async fn pool_key(&self, opts: &UploadOptions) -> Option<PoolKey> {
+    async fn pool_key(&self, opts: &UploadOptions, size: u64) -> Option<PoolKey> {
+        // large chunks gain little, and 16 of them on one volume would not spread
+        if size > fidpool::MAX_POOLED_SIZE
+            || self.no_pool.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return None;
+        }
         let (dir, _) = opts.path.rsplit_once('/')?;
         let dir = if dir.is_empty() { "/" } else { dir };
         let rules = self.path_rules().await?;
@@ -523,11 +537,17 @@ impl VolumeClient {
     /// The filer's path-rule prefixes, read again every [`RULES_FOR`]. None when they
     /// cannot be read or parsed.
     async fn path_rules(&self) -> Option<PathRules> {
-        {
+        let fresh = || {
             let r = self.rules.lock();
-            if r.0.is_some_and(|at| at.elapsed() < RULES_FOR) {
-                return r.1.clone();
-            }
+            r.0.is_some_and(|at| at.elapsed() < RULES_FOR)
+                .then(|| r.1.clone())
+        };
+        if let Some(r) = fresh() {
+            return r;
+        }
+        let _one = self.rules_read.lock().await;
+        if let Some(r) = fresh() {
+            return r;
         }
         let read = tokio::time::timeout(
             self.opts.filer_timeout,
@@ -864,6 +884,9 @@ impl ChunkStore for VolumeClient {
                 Err(e) => e,
                 Ok((assign, pool)) => {
                     let fid = FileId::parse(&assign.file_id).map_err(|_| {
+                        if let Some(k) = &pool {
+                            self.fids.forget(k);
+                        }
                         VolumeError::Assign(format!(
                             "assign returned bad file id {:?}",
                             assign.file_id
@@ -892,10 +915,20 @@ impl ChunkStore for VolumeClient {
                         Err(f) => {
                             if let Some(k) = &pool {
                                 self.fids.forget(k);
+                                if matches!(&f, Failure::Status(_, m) if m.contains("cookie")) {
+                                    // key+n was another assign's: the master does not
+                                    // reserve `count` keys (snowflake sequencer)
+                                    tracing::warn!(fid = %assign.file_id, error = ?f,
+                                        "a reserved file id belonged to another upload; assigning one id at a time from now on");
+                                    self.no_pool
+                                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                                }
                             }
                             // 5xx and unreachable servers: another volume may work (re-assign).
+                            // A reserved id's JWT may have run out: assign a fresh one.
                             let retryable = matches!(&f, Failure::Status(s, _) if *s >= 500)
-                                || matches!(f, Failure::Transport { .. });
+                                || matches!(f, Failure::Transport { .. })
+                                || (pool.is_some() && matches!(&f, Failure::Status(401, _)));
                             (f.into_upload_error(&fid_str), retryable)
                         }
                     }
