@@ -354,6 +354,35 @@ impl Fs {
         }
     }
 
+    /// [`Self::current_dir_attr`] for readdirplus, which the kernel believes: a file this
+    /// node changed lately that is neither open nor in a cached listing (an event, e.g. one
+    /// replayed after a takeover, dropped the listing) is looked up again, so a size from
+    /// before its last write never reaches the kernel (a `stat` then a read of 0 bytes).
+    pub async fn dir_entry_attr(&self, dir_ino: u64, e: &DirEntryOut) -> Option<Attr> {
+        let snap = e.attr.as_ref()?;
+        let dir = self.inodes.path(dir_ino)?;
+        let unsure = snap.kind != Kind::Dir
+            && self.open_file(e.ino).is_none()
+            && !matches!(self.meta.lookup(&dir, &e.name), Cached::Found(_))
+            && self.changed_here_lately(&dir, &e.name);
+        if unsure {
+            let path = join(&dir, &e.name);
+            match self.entry_at(&dir, &e.name).await {
+                Ok(cur) if self.is_node(&path, &cur, e.ino) => {
+                    // the lookup may have raced a new open: that file's state wins
+                    if self.open_file(e.ino).is_none() {
+                        return Some(self.attr_of(e.ino, &path, &cur));
+                    }
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::debug!(path, error = %err, "readdirplus: fresh attributes unavailable; sending the listing's");
+                }
+            }
+        }
+        self.current_dir_attr(dir_ino, e)
+    }
+
     /// Of the entries `range` of `listing` (a snapshot of directory `dir_ino` that
     /// readdirplus handed the kernel), the names an event may have taken away since the
     /// snapshot was taken. The kernel keeps a readdirplus entry as a positive dentry for the
@@ -515,6 +544,33 @@ mod tests {
         assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
         // "." and ".." carry no attributes.
         assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
+    }
+
+    /// A file created, written and closed here after the listing was taken, while an event
+    /// (after a takeover: the predecessor's replayed ones) dropped the cached listing:
+    /// readdirplus must not hand the kernel the listing's size 0 (CI: a file read back as 0
+    /// bytes right after an upgrade).
+    #[tokio::test]
+    async fn readdirplus_does_not_send_a_size_from_before_a_local_write() {
+        let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        let e = list.entries.iter().find(|e| e.name == "f").unwrap();
+        assert_eq!(e.attr.as_ref().unwrap().size, 0);
+        let data = vec![7u8; 33_060];
+        fs.write(fh, a.ino, 0, &data).await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        fs.meta.invalidate_dir("/", false);
+        assert_eq!(fs.dir_entry_attr(ROOT_INO, e).await.unwrap().size, 33_060);
+        assert!(fs
+            .dir_entry_attr(ROOT_INO, &list.entries[0])
+            .await
+            .is_none());
     }
 
     /// Per-directory and per-inode bookkeeping goes when it is no longer needed: the lock

@@ -633,7 +633,7 @@ impl Filesystem for FuseAdapter {
                 let start = list.index_of(offset);
                 let mut sent = start;
                 for (i, e) in list.entries.iter().enumerate().skip(start) {
-                    let attr = dir_attr(&fs, ino.0, e);
+                    let attr = dir_attr(fs.dir_entry_attr(ino.0, e).await, ino.0, e);
                     if reply.add(
                         INodeNo(e.ino),
                         list.base + i as u64 + 1,
@@ -904,8 +904,8 @@ impl Filesystem for FuseAdapter {
     }
 }
 
-fn dir_attr(fs: &Fs, dir_ino: u64, e: &DirEntryOut) -> Attr {
-    match fs.current_dir_attr(dir_ino, e).or_else(|| e.attr.clone()) {
+fn dir_attr(current: Option<Attr>, dir_ino: u64, e: &DirEntryOut) -> Attr {
+    match current.or_else(|| e.attr.clone()) {
         Some(a) => a,
         None => {
             let mut a = fs_root_like(e.ino);
