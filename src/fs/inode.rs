@@ -146,11 +146,7 @@ impl InodeTable {
         g.by_ino
             .values()
             .filter(|r| r.ino != ROOT_INO)
-            .map(|r| JournalOp::Remember {
-                ino: r.ino,
-                path: r.path.clone(),
-                is_dir: r.is_dir,
-            })
+            .map(|r| Self::remembered(r.ino, &r.path, r.is_dir))
             .collect()
     }
 
@@ -160,14 +156,33 @@ impl InodeTable {
         }
     }
 
-    /// Journals a change. Called with the table's write lock held (`_g`): records land in
-    /// the order of the changes they stand for, else a successor's replay of two racing
-    /// changes to one node ends in the state the table never had.
-    fn journal(&self, _g: &mut Inner, op: JournalOp) {
-        #[cfg(test)]
-        tests::journal_pause();
-        if let Some(j) = self.journal.read().as_ref() {
-            Self::log(j, &op);
+    /// Makes a change under the table's write lock and journals the record `f` returns for
+    /// it before the lock goes: records land in the order of the changes they stand for,
+    /// else a successor's replay of two racing changes to one node ends in a state the table
+    /// never had. Compacts the journal afterwards, without the write lock.
+    fn change<R>(&self, f: impl FnOnce(&mut Inner) -> (R, Option<JournalOp>)) -> R {
+        let r = {
+            let mut g = self.inner.write();
+            let (r, op) = f(&mut g);
+            if let Some(op) = op {
+                #[cfg(test)]
+                tests::journal_pause();
+                if let Some(j) = self.journal.read().as_ref() {
+                    Self::log(j, &op);
+                }
+            }
+            r
+        };
+        self.compact_journal();
+        r
+    }
+
+    /// The record of `ino` now being known as `path`.
+    fn remembered(ino: u64, path: &str, is_dir: bool) -> JournalOp {
+        JournalOp::Remember {
+            ino,
+            path: path.to_string(),
+            is_dir,
         }
     }
 
@@ -216,18 +231,13 @@ impl InodeTable {
     /// Like [`remember`](Self::remember); with `hard_link` the path is added as one more name
     /// of the node instead of replacing the one it has.
     pub fn remember_as(&self, ino: u64, path: &str, kind: Kind, counted: bool, hard_link: bool) {
-        {
-            let mut g = self.inner.write();
-            if Self::remember_in(&mut g, ino, path, kind, counted, hard_link) {
-                let op = JournalOp::Remember {
-                    ino,
-                    path: path.to_string(),
-                    is_dir: kind == Kind::Dir,
-                };
-                self.journal(&mut g, op);
-            }
-        }
-        self.compact_journal();
+        self.change(|g| {
+            let changed = Self::remember_in(g, ino, path, kind, counted, hard_link);
+            (
+                (),
+                changed.then(|| Self::remembered(ino, path, kind == Kind::Dir)),
+            )
+        })
     }
 
     /// Returns whether the node's primary path is new or changed (an added alias is not
@@ -420,12 +430,10 @@ impl InodeTable {
     /// Records that the kernel now knows the file `id` as node `ino` at `path` (one more
     /// lookup when `counted`); the number and birth go with the node.
     pub fn remember_file(&self, ino: u64, path: &str, id: &FileId, counted: bool) {
-        {
-            let mut g = self.inner.write();
-            let changed = Self::remember_file_in(&mut g, ino, path, id, counted);
-            self.journal_remembered(&mut g, changed, ino, path, id);
-        }
-        self.compact_journal();
+        self.change(|g| {
+            let changed = Self::remember_file_in(g, ino, path, id, counted);
+            ((), changed.then(|| Self::remembered(ino, path, id.is_dir)))
+        })
     }
 
     /// Records which file node `ino` stands for, without naming it (see
@@ -457,18 +465,17 @@ impl InodeTable {
         counted: bool,
         other_live: Option<bool>,
     ) -> std::result::Result<u64, String> {
-        let ino = {
-            let mut g = self.inner.write();
-            let ino = match Self::claim_in(&g, path, id, other_live) {
+        self.change(|g| {
+            let ino = match Self::claim_in(g, path, id, other_live) {
                 Claim::Id(ino) => ino,
-                Claim::Ask(other) => return Err(other),
+                Claim::Ask(other) => return (Err(other), None),
             };
-            let changed = Self::remember_file_in(&mut g, ino, path, id, counted);
-            self.journal_remembered(&mut g, changed, ino, path, id);
-            ino
-        };
-        self.compact_journal();
-        Ok(ino)
+            let changed = Self::remember_file_in(g, ino, path, id, counted);
+            (
+                Ok(ino),
+                changed.then(|| Self::remembered(ino, path, id.is_dir)),
+            )
+        })
     }
 
     fn remember_file_in(g: &mut Inner, ino: u64, path: &str, id: &FileId, counted: bool) -> bool {
@@ -480,31 +487,12 @@ impl InodeTable {
         changed
     }
 
-    fn journal_remembered(&self, g: &mut Inner, changed: bool, ino: u64, path: &str, id: &FileId) {
-        if changed {
-            self.journal(
-                g,
-                JournalOp::Remember {
-                    ino,
-                    path: path.to_string(),
-                    is_dir: id.is_dir,
-                },
-            );
-        }
-    }
-
     /// Kernel FORGET: drops the mapping when its lookup count reaches zero (then true).
     pub fn forget(&self, ino: u64, n: u64) -> bool {
-        let gone = {
-            let mut g = self.inner.write();
-            let gone = Self::forget_in(&mut g, ino, n);
-            if gone {
-                self.journal(&mut g, JournalOp::Forget { ino });
-            }
-            gone
-        };
-        self.compact_journal();
-        gone
+        self.change(|g| {
+            let gone = Self::forget_in(g, ino, n);
+            (gone, gone.then_some(JournalOp::Forget { ino }))
+        })
     }
 
     /// Returns whether the node was dropped.
@@ -538,28 +526,24 @@ impl InodeTable {
     /// A path was deleted: forget the path mapping (the node id lives on until FORGET). A
     /// hard-linked node keeps being reachable through its other names.
     pub fn unlink_path(&self, path: &str) {
-        {
-            let mut g = self.inner.write();
+        self.change(|g| {
             let Some(ino) = g.by_path.remove(path) else {
-                return;
+                return ((), None);
             };
             let promoted = match g.by_ino.get_mut(&ino) {
                 Some(rec) => {
                     rec.aliases.retain(|a| a != path);
                     if rec.path == path && !rec.aliases.is_empty() {
                         rec.path = rec.aliases.remove(0);
-                        Some((ino, rec.path.clone(), rec.is_dir))
+                        Some(Self::remembered(ino, &rec.path, rec.is_dir))
                     } else {
                         None
                     }
                 }
                 None => None,
             };
-            if let Some((ino, path, is_dir)) = promoted {
-                self.journal(&mut g, JournalOp::Remember { ino, path, is_dir });
-            }
-        }
-        self.compact_journal();
+            ((), promoted)
+        })
     }
 
     /// Every known name of a node (the primary one first).
@@ -577,16 +561,14 @@ impl InodeTable {
     /// a directory (its caller knows), so only the name itself moves; otherwise every known
     /// path is scanned for descendants (~50 ms under the lock with a million).
     pub fn rename(&self, old: &str, new: &str, file: bool) {
-        {
-            let mut g = self.inner.write();
-            Self::rename_in(&mut g, old, new, file);
+        self.change(|g| {
+            Self::rename_in(g, old, new, file);
             let op = JournalOp::Rename {
                 from: old.to_string(),
                 to: new.to_string(),
             };
-            self.journal(&mut g, op);
-        }
-        self.compact_journal();
+            ((), Some(op))
+        })
     }
 
     fn rename_quiet(&self, old: &str, new: &str, file: bool) {
@@ -790,40 +772,36 @@ mod tests {
     thread_local! {
         /// A pause before each journal append on this thread: widens the window in which an
         /// append made after the table's lock was let go would land out of order.
-        static PAUSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        /// (microseconds; threads pause for different times, so a later change's record can
+        /// overtake an earlier one's when appends are not ordered)
+        static PAUSE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     }
 
     pub(super) fn journal_pause() {
-        if PAUSE.get() {
-            std::thread::sleep(std::time::Duration::from_micros(20));
+        if PAUSE.get() > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(PAUSE.get()));
         }
     }
 
-    /// Threads move one node back and forth at once (a lookup under its new name racing an
-    /// event's rename): a successor replaying the journal must end where the table is.
+    /// Two threads name one node at once (a lookup under its new name racing an event's
+    /// rename), the first to change the table the slower to journal: a successor replaying
+    /// the journal must end where the table is. About half the rounds race that way.
     #[test]
     fn racing_changes_are_journaled_in_the_order_they_were_made() {
-        for round in 0..5 {
+        for round in 0..200 {
             let t = Arc::new(InodeTable::new("/m"));
             let j = Arc::new(Journal::create().unwrap());
             t.set_journal(j.clone());
             t.remember(10, "/m/a", Kind::File, true);
-            let movers: Vec<_> = [("/m/a", "/m/b"), ("/m/b", "/m/a")]
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let movers: Vec<_> = [("/m/b", 80), ("/m/c", 10)]
                 .into_iter()
-                .cycle()
-                .take(4)
-                .enumerate()
-                .map(|(k, (from, to))| {
-                    let t = t.clone();
+                .map(|(to, pause)| {
+                    let (t, start) = (t.clone(), start.clone());
                     std::thread::spawn(move || {
-                        PAUSE.set(true);
-                        for i in 0..500 {
-                            if (i + k) % 3 == 0 {
-                                t.remember(10, to, Kind::File, false);
-                            } else {
-                                t.rename(from, to, true);
-                            }
-                        }
+                        PAUSE.set(pause);
+                        start.wait();
+                        t.remember(10, to, Kind::File, false);
                     })
                 })
                 .collect();
@@ -833,8 +811,9 @@ mod tests {
             let t2 = InodeTable::new("/m");
             t2.replay(j.replay().unwrap());
             assert_eq!(t2.path(10), t.path(10), "round {round}");
-            assert_eq!(t2.ino_of("/m/a"), t.ino_of("/m/a"), "round {round}");
-            assert_eq!(t2.ino_of("/m/b"), t.ino_of("/m/b"), "round {round}");
+            for p in ["/m/a", "/m/b", "/m/c"] {
+                assert_eq!(t2.ino_of(p), t.ino_of(p), "round {round}: {p}");
+            }
         }
     }
 }
