@@ -1,14 +1,15 @@
 //! Directories of [`Fs`]: handles and listings (readdir(plus), the names an event took away
 //! meanwhile), and directory times written back to the filer.
 
-use super::attr::{self, entry_attr, Attr, Kind};
+use super::attr::{self, Attr, Kind};
 use super::inode::{join, split, Claim, FileId, ROOT_INO};
 use super::meta::Cached;
 use super::{errno, Fs, Result};
 use crate::pb::filer as pb;
+use futures::StreamExt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 /// One directory entry returned by readdir(plus).
 #[derive(Debug, Clone)]
@@ -26,7 +27,7 @@ pub struct DirEntryOut {
 /// The entries an open directory handle lists (a snapshot taken when it is read from 0).
 /// For a directory too large to cache, a window of [`DIR_PAGE`] entries that the handle
 /// moves forward as the kernel reads on: memory stays flat however large the directory.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct DirListing {
     pub entries: Vec<DirEntryOut>,
     /// The readdir offset of `entries[0]` (0 unless a later page of a large directory). The
@@ -37,12 +38,41 @@ pub struct DirListing {
     /// Where each page this handle has read so far starts: its offset and the name it
     /// follows (a seek back fetches that page again instead of listing from the start).
     starts: Vec<(u64, String)>,
-    /// [`Fs`]'s count of names taken away by events, read before the snapshot was taken.
+    /// When the snapshot was taken (read before it was).
+    since: Since,
+}
+
+/// When a directory listing was taken: [`Fs`]'s count of names taken away by events and the
+/// time, both read before it was.
+#[derive(Debug, Clone, Copy)]
+struct Since {
     names_gone: u64,
+    at: Instant,
 }
 
 /// Entries per page of a directory too large to cache.
 pub const DIR_PAGE: usize = 1024;
+/// Entries one readdirplus answer considers (more than a reply holds).
+const PLUS_WINDOW: usize = 256;
+/// Names one readdirplus answer looks up again at most, and at once.
+const PLUS_LOOKUPS: usize = 32;
+const PLUS_PARALLEL: usize = 8;
+
+/// What one readdirplus reply sends (see [`Fs::readdirplus`]).
+pub struct PlusPage {
+    pub listing: Arc<DirListing>,
+    /// In listing order, some left out.
+    pub entries: Vec<PlusEntry>,
+    /// When their attributes were chosen: a change from then on takes them back.
+    decided: Instant,
+}
+
+pub struct PlusEntry {
+    /// Where it is in the listing: its readdir offset is `listing.base + index`.
+    pub index: usize,
+    /// As sent: with current attributes, or the node now at the name.
+    pub entry: DirEntryOut,
+}
 
 impl DirListing {
     /// The index in `entries` of readdir offset `offset` (`entries.len()`: none left here).
@@ -140,8 +170,9 @@ impl Fs {
     /// The directory's entries as of now, with "." and "..": all of them, or for a
     /// directory too large to cache, its first page.
     async fn dir_snapshot(&self, ino: u64) -> Result<DirListing> {
-        // read first: a name an event takes away from here on is caught by `gone_since`
-        let names_gone = self.names_gone.load(Ordering::SeqCst);
+        // read first: a name an event takes away or changes from here on is caught by
+        // `gone_since` and `readdirplus`
+        let since = self.listing_since();
         let dir = self.path_of(ino)?;
         let cached = if self.load_dir(&dir).await? {
             self.meta.listing(&dir)
@@ -151,13 +182,11 @@ impl Fs {
         let entries = match cached {
             Some(l) => l,
             None if self.meta.is_too_large(&dir) => {
-                return self.dir_page(ino, &dir, "", 0, names_gone).await;
+                return self.dir_page(ino, &dir, "", 0, since).await;
             }
             None => self.list_uncached(&dir).await?,
         };
-        Ok(self
-            .dir_listing(ino, &dir, &entries, 0, None, names_gone)
-            .await)
+        Ok(self.dir_listing(ino, &dir, &entries, 0, None, since).await)
     }
 
     /// The page of a large directory after name `after` (from its start when empty), whose
@@ -168,7 +197,7 @@ impl Fs {
         dir: &str,
         after: &str,
         base: u64,
-        names_gone: u64,
+        since: Since,
     ) -> Result<DirListing> {
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let page = self
@@ -192,7 +221,7 @@ impl Fs {
             entries.sort_by(|x, y| x.name.cmp(&y.name));
         }
         Ok(self
-            .dir_listing(ino, dir, &entries, base, next, names_gone)
+            .dir_listing(ino, dir, &entries, base, next, since)
             .await)
     }
 
@@ -204,7 +233,7 @@ impl Fs {
         entries: &[Arc<pb::Entry>],
         base: u64,
         next: Option<String>,
-        names_gone: u64,
+        since: Since,
     ) -> DirListing {
         // the whole directory, not a page of it
         let whole = base == 0 && next.is_none();
@@ -271,7 +300,7 @@ impl Fs {
             base,
             next,
             starts: Vec::new(),
-            names_gone,
+            since,
         }
     }
 
@@ -322,9 +351,9 @@ impl Fs {
         after: String,
         starts: &[(u64, String)],
     ) -> Result<Arc<DirListing>> {
-        let names_gone = self.names_gone.load(Ordering::SeqCst);
+        let since = self.listing_since();
         let dir = self.path_of(ino)?;
-        let mut page = self.dir_page(ino, &dir, &after, base, names_gone).await?;
+        let mut page = self.dir_page(ino, &dir, &after, base, since).await?;
         page.starts = starts.to_vec();
         if !page.starts.iter().any(|(b, _)| *b == base) {
             page.starts.push((base, after));
@@ -332,55 +361,133 @@ impl Fs {
         Ok(Arc::new(page))
     }
 
-    /// Attributes of a listed entry as of now. The listing is a snapshot from opendir; sending
-    /// its attributes later would overwrite the kernel's newer view (a file written since would
-    /// appear truncated), so open files and cached entries win over the snapshot.
-    pub fn current_dir_attr(&self, dir_ino: u64, e: &DirEntryOut) -> Option<Attr> {
-        let snap = e.attr.as_ref()?;
-        let dir = self.inodes.path(dir_ino)?;
-        let path = join(&dir, &e.name);
-        if let Some(of) = self.open_file(e.ino) {
-            // from this handle, not looked up again: it may be closed meanwhile
-            let s = of.state.lock();
-            let mut a = entry_attr(e.ino, &s.entry, &self.cfg.ids);
-            a.size = s.size;
-            return Some(a);
-        }
-        match self.meta.lookup(&dir, &e.name) {
-            Cached::Found(cur) if self.is_node(&path, &cur, e.ino) => {
-                Some(self.attr_of(e.ino, &path, &cur))
+    /// Entries from `offset` on for readdirplus, with the attributes the kernel will believe
+    /// for the entry TTL. The listing is a snapshot from opendir, and its attributes are sent
+    /// only for names that did not change since it was taken (here or in an event: a file
+    /// written and closed since would appear truncated, a read then gets 0 bytes), and are
+    /// not open or cached here. A changed name is looked up again: gone, it is left out; now
+    /// another node, that node is sent. When that lookup fails the reply ends before the
+    /// entry (the kernel asks again from there), or fails if it is the first.
+    ///
+    /// An empty answer means the end of the directory, as the kernel takes it.
+    pub async fn readdirplus(&self, ino: u64, fh: u64, mut offset: u64) -> Result<PlusPage> {
+        loop {
+            let listing = self.readdir(ino, fh, offset).await?;
+            let start = listing.index_of(offset);
+            let decided = Instant::now();
+            let (entries, end) = self.plus_window(ino, &listing, start).await?;
+            let more = end < listing.entries.len() || listing.next.is_some();
+            if !entries.is_empty() || end == start || !more {
+                return Ok(PlusPage {
+                    listing,
+                    entries,
+                    decided,
+                });
             }
-            _ => Some(snap.clone()),
+            // every entry of the window is gone: on to the next, an empty reply would end
+            // the directory
+            offset = listing.base + end as u64;
         }
     }
 
-    /// [`Self::current_dir_attr`] for readdirplus, which the kernel believes: a file this
-    /// node changed lately that is neither open nor in a cached listing (an event, e.g. one
-    /// replayed after a takeover, dropped the listing) is looked up again, so a size from
-    /// before its last write never reaches the kernel (a `stat` then a read of 0 bytes).
-    pub async fn dir_entry_attr(&self, dir_ino: u64, e: &DirEntryOut) -> Option<Attr> {
-        let snap = e.attr.as_ref()?;
-        let dir = self.inodes.path(dir_ino)?;
-        let unsure = snap.kind != Kind::Dir
-            && self.open_file(e.ino).is_none()
-            && !matches!(self.meta.lookup(&dir, &e.name), Cached::Found(_))
-            && self.changed_here_lately(&dir, &e.name);
-        if unsure {
+    /// The entries of `listing` from index `start` as readdirplus sends them, up to
+    /// [`PLUS_WINDOW`] of them, and the index where that ends.
+    async fn plus_window(
+        &self,
+        dir_ino: u64,
+        listing: &DirListing,
+        start: usize,
+    ) -> Result<(Vec<PlusEntry>, usize)> {
+        let mut end = (start + PLUS_WINDOW).min(listing.entries.len());
+        let Some(dir) = self.inodes.path(dir_ino) else {
+            return Err(errno(libc::ENOENT, format!("directory {dir_ino} is gone")));
+        };
+        let mut out: Vec<Option<DirEntryOut>> = Vec::with_capacity(end - start);
+        let mut doubted = Vec::new();
+        for (i, e) in listing.entries[start..end].iter().enumerate() {
+            let Some(snap) = &e.attr else {
+                out.push(Some(e.clone())); // "." and ".."
+                continue;
+            };
             let path = join(&dir, &e.name);
-            match self.entry_at(&dir, &e.name).await {
-                Ok(cur) if self.is_node(&path, &cur, e.ino) => {
-                    // the lookup may have raced a new open: that file's state wins
-                    if self.open_file(e.ino).is_none() {
-                        return Some(self.attr_of(e.ino, &path, &cur));
-                    }
+            let attr = if let Some(of) = self.open_file(e.ino) {
+                self.open_file_attr(e.ino, &of)
+            } else if self.name_changes.since(&path, listing.since.at) {
+                if doubted.len() == PLUS_LOOKUPS {
+                    end = start + i;
+                    break;
                 }
-                Ok(_) => {}
+                doubted.push(start + i);
+                out.push(None);
+                continue;
+            } else {
+                match self.meta.lookup(&dir, &e.name) {
+                    Cached::Found(cur) if self.is_node(&path, &cur, e.ino) => {
+                        self.attr_of(e.ino, &path, &cur)
+                    }
+                    _ => snap.clone(),
+                }
+            };
+            out.push(Some(DirEntryOut {
+                attr: Some(attr),
+                ..e.clone()
+            }));
+        }
+        // the changed names, looked up at once
+        let looked: Vec<_> = futures::stream::iter(doubted)
+            .map(|i| {
+                let name = &listing.entries[i].name;
+                let dir = &dir;
+                async move { (i, self.entry_at(dir, name).await) }
+            })
+            .buffered(PLUS_PARALLEL)
+            .collect()
+            .await;
+        for (i, found) in looked {
+            let e = &listing.entries[i];
+            let path = join(&dir, &e.name);
+            match found {
+                Ok(cur) if self.is_node(&path, &cur, e.ino) => {
+                    out[i - start] = Some(DirEntryOut {
+                        attr: Some(self.attr_of(e.ino, &path, &cur)),
+                        ..e.clone()
+                    });
+                }
+                Ok(cur) => {
+                    // another file or directory at the name now
+                    let a = self.remember_asking(&path, &cur, false).await;
+                    out[i - start] = Some(DirEntryOut {
+                        name: e.name.clone(),
+                        ino: a.ino,
+                        kind: a.kind,
+                        ident: cur
+                            .hard_link_id
+                            .is_empty()
+                            .then(|| attr::file_id(&path, &cur)),
+                        attr: Some(a),
+                    });
+                }
+                Err(err) if err.errno == libc::ENOENT => {} // gone: left out
+                Err(err) if i == start => return Err(err),
                 Err(err) => {
-                    tracing::debug!(path, error = %err, "readdirplus: fresh attributes unavailable; sending the listing's");
+                    tracing::debug!(path, error = %err, "readdirplus: entry unknown; the reply ends before it");
+                    end = i;
+                    break;
                 }
             }
         }
-        self.current_dir_attr(dir_ino, e)
+        let entries = out
+            .into_iter()
+            .take(end - start)
+            .enumerate()
+            .filter_map(|(k, e)| {
+                e.map(|entry| PlusEntry {
+                    index: start + k,
+                    entry,
+                })
+            })
+            .collect();
+        Ok((entries, end))
     }
 
     /// Of the entries `range` of `listing` (a snapshot of directory `dir_ino` that
@@ -396,7 +503,7 @@ impl Fs {
         listing: &DirListing,
         range: std::ops::Range<usize>,
     ) -> Vec<String> {
-        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+        if self.names_gone.load(Ordering::SeqCst) == listing.since.names_gone {
             return Vec::new();
         }
         let Some(dir) = self.inodes.path(dir_ino) else {
@@ -424,16 +531,33 @@ impl Fs {
         gone
     }
 
-    /// Invalidates, in the background, the kernel's entries for the names of `range` that
-    /// [`Self::gone_since`] finds gone. Called once the readdirplus reply is out: the kernel
-    /// takes the directory's lock for an invalidation, which the listing may still hold.
-    pub fn take_back_gone(
-        self: &Arc<Self>,
-        dir_ino: u64,
-        listing: Arc<DirListing>,
-        range: std::ops::Range<usize>,
-    ) {
-        if self.names_gone.load(Ordering::SeqCst) == listing.names_gone {
+    /// Takes back, in the background, what the first `sent` entries of a readdirplus reply
+    /// told the kernel and that changed meanwhile: an event's invalidation may have reached
+    /// the kernel before the reply did. A name changed since the attributes were chosen
+    /// loses its entry and attributes; a name [`Self::gone_since`] finds gone, its entry.
+    /// Called once the reply is out: the kernel takes the directory's lock for an
+    /// invalidation, which the listing may still hold.
+    pub fn take_back(self: &Arc<Self>, dir_ino: u64, page: PlusPage, sent: usize) {
+        let sent = &page.entries[..sent.min(page.entries.len())];
+        let (Some(first), Some(last)) = (sent.first(), sent.last()) else {
+            return;
+        };
+        let range = first.index..last.index + 1;
+        let changed: Vec<(String, u64)> = match self.inodes.path(dir_ino) {
+            Some(dir) => sent
+                .iter()
+                .filter(|p| {
+                    p.entry.attr.is_some()
+                        && self
+                            .name_changes
+                            .since(&join(&dir, &p.entry.name), page.decided)
+                })
+                .map(|p| (p.entry.name.clone(), p.entry.ino))
+                .collect(),
+            None => Vec::new(),
+        };
+        let names_went = self.names_gone.load(Ordering::SeqCst) != page.listing.since.names_gone;
+        if changed.is_empty() && !names_went {
             return;
         }
         let (Some(nt), Ok(rt)) = (
@@ -443,19 +567,38 @@ impl Fs {
             return;
         };
         let fs = self.clone();
+        let listing = page.listing.clone();
         rt.spawn(async move {
-            let gone = fs.gone_since(dir_ino, &listing, range).await;
-            if gone.is_empty() {
-                return;
-            }
-            tracing::debug!(dir_ino, ?gone, "names listed while an event took them away");
+            let gone = if names_went {
+                fs.gone_since(dir_ino, &listing, range).await
+            } else {
+                Vec::new()
+            };
+            tracing::debug!(
+                dir_ino,
+                ?gone,
+                ?changed,
+                "readdirplus entries changed meanwhile"
+            );
             let _ = tokio::task::spawn_blocking(move || {
+                for (name, ino) in &changed {
+                    nt.inval_entry(dir_ino, name);
+                    nt.inval_inode(*ino);
+                }
                 for name in &gone {
                     nt.inval_entry(dir_ino, name);
                 }
             })
             .await;
         });
+    }
+
+    /// Read before a listing is taken (see [`DirListing`]).
+    fn listing_since(&self) -> Since {
+        Since {
+            names_gone: self.names_gone.load(Ordering::SeqCst),
+            at: Instant::now(),
+        }
     }
 
     /// An event took a name away (see [`Self::gone_since`]).
@@ -506,8 +649,11 @@ mod tests {
     use crate::config::MountOptions;
     use crate::filer::mock::MockFiler;
     use crate::filer::FilerApi;
+    use crate::fs::integrity_tests::event;
     use crate::fs::FsConfig;
     use crate::volume::mock::MockChunkStore;
+    use parking_lot::Mutex;
+    use std::collections::HashMap;
 
     /// A filesystem on `filer` that caches listings of up to `max_cached` entries.
     fn new_fs(filer: Arc<MockFiler>, max_cached: usize) -> Arc<Fs> {
@@ -519,6 +665,79 @@ mod tests {
             Arc::new(MockChunkStore::new()),
             ChunkCache::new(1 << 20),
         )
+    }
+
+    /// The entries readdirplus sends from the first name on (past "." and ".."), by name,
+    /// from the listing handle `dh` took when it was read from 0.
+    async fn plus(fs: &Fs, dh: u64) -> Result<HashMap<String, DirEntryOut>> {
+        plus_from(fs, dh, 2).await
+    }
+
+    async fn plus_from(fs: &Fs, dh: u64, offset: u64) -> Result<HashMap<String, DirEntryOut>> {
+        let page = fs.readdirplus(ROOT_INO, dh, offset).await?;
+        Ok(page
+            .entries
+            .into_iter()
+            .map(|p| (p.entry.name.clone(), p.entry))
+            .collect())
+    }
+
+    fn size(m: &HashMap<String, DirEntryOut>, name: &str) -> u64 {
+        m[name].attr.as_ref().unwrap().size
+    }
+
+    /// Files named `names`, each holding its name, and a directory handle whose listing
+    /// was taken after; the listing is the only copy of the directory (too large to cache).
+    async fn listed(names: &[&str]) -> (Arc<Fs>, Arc<MockFiler>, u64) {
+        let filer = Arc::new(MockFiler::new());
+        let fs = new_fs(filer.clone(), 1);
+        for name in names {
+            let (a, fh) = fs
+                .create(ROOT_INO, name, 0o644, 0, libc::O_WRONLY, 0, 0)
+                .await
+                .unwrap();
+            fs.write(fh, a.ino, 0, name.as_bytes()).await.unwrap();
+            fs.release(fh, a.ino).await.unwrap();
+        }
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        (fs, filer, dh)
+    }
+
+    /// Another client replaces `/name` by `new` (None: deletes it); its event arrives here.
+    async fn elsewhere(fs: &Arc<Fs>, filer: &MockFiler, name: &str, new: Option<pb::Entry>) {
+        let old = filer.get(&format!("/{name}")).unwrap();
+        let other = filer.other_client();
+        match &new {
+            Some(e) => other
+                .update_entry(pb::UpdateEntryRequest {
+                    directory: "/".into(),
+                    entry: Some(e.clone()),
+                    ..Default::default()
+                })
+                .await
+                .map(drop)
+                .unwrap(),
+            None => other
+                .delete_entry(pb::DeleteEntryRequest {
+                    directory: "/".into(),
+                    name: name.into(),
+                    ..Default::default()
+                })
+                .await
+                .map(drop)
+                .unwrap(),
+        }
+        fs.apply_event(&event(Some(old), new));
+    }
+
+    /// `/name` with `content` inline, as another client rewrote it.
+    fn rewritten(filer: &MockFiler, name: &str, content: &[u8]) -> pb::Entry {
+        let mut e = filer.get(&format!("/{name}")).unwrap();
+        e.content = content.to_vec();
+        e.chunks.clear();
+        e.attributes.as_mut().unwrap().file_size = content.len() as u64;
+        e
     }
 
     #[tokio::test]
@@ -539,11 +758,11 @@ mod tests {
         // Written after the snapshot: open, then closed again.
         let fh = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
         fs.write(fh, a.ino, 5, b"67890").await.unwrap();
-        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        assert_eq!(size(&plus(&fs, dh).await.unwrap(), "f"), 10);
         fs.release(fh, a.ino).await.unwrap();
-        assert_eq!(fs.current_dir_attr(ROOT_INO, e).unwrap().size, 10);
+        assert_eq!(size(&plus(&fs, dh).await.unwrap(), "f"), 10);
         // "." and ".." carry no attributes.
-        assert!(fs.current_dir_attr(ROOT_INO, &list.entries[0]).is_none());
+        assert!(plus_from(&fs, dh, 0).await.unwrap()["."].attr.is_none());
     }
 
     /// A file created, written and closed here after the listing was taken, while an event
@@ -552,25 +771,148 @@ mod tests {
     /// bytes right after an upgrade).
     #[tokio::test]
     async fn readdirplus_does_not_send_a_size_from_before_a_local_write() {
-        let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
+        let filer = Arc::new(MockFiler::new());
+        let fs = new_fs(filer.clone(), 100_000);
         let (a, fh) = fs
             .create(ROOT_INO, "f", 0o644, 0, libc::O_WRONLY, 0, 0)
             .await
             .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        let (g, gh) = fs
+            .create(ROOT_INO, "g", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.release(gh, g.ino).await.unwrap();
         let dh = fs.opendir(ROOT_INO).await.unwrap();
-        let list = fs.readdir(ROOT_INO, dh, 0).await.unwrap();
-        let e = list.entries.iter().find(|e| e.name == "f").unwrap();
-        assert_eq!(e.attr.as_ref().unwrap().size, 0);
+        fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        assert_eq!(size(&plus(&fs, dh).await.unwrap(), "f"), 0);
         let data = vec![7u8; 33_060];
         fs.write(fh, a.ino, 0, &data).await.unwrap();
         fs.flush(fh, a.ino).await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
-        fs.meta.invalidate_dir("/", false);
-        assert_eq!(fs.dir_entry_attr(ROOT_INO, e).await.unwrap().size, 33_060);
-        assert!(fs
-            .dir_entry_attr(ROOT_INO, &list.entries[0])
-            .await
-            .is_none());
+        // an old event about another name changed here (a replayed one) drops the
+        // cached listing
+        let g = filer.get("/g").unwrap();
+        fs.apply_event(&event(Some(g.clone()), Some(g)));
+        assert!(matches!(fs.meta.lookup("/", "f"), Cached::Unknown));
+        assert_eq!(size(&plus(&fs, dh).await.unwrap(), "f"), 33_060);
+    }
+
+    /// Another client's change after the listing was taken: readdirplus sends what the
+    /// name holds now, not the listing's attributes. A gone name is left out; a name that
+    /// now holds another file sends that file.
+    #[tokio::test]
+    async fn readdirplus_sends_what_other_clients_changed_since_the_listing() {
+        let (fs, filer, dh) = listed(&["a", "f", "g", "h"]).await;
+        let before = plus(&fs, dh).await.unwrap();
+        assert_eq!(size(&before, "f"), 1);
+        assert_eq!(before.len(), 4);
+
+        elsewhere(
+            &fs,
+            &filer,
+            "f",
+            Some(rewritten(&filer, "f", b"0123456789")),
+        )
+        .await;
+        elsewhere(&fs, &filer, "g", None).await;
+        let mut other = rewritten(&filer, "h", b"another file");
+        let attrs = other.attributes.as_mut().unwrap();
+        attrs.inode += 1_000;
+        attrs.crtime -= 1_000;
+        elsewhere(&fs, &filer, "h", Some(other)).await;
+
+        let after = plus(&fs, dh).await.unwrap();
+        assert_eq!(size(&after, "a"), 1);
+        assert_eq!(size(&after, "f"), 10);
+        assert_eq!(after["f"].ino, before["f"].ino);
+        assert!(!after.contains_key("g"), "a deleted name is sent");
+        assert_eq!(size(&after, "h"), 12);
+        assert_ne!(
+            after["h"].ino, before["h"].ino,
+            "the old file is sent for h"
+        );
+    }
+
+    /// More gone names than one answer looks up: the answer goes on past them instead of
+    /// coming back empty, which would end the directory for the kernel.
+    #[tokio::test]
+    async fn readdirplus_goes_on_past_a_window_of_gone_names() {
+        let mut names: Vec<String> = (0..PLUS_LOOKUPS + 8).map(|i| format!("n{i:03}")).collect();
+        names.push("zz".into());
+        let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let (fs, filer, dh) = listed(&refs).await;
+        for n in &names[..names.len() - 1] {
+            elsewhere(&fs, &filer, n, None).await;
+        }
+        let after = plus(&fs, dh).await.unwrap();
+        assert_eq!(after.keys().collect::<Vec<_>>(), vec!["zz"]);
+    }
+
+    /// A changed name the filer cannot be asked about: the answer ends before it (the
+    /// kernel asks again from there), or fails when it is the first one.
+    #[tokio::test]
+    async fn readdirplus_ends_before_a_changed_name_it_cannot_look_up() {
+        let (fs, filer, dh) = listed(&["a", "f"]).await;
+        elsewhere(
+            &fs,
+            &filer,
+            "f",
+            Some(rewritten(&filer, "f", b"0123456789")),
+        )
+        .await;
+        filer.fail_next(1_000);
+        let got = plus(&fs, dh).await.unwrap();
+        assert_eq!(got.keys().collect::<Vec<_>>(), vec!["a"]);
+        assert!(plus_from(&fs, dh, 3).await.is_err());
+        filer.fail_next(0);
+        assert_eq!(size(&plus_from(&fs, dh, 3).await.unwrap(), "f"), 10);
+    }
+
+    /// Records the kernel invalidations asked for.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<String>>);
+
+    impl super::super::Notifier for Recorder {
+        fn inval_entry(&self, _parent: u64, name: &str) {
+            self.0.lock().push(format!("entry {name}"));
+        }
+        fn inval_inode(&self, ino: u64) {
+            self.0.lock().push(format!("inode {ino}"));
+        }
+    }
+
+    /// A change that lands between choosing a reply's attributes and the kernel taking
+    /// them: its invalidation may reach the kernel first, so the reply's entry for it is
+    /// taken back after the reply.
+    #[tokio::test]
+    async fn a_change_during_a_readdirplus_reply_takes_its_entry_back() {
+        let (fs, filer, dh) = listed(&["a", "f"]).await;
+        let rec = Arc::new(Recorder::default());
+        fs.set_notifier(rec.clone());
+        let page = fs.readdirplus(ROOT_INO, dh, 2).await.unwrap();
+        let f = page.entries.iter().find(|p| p.entry.name == "f").unwrap();
+        let ino = f.entry.ino;
+        elsewhere(
+            &fs,
+            &filer,
+            "f",
+            Some(rewritten(&filer, "f", b"0123456789")),
+        )
+        .await;
+        rec.0.lock().clear();
+        let n = page.entries.len();
+        fs.take_back(ROOT_INO, page, n);
+        for _ in 0..100 {
+            if !rec.0.lock().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let got = rec.0.lock().clone();
+        assert!(got.contains(&"entry f".to_string()), "{got:?}");
+        assert!(got.contains(&format!("inode {ino}")), "{got:?}");
+        assert!(!got.contains(&"entry a".to_string()), "{got:?}");
     }
 
     /// Per-directory and per-inode bookkeeping goes when it is no longer needed: the lock

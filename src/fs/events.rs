@@ -3,6 +3,7 @@
 //!
 //! Over 800 lines: half is its unit tests.
 
+use super::changes::NameChanges;
 use super::file::{FileState, OpenFile};
 use super::inode::join;
 use super::meta::Cached;
@@ -19,16 +20,23 @@ const LOCAL_CHANGE_WINDOW: Duration = Duration::from_secs(30);
 /// Bound on the names remembered for that (about 100 B each).
 const LOCAL_CHANGES_MAX: usize = 65_536;
 
-/// A change of an open file's filer entry or name in flight (see [`Fs::note_local`]).
-pub(super) struct LocalChange(Option<Arc<OpenFile>>);
+/// A change of a filer entry or name in flight (see [`Fs::note_local`]): the open file at
+/// it, and the name, stamped again as changed when the change is done.
+pub(super) struct LocalChange {
+    of: Option<Arc<OpenFile>>,
+    changes: Arc<NameChanges>,
+    path: String,
+}
 
 impl Drop for LocalChange {
     fn drop(&mut self) {
-        if let Some(of) = &self.0 {
+        if let Some(of) = &self.of {
             let mut s = of.state.lock();
             s.local_inflight -= 1;
             s.changed_here();
         }
+        // a listing taken while the change was in flight may hold the entry before it
+        self.changes.stamp(std::mem::take(&mut self.path));
     }
 }
 
@@ -97,10 +105,10 @@ impl Fs {
     /// lookup, so for a name changed here lately the event's entry is not taken; the entry is
     /// read from the filer instead (in the background), which is never older than our change.
     pub fn apply_event(self: &Arc<Self>, ev: &pb::SubscribeMetadataResponse) {
-        for of in self.apply_event_now(ev) {
-            self.spawn_resync(of);
-        }
         let Some(n) = ev.event_notification.as_ref() else {
+            for of in self.apply_event_now(ev) {
+                self.spawn_resync(of);
+            }
             return;
         };
         let dir = ev.directory.as_str();
@@ -109,11 +117,20 @@ impl Fs {
         } else {
             n.new_parent_path.as_str()
         };
-        let touched = n
+        let touched: Vec<(&str, &str)> = n
             .old_entry
             .iter()
             .map(|o| (dir, o.name.as_str()))
-            .chain(n.new_entry.iter().map(|e| (ndir, e.name.as_str())));
+            .chain(n.new_entry.iter().map(|e| (ndir, e.name.as_str())))
+            .collect();
+        // first: a readdirplus deciding from here on doubts the listing's entry, one that
+        // decided before takes its reply back (see `Fs::readdirplus`)
+        for (d, name) in &touched {
+            self.name_changes.stamp(join(d, name));
+        }
+        for of in self.apply_event_now(ev) {
+            self.spawn_resync(of);
+        }
         for (d, name) in touched {
             if self.changed_here_lately(d, name) {
                 self.meta.invalidate_dir(d, false);
@@ -142,10 +159,15 @@ impl Fs {
             s.changed_here();
         }
         self.remember_local(dir, name);
-        LocalChange(of)
+        LocalChange {
+            of,
+            changes: self.name_changes.clone(),
+            path: join(dir, name),
+        }
     }
 
     pub(super) fn remember_local(&self, dir: &str, name: &str) {
+        self.name_changes.stamp(join(dir, name));
         let mut m = self.local_changes.lock();
         if m.len() >= LOCAL_CHANGES_MAX {
             m.retain(|_, t| t.elapsed() < LOCAL_CHANGE_WINDOW);

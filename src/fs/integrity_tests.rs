@@ -144,7 +144,10 @@ async fn an_older_rename_onto_our_new_file_keeps_its_data() {
     assert_eq!(crate::chunks::file_size(&e), 4);
 }
 
-fn event(old: Option<pb::Entry>, new: Option<pb::Entry>) -> pb::SubscribeMetadataResponse {
+pub(super) fn event(
+    old: Option<pb::Entry>,
+    new: Option<pb::Entry>,
+) -> pb::SubscribeMetadataResponse {
     pb::SubscribeMetadataResponse {
         directory: "/".into(),
         event_notification: Some(pb::EventNotification {

@@ -6,6 +6,7 @@ pub mod acl;
 pub mod attr;
 #[cfg(test)]
 mod budget_tests;
+mod changes;
 mod dirs;
 mod entries;
 mod events;
@@ -312,6 +313,8 @@ pub struct Fs {
     /// Paths this node changed on the filer lately, and when. Another client's event about
     /// one of them may predate our change (the filer does not send us our own events).
     local_changes: Mutex<HashMap<String, Instant>>,
+    /// When names last changed, here or in an event (see [`changes`]).
+    name_changes: Arc<changes::NameChanges>,
 }
 
 impl Fs {
@@ -377,6 +380,7 @@ impl Fs {
             stats: FsStats::default(),
             root_attr: Mutex::new(root_attr),
             local_changes: Mutex::new(HashMap::new()),
+            name_changes: Default::default(),
             verifier: verifier::Verifier::new(start_fh),
         })
     }

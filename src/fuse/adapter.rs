@@ -628,31 +628,30 @@ impl Filesystem for FuseAdapter {
             self,
             "readdirplus",
             reply,
-            |fs| fs.readdir(ino.0, fh.0, offset).await,
-            |list| {
-                let start = list.index_of(offset);
-                let mut sent = start;
-                for (i, e) in list.entries.iter().enumerate().skip(start) {
-                    let attr = dir_attr(fs.dir_entry_attr(ino.0, e).await, ino.0, e);
+            |fs| fs.readdirplus(ino.0, fh.0, offset).await,
+            |page| {
+                let mut sent = 0;
+                for p in &page.entries {
+                    let e = &p.entry;
                     if reply.add(
                         INodeNo(e.ino),
-                        list.base + i as u64 + 1,
+                        page.listing.base + p.index as u64 + 1,
                         &e.name,
                         &fs.cfg.meta_ttl,
-                        &to_file_attr(&attr),
+                        &to_file_attr(&dir_attr(e.attr.clone(), ino.0, e)),
                         Generation(0),
                     ) {
                         break;
                     }
-                    sent = i + 1;
+                    sent += 1;
                     if e.attr.is_some() {
                         fs.remember_dir_entry(ino.0, e);
                     }
                 }
                 reply.ok();
                 // after the reply: its entries may have reached the kernel after an event's
-                // invalidation of a name it took away
-                fs.take_back_gone(ino.0, list.clone(), start..sent);
+                // invalidation
+                fs.take_back(ino.0, page, sent);
             }
         );
     }
