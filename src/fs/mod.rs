@@ -98,7 +98,12 @@ fn errno(e: i32, msg: impl Into<String>) -> FsError {
 /// Kernel cache invalidation, implemented by the FUSE adapter.
 pub trait Notifier: Send + Sync {
     fn inval_entry(&self, parent: u64, name: &str);
+    /// Attributes and cached pages.
     fn inval_inode(&self, ino: u64);
+    /// Attributes only. Takes no lock in the kernel that a request waiting for us may
+    /// hold (an entry's invalidation waits for the directory's lock, a page's for the page):
+    /// a process killed while one is in flight still exits.
+    fn inval_attr(&self, ino: u64);
 }
 
 /// The kernel notifier as the filesystem uses it: counts the calls in progress and passes
@@ -134,6 +139,10 @@ impl StoppableNotifier {
 
     pub fn inval_inode(&self, ino: u64) {
         self.pass(|n| n.inval_inode(ino));
+    }
+
+    pub fn inval_attr(&self, ino: u64) {
+        self.pass(|n| n.inval_attr(ino));
     }
 
     async fn stop(&self, limit: Duration) -> bool {
@@ -501,6 +510,9 @@ mod notifier_tests {
         }
         fn inval_inode(&self, ino: u64) {
             self.calls.lock().push(format!("inode {ino}"));
+        }
+        fn inval_attr(&self, ino: u64) {
+            self.calls.lock().push(format!("attr {ino}"));
         }
     }
 

@@ -944,6 +944,10 @@ impl crate::fs::Notifier for KernelNotifier {
     fn inval_inode(&self, ino: u64) {
         let _ = self.0.inval_inode(INodeNo(ino), 0, -1);
     }
+    fn inval_attr(&self, ino: u64) {
+        // a negative offset: the kernel drops the attributes and leaves the pages
+        let _ = self.0.inval_inode(INodeNo(ino), -1, 0);
+    }
 }
 
 #[cfg(test)]
