@@ -52,8 +52,8 @@ struct Since {
 
 /// Entries per page of a directory too large to cache.
 pub const DIR_PAGE: usize = 1024;
-/// Entries one readdirplus answer considers (more than a reply holds).
-const PLUS_WINDOW: usize = 256;
+/// Entries one readdirplus answer considers (a 4 KiB reply holds about 25).
+const PLUS_WINDOW: usize = 64;
 /// Names one readdirplus answer looks up again at most, and at once.
 const PLUS_LOOKUPS: usize = 32;
 const PLUS_PARALLEL: usize = 8;
@@ -410,9 +410,17 @@ impl Fs {
                 continue;
             };
             let path = join(&dir, &e.name);
-            let attr = if let Some(of) = self.open_file(e.ino) {
-                self.open_file_attr(e.ino, &of)
-            } else if self.name_changes.since(&path, listing.since.at) {
+            let cached = self.meta.lookup(&dir, &e.name);
+            // changed since the listing; gone or another node by the cache; or a hard link
+            // (stamps are per name, and a write through another name changed this one)
+            let doubt = self.name_changes.since(&path, listing.since.at)
+                || match &cached {
+                    Cached::Found(cur) => !self.is_node(&path, cur, e.ino),
+                    Cached::Absent => true,
+                    Cached::Unknown => false,
+                }
+                || (snap.kind != Kind::Dir && (snap.nlink > 1 || e.ident.is_none()));
+            let attr = if doubt {
                 if doubted.len() == PLUS_LOOKUPS {
                     end = start + i;
                     break;
@@ -420,11 +428,11 @@ impl Fs {
                 doubted.push(start + i);
                 out.push(None);
                 continue;
+            } else if let Some(of) = self.open_file(e.ino) {
+                self.open_file_attr(e.ino, &of)
             } else {
-                match self.meta.lookup(&dir, &e.name) {
-                    Cached::Found(cur) if self.is_node(&path, &cur, e.ino) => {
-                        self.attr_of(e.ino, &path, &cur)
-                    }
+                match cached {
+                    Cached::Found(cur) => self.attr_of(e.ino, &path, &cur),
                     _ => snap.clone(),
                 }
             };
@@ -834,6 +842,55 @@ mod tests {
             after["h"].ino, before["h"].ino,
             "the old file is sent for h"
         );
+    }
+
+    /// A name another client gave to another file while the file it held is open here:
+    /// the open file is not sent for the name (its dentry would point at a file the name
+    /// no longer holds).
+    #[tokio::test]
+    async fn readdirplus_sends_the_new_file_at_a_name_whose_old_file_is_open() {
+        let (fs, filer, dh) = listed(&["a", "t"]).await;
+        let before = plus(&fs, dh).await.unwrap();
+        let fh = fs.open(before["t"].ino, libc::O_RDONLY).await.unwrap();
+        let mut other = rewritten(&filer, "t", b"another file");
+        let attrs = other.attributes.as_mut().unwrap();
+        attrs.inode += 1_000;
+        attrs.crtime -= 1_000;
+        elsewhere(&fs, &filer, "t", Some(other)).await;
+        let after = plus(&fs, dh).await.unwrap();
+        assert_ne!(
+            after["t"].ino, before["t"].ino,
+            "the open old file is sent for t"
+        );
+        assert_eq!(size(&after, "t"), 12);
+        fs.release(fh, before["t"].ino).await.unwrap();
+    }
+
+    /// Stamps are per name: a file written through one of its hard links is looked up
+    /// again under its other names too.
+    #[tokio::test]
+    async fn readdirplus_looks_up_every_name_of_a_hard_linked_file() {
+        let filer = Arc::new(MockFiler::new());
+        let fs = new_fs(filer.clone(), 1);
+        let (a, fh) = fs
+            .create(ROOT_INO, "a", 0o644, 0, libc::O_WRONLY, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"12345").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        fs.link(a.ino, ROOT_INO, "b").await.unwrap();
+        let dh = fs.opendir(ROOT_INO).await.unwrap();
+        fs.readdir(ROOT_INO, dh, 0).await.unwrap();
+        assert_eq!(size(&plus(&fs, dh).await.unwrap(), "a"), 5);
+        let fh = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+        fs.write(fh, a.ino, 5, b"67890").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        // the filer keeps one record for both names (the mock does not): each name is
+        // asked for, not only the one the write went through
+        let asked = filer.calls("lookup_entry");
+        let after = plus(&fs, dh).await.unwrap();
+        assert_eq!(after.len(), 2);
+        assert_eq!(filer.calls("lookup_entry") - asked, 2);
     }
 
     /// More gone names than one answer looks up: the answer goes on past them instead of

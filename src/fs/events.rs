@@ -131,6 +131,10 @@ impl Fs {
         for of in self.apply_event_now(ev) {
             self.spawn_resync(of);
         }
+        // and again: one that decided in between may have read the cache before the event
+        for (d, name) in &touched {
+            self.name_changes.stamp(join(d, name));
+        }
         for (d, name) in touched {
             if self.changed_here_lately(d, name) {
                 self.meta.invalidate_dir(d, false);
