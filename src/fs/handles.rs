@@ -304,35 +304,18 @@ impl Fs {
         };
         let r = self.flush_file(&of).await;
         if last {
-            // the file leaves the open files, and its chunks that no commit carried with
-            // it (an unlinked file's, or a file whose last commit failed for good: moved
-            // away unseen, data that could not be placed) are referenced by nothing; both
-            // at once, so no open slips in between and commits an entry that lists them
             let orphans = {
-                let mut files = self.files.lock();
+                let files = self.files.lock();
                 let still_last = files
                     .get(&ino)
                     .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, &of));
-                if still_last {
-                    files.remove(&ino);
-                    self.verifier.closed(ino);
-                    let mut s = of.state.lock();
-                    if s.unlinked || r.is_err() {
-                        s.take_orphans()
-                    } else {
-                        Vec::new()
-                    }
+                let mut s = of.state.lock();
+                if still_last && s.unlinked {
+                    s.take_orphans()
                 } else {
-                    if files.get(&ino).is_some_and(|o| o.handles == 0) {
-                        files.remove(&ino);
-                        self.verifier.closed(ino);
-                    }
                     Vec::new()
                 }
             };
-            if !orphans.is_empty() {
-                tracing::info!(path = %of.path(), chunks = orphans.len(), "deleting chunks of a file that will not be committed");
-            }
             self.delete_orphans(orphans);
             if let Some(e) = of.unplaced() {
                 let lost: usize = of
@@ -345,6 +328,11 @@ impl Fs {
                     .sum();
                 tracing::error!(path = %of.path(), lost_bytes = lost, error = %e,
                     "last handle closed with data that could not be placed; it is dropped");
+            }
+            let mut files = self.files.lock();
+            if files.get(&ino).map(|o| o.handles == 0).unwrap_or(false) {
+                files.remove(&ino);
+                self.verifier.closed(ino);
             }
         }
         r

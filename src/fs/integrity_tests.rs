@@ -718,55 +718,6 @@ async fn a_file_moved_unseen_during_a_gap_is_not_created_again_at_its_old_name()
     );
 }
 
-/// The chunks a file uploaded after its last commit, when that file closes with a commit
-/// that failed for good (moved away unseen: ESTALE), are referenced by no entry: they are
-/// deleted, and the moved file keeps every chunk it lists.
-#[tokio::test]
-async fn chunks_of_a_file_that_can_never_be_committed_are_deleted_at_its_last_close() {
-    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, &vec![1u8; MIB + 5]).await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    let committed = store.len();
-    rename_f_to_g_unseen(&filer).await;
-    fs.resync();
-    fs.write(fh, a.ino, 2 * MIB as u64, &vec![2u8; 2 * MIB + 7])
-        .await
-        .unwrap();
-    assert_eq!(fs.flush(fh, a.ino).await.unwrap_err().errno, libc::ESTALE);
-    assert!(
-        store.len() > committed,
-        "nothing was uploaded after the move"
-    );
-    assert!(fs.release(fh, a.ino).await.is_err());
-    settle().await;
-    let g = filer.get("/g").unwrap();
-    assert_eq!(
-        store.len(),
-        committed,
-        "uploads nothing references are left"
-    );
-    for c in &g.chunks {
-        assert!(store.contains(&c.file_id), "a chunk of the moved file went");
-    }
-}
-
-/// A last commit whose outcome is unknown (the filer failed to answer): the filer may hold
-/// what it carried, so none of those chunks is deleted at the last close.
-#[tokio::test]
-async fn chunks_a_failed_commit_carried_are_kept_at_the_last_close() {
-    let (fs, store, filer) = fs_and_store(Duration::from_millis(300));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, &vec![1u8; 2 * MIB + 5])
-        .await
-        .unwrap();
-    filer.fail_next(10_000);
-    assert!(fs.release(fh, a.ino).await.is_err());
-    filer.fail_next(0);
-    settle().await;
-    assert_eq!(store.len(), 3, "chunks a commit carried were deleted");
-}
-
 /// The same through a replayed event (a recheck), whose move is not taken here.
 #[tokio::test]
 async fn a_file_moved_in_a_replayed_event_is_not_created_again_at_its_old_name() {
