@@ -750,6 +750,15 @@ mod tests {
         e
     }
 
+    /// Another file with `content` at `/name`, as another client put it there.
+    fn replaced(filer: &MockFiler, name: &str, content: &[u8]) -> pb::Entry {
+        let mut e = rewritten(filer, name, content);
+        let attrs = e.attributes.as_mut().unwrap();
+        attrs.inode += 1_000;
+        attrs.crtime -= 1_000;
+        e
+    }
+
     #[tokio::test]
     async fn readdirplus_attrs_are_current_not_from_the_opendir_snapshot() {
         let fs = new_fs(Arc::new(MockFiler::new()), 100_000);
@@ -826,11 +835,13 @@ mod tests {
         )
         .await;
         elsewhere(&fs, &filer, "g", None).await;
-        let mut other = rewritten(&filer, "h", b"another file");
-        let attrs = other.attributes.as_mut().unwrap();
-        attrs.inode += 1_000;
-        attrs.crtime -= 1_000;
-        elsewhere(&fs, &filer, "h", Some(other)).await;
+        elsewhere(
+            &fs,
+            &filer,
+            "h",
+            Some(replaced(&filer, "h", b"another file")),
+        )
+        .await;
 
         let after = plus(&fs, dh).await.unwrap();
         assert_eq!(size(&after, "a"), 1);
@@ -852,11 +863,13 @@ mod tests {
         let (fs, filer, dh) = listed(&["a", "t"]).await;
         let before = plus(&fs, dh).await.unwrap();
         let fh = fs.open(before["t"].ino, libc::O_RDONLY).await.unwrap();
-        let mut other = rewritten(&filer, "t", b"another file");
-        let attrs = other.attributes.as_mut().unwrap();
-        attrs.inode += 1_000;
-        attrs.crtime -= 1_000;
-        elsewhere(&fs, &filer, "t", Some(other)).await;
+        elsewhere(
+            &fs,
+            &filer,
+            "t",
+            Some(replaced(&filer, "t", b"another file")),
+        )
+        .await;
         let after = plus(&fs, dh).await.unwrap();
         assert_ne!(
             after["t"].ino, before["t"].ino,

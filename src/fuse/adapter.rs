@@ -638,7 +638,7 @@ impl Filesystem for FuseAdapter {
                         page.listing.base + p.index as u64 + 1,
                         &e.name,
                         &fs.cfg.meta_ttl,
-                        &to_file_attr(&dir_attr(e.attr.clone(), ino.0, e)),
+                        &to_file_attr(&dir_attr(ino.0, e)),
                         Generation(0),
                     ) {
                         break;
@@ -903,8 +903,8 @@ impl Filesystem for FuseAdapter {
     }
 }
 
-fn dir_attr(current: Option<Attr>, dir_ino: u64, e: &DirEntryOut) -> Attr {
-    match current.or_else(|| e.attr.clone()) {
+fn dir_attr(dir_ino: u64, e: &DirEntryOut) -> Attr {
+    match e.attr.clone() {
         Some(a) => a,
         None => {
             let mut a = fs_root_like(e.ino);
