@@ -138,6 +138,10 @@ pub struct FileState {
     /// Not yet created on the filer (deferred create).
     pub pending_create: bool,
     pub unlinked: bool,
+    /// Its last handle closed: this state left the open files and the chunks only it knew
+    /// were deleted. It is never committed again; a request still holding it looks the
+    /// file up again (an open finds it gone from the table and loads the filer's entry).
+    pub retired: bool,
     /// Why the runs marked `failed` could not be placed (cleared once none is left).
     pub error: Option<String>,
     /// Bytes written but not yet committed (for quota accounting).
@@ -330,6 +334,7 @@ impl OpenFile {
                 meta_dirty: false,
                 pending_create: false,
                 unlinked: false,
+                retired: false,
                 error: None,
                 uncommitted: 0,
                 seq: 0,

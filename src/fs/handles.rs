@@ -78,18 +78,38 @@ impl Fs {
     /// and the lookup are one step: a last release running concurrently (on another thread)
     /// may have removed `file` from the table after the caller found it, and a handle on a
     /// state the table no longer has would see its writes vanish from getattr and setattr.
-    fn register_open(&self, ino: u64, file: Arc<OpenFile>) -> Arc<OpenFile> {
+    /// None if `file` was retired meanwhile (its chunks deleted): the caller loads it again.
+    pub(super) fn register_open(&self, ino: u64, file: Arc<OpenFile>) -> Option<Arc<OpenFile>> {
         let mut files = self.files.lock();
+        if !files.contains_key(&ino) && file.state.lock().retired {
+            return None;
+        }
         let o = files
             .entry(ino)
             .or_insert_with(|| OpenEntry { file, handles: 0 });
         o.handles += 1;
-        o.file.clone()
+        Some(o.file.clone())
     }
 
-    pub(super) fn add_handle(&self, ino: u64, file: Arc<OpenFile>, writable: bool) -> u64 {
+    /// `ino`'s open-file state with one more handle counted on it.
+    async fn open_counted(&self, ino: u64, by_name: bool) -> Result<Arc<OpenFile>> {
+        // a retired state is replaced by a fresh load at once; only a close racing every
+        // load could retire each in turn
+        for _ in 0..3 {
+            let of = self.open_inode(ino, by_name).await?;
+            if let Some(of) = self.register_open(ino, of) {
+                return Ok(of);
+            }
+        }
+        Err(errno(
+            libc::ESTALE,
+            "the file was closed while being opened",
+        ))
+    }
+
+    /// A new handle on `file`, already counted by [`Self::register_open`].
+    fn insert_handle(&self, ino: u64, file: Arc<OpenFile>, writable: bool) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let file = self.register_open(ino, file);
         self.handles.lock().insert(
             fh,
             Arc::new(Handle {
@@ -102,6 +122,14 @@ impl Fs {
         fh
     }
 
+    /// A handle on a state just made (create): nothing can have retired it.
+    pub(super) fn add_handle(&self, ino: u64, file: Arc<OpenFile>, writable: bool) -> Result<u64> {
+        let file = self
+            .register_open(ino, file)
+            .ok_or_else(|| errno(libc::EIO, "a new file was closed before its first handle"))?;
+        Ok(self.insert_handle(ino, file, writable))
+    }
+
     /// A handle by number; after a takeover the kernel may present handles of the previous
     /// process, which are re-created on first use.
     pub async fn handle(&self, fh: u64, ino: u64) -> Result<Arc<Handle>> {
@@ -109,8 +137,7 @@ impl Fs {
             return Ok(h.clone());
         }
         self.verifier.adopted_handle(fh, ino);
-        let of = self.open_inode(ino, false).await?;
-        let file = self.register_open(ino, of);
+        let file = self.open_counted(ino, false).await?;
         let h = Arc::new(Handle {
             ino,
             file,
@@ -239,8 +266,8 @@ impl Fs {
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;
         }
-        let of = self.open_inode(ino, true).await?;
-        let fh = self.add_handle(ino, of, writable);
+        let of = self.open_counted(ino, true).await?;
+        let fh = self.insert_handle(ino, of, writable);
         let Some(of) = self.handles.lock().get(&fh).map(|h| h.file.clone()) else {
             return Err(errno(libc::EIO, "handle vanished while opening"));
         };
@@ -287,11 +314,14 @@ impl Fs {
     pub async fn release(&self, fh: u64, ino: u64) -> Result<()> {
         self.verifier.released(fh);
         let h = self.handles.lock().remove(&fh);
-        let file = match h {
-            Some(h) => Some(h.file.clone()),
-            None => self.open_file(ino),
+        let Some(of) = h.map(|h| h.file.clone()) else {
+            // a handle of a previous process never used here: it was never counted, so it
+            // must not count the file down (a live handle would lose its state at 0)
+            return match self.open_file(ino) {
+                Some(of) => self.flush_file(&of).await,
+                None => Ok(()),
+            };
         };
-        let Some(of) = file else { return Ok(()) };
         let last = {
             let mut files = self.files.lock();
             match files.get_mut(&ino) {
@@ -304,37 +334,48 @@ impl Fs {
         };
         let r = self.flush_file(&of).await;
         if last {
-            let orphans = {
-                let files = self.files.lock();
-                let still_last = files
-                    .get(&ino)
-                    .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, &of));
-                let mut s = of.state.lock();
-                if still_last && s.unlinked {
-                    s.take_orphans()
-                } else {
-                    Vec::new()
-                }
-            };
-            self.delete_orphans(orphans);
-            if let Some(e) = of.unplaced() {
-                let lost: usize = of
-                    .state
-                    .lock()
-                    .inflight
-                    .iter()
-                    .filter(|i| i.failed)
-                    .map(|i| i.data.len())
-                    .sum();
-                tracing::error!(path = %of.path(), lost_bytes = lost, error = %e,
-                    "last handle closed with data that could not be placed; it is dropped");
-            }
-            let mut files = self.files.lock();
-            if files.get(&ino).map(|o| o.handles == 0).unwrap_or(false) {
-                files.remove(&ino);
-                self.verifier.closed(ino);
-            }
+            self.retire(ino, &of).await;
         }
         r
+    }
+
+    /// After the last handle's flush: the state leaves the open files, and the chunks only
+    /// it knew (uploaded but carried by no commit: it failed for good, or the file was
+    /// unlinked) are deleted. Under the commit lock, so no commit of the state is in flight,
+    /// and retired in the same step, so none can follow (commits of unknown outcome already
+    /// gave up their chunks, see [`OpenFile::keep_carried`]).
+    async fn retire(&self, ino: u64, of: &Arc<OpenFile>) {
+        let _commit = of.commit.lock().await;
+        let orphans = {
+            let mut files = self.files.lock();
+            let still_last = files
+                .get(&ino)
+                .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, of));
+            if !still_last {
+                return;
+            }
+            files.remove(&ino);
+            let mut s = of.state.lock();
+            s.retired = true;
+            s.take_orphans()
+        };
+        self.verifier.closed(ino);
+        if let Some(e) = of.unplaced() {
+            let lost: usize = of
+                .state
+                .lock()
+                .inflight
+                .iter()
+                .filter(|i| i.failed)
+                .map(|i| i.data.len())
+                .sum();
+            tracing::error!(path = %of.path(), lost_bytes = lost, error = %e,
+                "last handle closed with data that could not be placed; it is dropped");
+        }
+        if !orphans.is_empty() {
+            tracing::info!(path = %of.path(), count = orphans.len(),
+                "deleting chunks no entry references after the last close");
+        }
+        self.delete_orphans(orphans);
     }
 }

@@ -1177,3 +1177,244 @@ async fn a_restarted_plugin_reads_a_disk_cached_file_with_no_gets() {
     }
     removed.unwrap();
 }
+
+/// Every chunk of every file on the filer is still on the volume servers.
+fn all_referenced_chunks_exist(filer: &MockFiler, store: &MockChunkStore) {
+    for path in filer.paths() {
+        let e = filer.get(&path).unwrap();
+        for c in &e.chunks {
+            assert!(
+                store.contains(&c.file_id),
+                "{path} lists deleted {}",
+                c.file_id
+            );
+        }
+    }
+}
+
+/// "/f" committed with 1 MiB, then a second MiB uploaded but not committed, then 5 bytes the
+/// store refuses: the handle's close fails with the data unplaced. Returns the open state
+/// (taken before the close, as a request racing it would hold it) and how many chunks the
+/// store held before the close.
+async fn close_with_unplaced_data(
+    fs: &Arc<Fs>,
+    store: &MockChunkStore,
+) -> (u64, Arc<super::file::OpenFile>, usize) {
+    let (a, fh) = create_f(fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, MIB as u64, &vec![2u8; MIB])
+        .await
+        .unwrap();
+    let of = fs.open_file(a.ino).unwrap();
+    of.wait_uploads().await;
+    let before = store.len();
+    assert_eq!(before, 2, "the second MiB was uploaded");
+    store.fail_next_uploads(1_000);
+    fs.write(fh, a.ino, 2 * MIB as u64, b"tail").await.unwrap();
+    assert_eq!(fs.release(fh, a.ino).await.unwrap_err().errno, libc::EIO);
+    store.fail_next_uploads(0);
+    settle().await;
+    (a.ino, of, before)
+}
+
+/// A file whose last close failed for good (data that could not be placed) leaves no
+/// chunk that no entry references: the MiB uploaded after its last commit is deleted, the
+/// committed one is kept.
+#[tokio::test]
+async fn a_failed_last_close_deletes_the_chunks_no_commit_carried() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (_ino, _of, before) = close_with_unplaced_data(&fs, &store).await;
+    assert_eq!(
+        store.len(),
+        before - 1,
+        "the uncommitted MiB was left behind"
+    );
+    assert_eq!(referenced(&filer, "/f"), 1);
+    all_referenced_chunks_exist(&filer, &store);
+}
+
+/// The same for a file moved away by another client unseen (its commit is ESTALE): what
+/// it uploaded after the move is deleted, the moved file keeps every chunk it lists.
+#[tokio::test]
+async fn a_last_close_after_an_unseen_move_deletes_only_its_own_uploads() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB + 5]).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    let committed = store.len();
+    rename_f_to_g_unseen(&filer).await;
+    fs.resync();
+    fs.write(fh, a.ino, 2 * MIB as u64, &vec![2u8; 2 * MIB + 7])
+        .await
+        .unwrap();
+    assert_eq!(fs.release(fh, a.ino).await.unwrap_err().errno, libc::ESTALE);
+    settle().await;
+    assert_eq!(store.len(), committed, "uploads no entry lists were left");
+    assert!(filer.get("/f").is_none());
+    all_referenced_chunks_exist(&filer, &store);
+}
+
+/// A commit whose outcome is unknown (the filer did not answer) may have landed: the
+/// chunks it carried are kept at the last close; a chunk uploaded after it is not.
+#[tokio::test]
+async fn chunks_a_commit_of_unknown_outcome_carried_survive_the_last_close() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(200));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; 2 * MIB + 5])
+        .await
+        .unwrap();
+    filer.fail_next(10_000);
+    assert!(fs.flush(fh, a.ino).await.is_err());
+    filer.fail_next(0);
+    assert_eq!(store.len(), 3);
+    fs.write(fh, a.ino, 3 * MIB as u64, &vec![2u8; MIB])
+        .await
+        .unwrap();
+    let of = fs.open_file(a.ino).unwrap();
+    of.wait_uploads().await;
+    assert_eq!(store.len(), 4);
+    store.fail_next_uploads(1_000);
+    fs.write(fh, a.ino, 5 * MIB as u64, b"x").await.unwrap();
+    assert!(fs.release(fh, a.ino).await.is_err());
+    store.fail_next_uploads(0);
+    settle().await;
+    assert_eq!(
+        store.len(),
+        3,
+        "the carried chunks must stay, the later one must go"
+    );
+}
+
+/// An open that found the state before a failed last close retired it does not put it
+/// back: its next commit would list the chunks the close deleted.
+#[tokio::test]
+async fn an_open_racing_a_failed_last_close_loads_the_file_again() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
+    assert!(fs.register_open(ino, old.clone()).is_none());
+    let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+    let now = fs.handle(fh, ino).await.unwrap().file.clone();
+    assert!(!Arc::ptr_eq(&now, &old), "the retired state is open again");
+    fs.write(fh, ino, 0, b"new").await.unwrap();
+    fs.release(fh, ino).await.unwrap();
+    all_referenced_chunks_exist(&filer, &store);
+}
+
+/// A request that held the state across its retirement neither commits it (it would list
+/// the deleted chunks) nor loses its change in it: a chmod goes to the filer's entry.
+#[tokio::test]
+async fn a_request_holding_a_retired_state_does_not_commit_it() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    fs.setattr_open(ino, "/f", &old, &chmod).await.unwrap();
+    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    assert_eq!(mode, 0o600, "the chmod stayed in the closed file's state");
+    fs.setxattr(ino, "user.k", b"v", 0).await.unwrap();
+    assert_eq!(
+        fs.flush_file(&old).await.unwrap_err().errno,
+        libc::ESTALE,
+        "the retired state was committed"
+    );
+    all_referenced_chunks_exist(&filer, &store);
+    assert_eq!(referenced(&filer, "/f"), 1);
+}
+
+/// A RELEASE of a handle this process never counted (a previous process's, after a
+/// takeover) does not count the file down: its live handles keep their state.
+#[tokio::test]
+async fn releasing_an_unknown_handle_does_not_close_a_live_file() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    let fh2 = fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    fs.release(fh + 1_000, a.ino).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let of = fs
+        .open_file(a.ino)
+        .expect("the file was closed under a live handle");
+    assert!(Arc::ptr_eq(&of, &fs.handle(fh2, a.ino).await.unwrap().file));
+    fs.write(fh2, a.ino, 0, b"still here").await.unwrap();
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 10);
+    fs.release(fh2, a.ino).await.unwrap();
+    assert_eq!(crate::chunks::file_size(&filer.get("/f").unwrap()), 10);
+}
+
+/// A commit retried after a failure of unknown outcome stops when the file is unlinked
+/// meanwhile; the failed attempt may still have landed, so its chunks are not deleted at
+/// the last close.
+#[tokio::test]
+async fn a_commit_stopped_by_an_unlink_keeps_what_an_earlier_attempt_carried() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, MIB as u64, &vec![2u8; MIB + 3])
+        .await
+        .unwrap();
+    let of = fs.open_file(a.ino).unwrap();
+    let creates = filer.calls("create_entry");
+    filer.fail_next(1);
+    let flush = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.flush(fh, a.ino).await })
+    };
+    assert!(eventually(|| filer.calls("create_entry") > creates).await);
+    // another client's delete, applied while the commit waits to retry
+    of.state.lock().unlinked = true;
+    flush.await.unwrap().unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    settle().await;
+    assert_eq!(
+        store.len(),
+        3,
+        "chunks the failed attempt carried were deleted"
+    );
+}
+
+/// Opens, chmods and xattr changes racing failed last closes on other threads never leave
+/// an entry listing a deleted chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_racing_failed_last_closes_never_commit_deleted_chunks() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    for round in 0..20u32 {
+        let name = format!("r{round}");
+        let (a, fh) = fs
+            .create(ROOT_INO, &name, 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.write(fh, a.ino, MIB as u64, &vec![2u8; MIB])
+            .await
+            .unwrap();
+        fs.open_file(a.ino).unwrap().wait_uploads().await;
+        store.fail_next_uploads(1_000);
+        fs.write(fh, a.ino, 2 * MIB as u64, b"t").await.unwrap();
+        let ino = a.ino;
+        let (f1, f2, f3, f4) = (fs.clone(), fs.clone(), fs.clone(), fs.clone());
+        let close = tokio::spawn(async move { f1.release(fh, ino).await });
+        let chmod = tokio::spawn(async move {
+            let req = SetAttr {
+                mode: Some(0o640),
+                ..Default::default()
+            };
+            f2.setattr(ino, req).await
+        });
+        let xattr = tokio::spawn(async move { f3.setxattr(ino, "user.r", b"1", 0).await });
+        let open = tokio::spawn(async move { f4.open(ino, libc::O_RDWR).await });
+        let _ = close.await.unwrap();
+        let _ = chmod.await.unwrap();
+        let _ = xattr.await.unwrap();
+        store.fail_next_uploads(0);
+        if let Ok(fh2) = open.await.unwrap() {
+            let _ = fs.write(fh2, ino, 0, b"again").await;
+            let _ = fs.release(fh2, ino).await;
+        }
+        settle().await;
+        all_referenced_chunks_exist(&filer, &store);
+    }
+}

@@ -312,7 +312,7 @@ impl Fs {
         self.meta.upsert(&dir, Arc::new(e.clone()));
         self.touch_dir(&dir);
         let a = self.remember(&path, &e, true);
-        let fh = self.add_handle(ino, of, true);
+        let fh = self.add_handle(ino, of, true)?;
         Ok((a, fh))
     }
 

@@ -113,7 +113,8 @@ impl Fs {
     /// clean: its filer entry is changed instead (ours may predate another node's write).
     fn defer_setattr(&self, of: &OpenFile, req: &SetAttr) -> bool {
         let mut st = of.state.lock();
-        if st.is_clean() && !st.unlinked {
+        // a retired state is never committed: the change goes to the filer's entry
+        if (st.is_clean() && !st.unlinked) || st.retired {
             return false;
         }
         self.apply_setattr(&mut st.entry, req);
@@ -123,7 +124,7 @@ impl Fs {
 
     /// setattr through an open file's state: attributes with the file's next commit (or on
     /// the filer's entry when there is nothing to commit), a truncate committed at once.
-    async fn setattr_open(
+    pub(super) async fn setattr_open(
         &self,
         ino: u64,
         path: &str,

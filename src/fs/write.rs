@@ -162,10 +162,17 @@ impl Fs {
         }
         of.wait_uploads().await;
         let _commit = of.commit.lock().await;
-        let (dirty, unlinked) = {
+        let (dirty, unlinked, retired) = {
             let s = of.state.lock();
-            (s.meta_dirty, s.unlinked)
+            (s.meta_dirty, s.unlinked, s.retired)
         };
+        if retired {
+            // its chunks of ours were deleted at the last close: a commit would list them
+            return Err(errno(
+                libc::ESTALE,
+                format!("{}: closed meanwhile; look it up again", of.path()),
+            ));
+        }
         if let Some(e) = of.unplaced() {
             return Err(errno(libc::EIO, format!("upload failed: {e}")));
         }
@@ -182,7 +189,9 @@ impl Fs {
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             if attempt > 0 && of.state.lock().unlinked {
-                // removed while we retried: committing now would bring it back
+                // removed while we retried: committing now would bring it back. An attempt
+                // before may still have landed: never delete what it carried.
+                of.keep_carried(&snap);
                 return Ok(());
             }
             match self.create_on_filer(&dir, &snap.entry, false).await {

@@ -159,7 +159,8 @@ impl Fs {
         if let Some(of) = &open {
             let local = {
                 let mut s = of.state.lock();
-                let local = !s.is_clean() || s.unlinked;
+                // a retired state is never committed: the change goes to the filer's entry
+                let local = (!s.is_clean() || s.unlinked) && !s.retired;
                 if local {
                     // our own entry goes to the filer anyway: the change rides that commit
                     f(&mut s.entry)?;
