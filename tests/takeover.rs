@@ -737,3 +737,82 @@ fn without_keeper_daemon_death_is_enotconn_at_once() {
     takeover::unmount(&fx.mnt).unwrap();
     assert!(mountinfo(&fx.mnt).is_empty());
 }
+
+/// Whether process `pid` is gone or a zombie (exited, not yet reaped by its new parent).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// (e) An invalidation waits, uninterruptibly, for the lock of a directory whose lookup is
+/// in flight to the daemon. A daemon SIGKILLed then must still exit: were the waiting
+/// thread its own, it could not, its fds would stay open, no successor could adopt the
+/// connection and the lookup would never be answered (a hang for good). The helper process
+/// that writes the notification waits instead; the successor answers the resent lookup,
+/// and the helper then exits.
+fn crash_during_an_invalidation(extra: &[&str]) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut fx = Fixture::new();
+    fx.start_keeper();
+    let mut args = vec![
+        "--hold-lookup-name=stall",
+        "--hold-ms=60000",
+        "--inval-on-hold=other",
+    ];
+    args.extend_from_slice(extra);
+    let a = fx.start_memfs("memfs-a", &args, "memfs-event: ready");
+    let b = fx.prepare_memfs("memfs-b", &["--adopt"]);
+    let helpers: Vec<u32> = fx.procs[a]
+        .log()
+        .lines()
+        .find_map(|l| l.split_once("memfs-event: notify-helpers pids=["))
+        .map(|(_, rest)| {
+            rest.trim_end_matches(']')
+                .split(", ")
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let stall = fx.mnt.join("stall");
+    let lookup = std::thread::spawn(move || std::fs::metadata(stall).map(|_| ()));
+    fx.procs[a].wait_for("memfs-event: hold op=lookup", BOUND);
+    fx.procs[a].wait_for("memfs-event: notifying", BOUND);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !fx.procs[a].log().contains("memfs-event: notified"),
+        "the invalidation should wait for the directory's lock"
+    );
+    fx.procs[a].signal(Signal::SIGKILL);
+    fx.procs[a].wait_exit(Duration::from_secs(10));
+    fx.launch(b, "memfs-event: ready");
+    let deadline = Instant::now() + BOUND;
+    while !lookup.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the held lookup was never answered"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let err = lookup.join().unwrap().expect_err("no such file");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+    assert_eq!(helpers.len(), 2, "{}", fx.procs[a].log());
+    let deadline = Instant::now() + BOUND;
+    while !helpers.iter().all(|&p| exited(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "a notification helper outlived its session"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(fx.mnt.join("after"), b"ok").unwrap();
+    assert_eq!(std::fs::read(fx.mnt.join("after")).unwrap(), b"ok");
+}
+
+#[test]
+fn crash_while_an_invalidation_waits_for_a_held_lookup_still_exits() {
+    crash_during_an_invalidation(&[]);
+}
