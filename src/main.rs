@@ -7,8 +7,6 @@ use clap::Parser;
 use seaweedfs_csi_driver::cli::{self, Cli, Command};
 
 fn main() -> ExitCode {
-    // a notification helper of a FUSE session is this binary too (see notify_proxy)
-    seaweedfs_csi_driver::fuse::notify_proxy::run_helper_if_asked();
     // before any thread exists, so that every thread shares the one arena
     seaweedfs_csi_driver::fuse::session::tune_allocator();
     let cli = Cli::parse_from(cli::normalize_args(std::env::args_os()));

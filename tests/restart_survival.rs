@@ -684,28 +684,6 @@ impl Fixture {
         }
     }
 
-    /// Notification helper processes (see `fuse::notify_proxy`) of the processes started
-    /// here, zombies included.
-    fn notify_helpers(&self) -> Vec<u32> {
-        let ours: Vec<String> = self.procs.iter().map(|p| p.pid().to_string()).collect();
-        let helper = seaweedfs_csi_driver::fuse::notify_proxy::HELPER_ARG;
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|pid| {
-                let status = std::fs::read_to_string(format!("/proc/{pid}/status"));
-                let parent = status.ok().and_then(|s| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix("PPid:").map(|p| p.trim().to_string()))
-                });
-                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                // a zombie has no cmdline left: its parent alone tells
-                parent.is_some_and(|p| ours.contains(&p))
-                    && (cmd.is_empty() || String::from_utf8_lossy(&cmd).contains(helper))
-            })
-            .collect()
-    }
-
     fn path(&self, rel: &str) -> PathBuf {
         self.dir.path().join(rel)
     }
@@ -937,10 +915,6 @@ impl Volume {
 
     /// NodeUnpublish x2 + NodeUnstage; then nothing is mounted, kept or recorded.
     async fn tear_down(&self, c: &mut Clients, fx: &Fixture) {
-        assert!(
-            !fx.notify_helpers().is_empty(),
-            "a kept session writes its invalidations through helper processes"
-        );
         for t in &self.targets {
             c.node
                 .node_unpublish_volume(unpublish_req(&self.vol, t))
@@ -962,15 +936,6 @@ impl Volume {
             0,
             "state file still records the volume"
         );
-        let deadline = Instant::now() + BOUND;
-        while !fx.notify_helpers().is_empty() {
-            assert!(
-                Instant::now() < deadline,
-                "notification helpers outlived their session: {:?}",
-                fx.notify_helpers()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 }
 

@@ -48,8 +48,6 @@ enum TestCommand {
 }
 
 fn main() -> ExitCode {
-    // a notification helper of a FUSE session is this binary too (see notify_proxy)
-    seaweedfs_csi_driver::fuse::notify_proxy::run_helper_if_asked();
     seaweedfs_csi_driver::fuse::session::tune_allocator();
     let cli = TestCli::parse_from(cli::normalize_args_for(
         &TestCli::command(),

@@ -352,10 +352,6 @@ struct Shared {
     sink: Mutex<Option<Sink>>,
     persist_every_change: bool,
     hold: Option<(String, Duration)>,
-    hold_lookup: Option<(String, Duration)>,
-    /// Invalidated (from another thread) while a lookup is held.
-    inval_on_hold: Option<String>,
-    notifier: Mutex<Option<Arc<dyn crate::fs::Notifier>>>,
     first_seen: AtomicBool,
     ttl: Duration,
 }
@@ -391,10 +387,6 @@ pub struct MemFsOptions {
     pub persist_every_change: bool,
     /// Reads of a file with this name sleep this long first (keeps a request in flight).
     pub hold: Option<(String, Duration)>,
-    /// Lookups of this name sleep this long first (keeps the directory's lock taken).
-    pub hold_lookup: Option<(String, Duration)>,
-    /// While a lookup is held, another thread invalidates this name in its directory.
-    pub inval_on_hold: Option<String>,
     pub ttl: Duration,
 }
 
@@ -406,9 +398,6 @@ impl MemFs {
                 sink: Mutex::new(None),
                 persist_every_change: opts.persist_every_change,
                 hold: opts.hold,
-                hold_lookup: opts.hold_lookup,
-                inval_on_hold: opts.inval_on_hold,
-                notifier: Mutex::new(None),
                 first_seen: AtomicBool::new(false),
                 ttl: opts.ttl,
             }),
@@ -482,24 +471,6 @@ impl Filesystem for MemFs {
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.note(req, "lookup");
-        if let Some((held, delay)) = &self.sh.hold_lookup {
-            if name.as_encoded_bytes() == held.as_bytes() {
-                eprintln!("memfs-event: hold op=lookup unique={:#x}", req.unique().0);
-                if let Some(other) = self.sh.inval_on_hold.clone() {
-                    let sh = self.sh.clone();
-                    std::thread::spawn(move || {
-                        std::thread::sleep(Duration::from_millis(50));
-                        let nt = sh.notifier.lock().clone();
-                        if let Some(nt) = nt {
-                            eprintln!("memfs-event: notifying name={other}");
-                            nt.inval_entry(parent.0, &other);
-                            eprintln!("memfs-event: notified name={other}");
-                        }
-                    });
-                }
-                std::thread::sleep(*delay);
-            }
-        }
         let st = self.sh.state.read();
         match name_str(name)
             .and_then(|n| st.child(parent.0, n))
@@ -975,17 +946,8 @@ pub struct MemfsArgs {
     /// Test hook: reads of a file with this name are held for --hold-ms first.
     #[arg(long)]
     pub hold_read_name: Option<String>,
-    /// Test hook: lookups of this name are held for --hold-ms first.
-    #[arg(long)]
-    pub hold_lookup_name: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub hold_ms: u64,
-    /// Test hook: while a lookup is held, invalidate this name in its directory.
-    #[arg(long)]
-    pub inval_on_hold: Option<String>,
-    /// Write invalidations from our own threads, not notification helpers (as before them).
-    #[arg(long)]
-    pub notify_direct: bool,
 }
 
 /// Waits for SIGTERM/SIGINT (blocked by the caller) while `alive()`; returns the signal.
@@ -1002,27 +964,6 @@ fn wait_signal(mask: &nix::sys::signal::SigSet, alive: impl Fn() -> bool) -> Opt
         }
     }
     None
-}
-
-/// Notification helpers for a kept connection, as the product starts them (not with
-/// `--notify-direct`).
-fn spawn_proxy(
-    args: &MemfsArgs,
-    fd: std::os::fd::BorrowedFd<'_>,
-) -> Option<super::notify_proxy::NotifyProxy> {
-    if args.notify_direct {
-        return None;
-    }
-    match super::notify_proxy::NotifyProxy::spawn(fd, super::notify_proxy::HELPERS) {
-        Ok(p) => {
-            eprintln!("memfs-event: notify-helpers pids={:?}", p.pids());
-            Some(p)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start notification helpers");
-            None
-        }
-    }
 }
 
 /// Runs the `memfs` subcommand until SIGTERM/SIGINT or an external unmount.
@@ -1055,11 +996,6 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             .hold_read_name
             .clone()
             .map(|n| (n, Duration::from_millis(args.hold_ms))),
-        hold_lookup: args
-            .hold_lookup_name
-            .clone()
-            .map(|n| (n, Duration::from_millis(args.hold_ms))),
-        inval_on_hold: args.inval_on_hold.clone(),
         ttl: Duration::from_millis(args.ttl_ms),
     };
     let mut config = Config::default();
@@ -1070,7 +1006,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     config.acl = SessionACL::All;
     config.n_threads = Some(args.threads.max(1));
 
-    let (session, fs, proxy) = if args.adopt {
+    let (session, fs) = if args.adopt {
         let client = client.clone().expect("checked above");
         eprintln!("memfs-event: claiming id={id}");
         let entry = client
@@ -1086,7 +1022,6 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             .into_iter()
             .next()
             .context("keeper entry has no fd")?;
-        let proxy = spawn_proxy(&args, fd.as_fd());
         let fs = MemFs::new(h.state, opts);
         let handle = fs.clone_handle();
         *fs.sh.sink.lock() = Some(Sink {
@@ -1095,15 +1030,11 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             init: h.init.clone(),
             mountpoint: h.mountpoint.clone(),
         });
-        (takeover::adopt(fs, fd, &h.init, &config)?, handle, proxy)
+        (takeover::adopt(fs, fd, &h.init, &config)?, handle)
     } else {
         let fs = MemFs::new(MemState::default(), opts);
         let handle = fs.clone_handle();
         let m = takeover::mount_fresh(fs, &args.dir, &config)?;
-        let proxy = match client {
-            Some(_) => spawn_proxy(&args, m.fd.as_fd()),
-            None => None,
-        };
         if let Some(client) = &client {
             *handle.sh.sink.lock() = Some(Sink {
                 client: client.clone(),
@@ -1117,15 +1048,10 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
                 return Err(e).context("hand the connection to the keeper");
             }
         }
-        (m.session, handle, proxy)
+        (m.session, handle)
     };
 
     let bg = session.spawn()?;
-    let direct = super::adapter::KernelNotifier(bg.notifier());
-    *fs.sh.notifier.lock() = Some(match proxy {
-        Some(proxy) => Arc::new(super::notify_proxy::ProxyNotifier { proxy, direct }),
-        None => Arc::new(direct),
-    });
     eprintln!("memfs-event: ready unix_ns={}", now_ns());
     let handover = client.is_some() && !args.unmount_on_exit;
     match wait_signal(&mask, || !bg.guard.is_finished()) {

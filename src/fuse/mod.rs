@@ -3,7 +3,6 @@ pub mod adapter;
 #[cfg(feature = "test-support")]
 pub mod memfs;
 pub mod mount_cmd;
-pub mod notify_proxy;
 pub mod session;
 pub mod stager;
 pub mod takeover;

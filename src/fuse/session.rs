@@ -427,35 +427,16 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        Ok(Self::started(
-            fs,
-            &session,
-            mountpoint,
-            Serving::Plain(bg),
-            None,
-        ))
+        Ok(Self::started(fs, &session, mountpoint, Serving::Plain(bg)))
     }
 
-    fn started(
-        fs: Arc<Fs>,
-        session: &SessionFiler,
-        mountpoint: &Path,
-        serving: Serving,
-        proxy: Option<super::notify_proxy::NotifyProxy>,
-    ) -> Self {
+    fn started(fs: Arc<Fs>, session: &SessionFiler, mountpoint: &Path, serving: Serving) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
             Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
-            let direct = super::adapter::KernelNotifier(bg.notifier());
-            match proxy {
-                Some(proxy) => fs.set_notifier(Arc::new(super::notify_proxy::ProxyNotifier {
-                    proxy,
-                    direct,
-                })),
-                None => fs.set_notifier(Arc::new(direct)),
-            }
+            fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
         }
         raise_readahead(mountpoint, 4096);
         register_metrics(&fs);
@@ -504,7 +485,6 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        let proxy = notify_proxy(std::os::fd::AsFd::as_fd(&mounted.fd), mountpoint);
         let token = Some(rand::random::<u64>());
         let state = VolumeState {
             volume_id: volume_id.to_string(),
@@ -547,7 +527,7 @@ impl MountedVolume {
             init: mounted.init,
             token,
         }));
-        Ok(Self::started(fs, &session, mountpoint, serving, proxy))
+        Ok(Self::started(fs, &session, mountpoint, serving))
     }
 
     /// Adopts a session a previous process left with the keeper (crash or upgrade). `keeper`
@@ -607,7 +587,6 @@ impl MountedVolume {
         let config = fuse_config(&state.opts, fsname(&state.opts));
         let init = blob.init.clone();
         let init2 = init.clone();
-        let proxy = notify_proxy(std::os::fd::AsFd::as_fd(&fuse_fd), &mountpoint);
         let session = tokio::task::spawn_blocking(move || {
             super::takeover::adopt(adapter, fuse_fd, &init2, &config)
         })
@@ -638,7 +617,7 @@ impl MountedVolume {
             init,
             token: state.token,
         }));
-        Ok(Self::started(fs, &filer, &mountpoint, serving, proxy))
+        Ok(Self::started(fs, &filer, &mountpoint, serving))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
@@ -995,23 +974,6 @@ impl Collector for SessionCollector {
             crate::metrics::encode_values(&mut encoder, name, help, *kind, samples)?;
         }
         Ok(())
-    }
-}
-
-/// Helpers that write a kept session's notifications (see [`super::notify_proxy`]); None,
-/// logged, if they cannot be started (the session then writes them itself).
-fn notify_proxy(
-    fd: std::os::fd::BorrowedFd<'_>,
-    mountpoint: &Path,
-) -> Option<super::notify_proxy::NotifyProxy> {
-    use super::notify_proxy::{NotifyProxy, HELPERS};
-    match NotifyProxy::spawn(fd, HELPERS) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            tracing::warn!(mountpoint = %mountpoint.display(), error = %e,
-                "cannot start notification helpers; a SIGKILL during an invalidation may then leave the plugin unable to exit");
-            None
-        }
     }
 }
 
