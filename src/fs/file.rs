@@ -418,9 +418,16 @@ impl OpenFile {
     }
 
     /// An upload finished: its chunk joins the entry and its memory copy is dropped. A
-    /// failed upload keeps its bytes (readable, retried by the next flush).
-    pub fn upload_done(&self, id: u64, result: Result<pb::FileChunk, String>) {
+    /// failed upload keeps its bytes (readable, retried by the next flush). Returns the
+    /// chunk's id if the file was retired meanwhile: no entry will ever list it.
+    pub fn upload_done(&self, id: u64, result: Result<pb::FileChunk, String>) -> Option<String> {
         let mut s = self.state.lock();
+        if s.retired {
+            s.inflight.retain(|i| i.id != id);
+            drop(s);
+            self.uploads_done.notify_waiters();
+            return result.ok().map(|c| c.file_id);
+        }
         if let Some(pos) = s.inflight.iter().position(|i| i.id == id) {
             match result {
                 Ok(mut c) => {
@@ -461,6 +468,7 @@ impl OpenFile {
         }
         drop(s);
         self.uploads_done.notify_waiters();
+        None
     }
 
     /// Runs whose upload gave up, handed out again for another try (same ids and order).

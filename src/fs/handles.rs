@@ -332,9 +332,15 @@ impl Fs {
                 None => false,
             }
         };
-        let r = self.flush_file(&of).await;
+        let mut r = self.flush_file(&of).await;
         if last {
-            self.retire(ino, &of).await;
+            // a change that reached the state while the final flush ran (a chmod deferred
+            // into it) is committed too; only a close whose flush failed leaves one behind
+            let mut rounds = 0;
+            while !self.retire(ino, &of, r.is_err() || rounds == 3).await {
+                rounds += 1;
+                r = self.flush_file(&of).await;
+            }
         }
         r
     }
@@ -343,23 +349,37 @@ impl Fs {
     /// it knew (uploaded but carried by no commit: it failed for good, or the file was
     /// unlinked) are deleted. Under the commit lock, so no commit of the state is in flight,
     /// and retired in the same step, so none can follow (commits of unknown outcome already
-    /// gave up their chunks, see [`OpenFile::keep_carried`]).
-    async fn retire(&self, ino: u64, of: &Arc<OpenFile>) {
+    /// gave up their chunks, see [`OpenFile::keep_carried`]). False, and nothing done, if
+    /// the state has a change to commit and `give_up` is not set: flush it first.
+    async fn retire(&self, ino: u64, of: &Arc<OpenFile>, give_up: bool) -> bool {
         let _commit = of.commit.lock().await;
-        let orphans = {
+        let (orphans, pending) = {
             let mut files = self.files.lock();
             let still_last = files
                 .get(&ino)
                 .is_some_and(|o| o.handles == 0 && Arc::ptr_eq(&o.file, of));
             if !still_last {
-                return;
+                return true;
+            }
+            let mut s = of.state.lock();
+            if s.meta_dirty && !s.unlinked && !give_up {
+                return false;
             }
             files.remove(&ino);
-            let mut s = of.state.lock();
             s.retired = true;
-            s.take_orphans()
+            let pending = s
+                .pending_create
+                .then(|| (s.dir.clone(), s.entry.name.clone()));
+            let orphans = s.take_orphans();
+            drop(s);
+            // in the files lock: an open that follows starts a new dirty record after this
+            self.verifier.closed(ino);
+            (orphans, pending)
         };
-        self.verifier.closed(ino);
+        // never created on the filer: the name this node showed for it goes with it
+        if let Some((dir, name)) = pending {
+            self.meta.remove(&dir, &name);
+        }
         if let Some(e) = of.unplaced() {
             let lost: usize = of
                 .state
@@ -377,5 +397,6 @@ impl Fs {
                 "deleting chunks no entry references after the last close");
         }
         self.delete_orphans(orphans);
+        true
     }
 }

@@ -1311,10 +1311,21 @@ async fn a_request_holding_a_retired_state_does_not_commit_it() {
         mode: Some(0o600),
         ..Default::default()
     };
-    fs.setattr_open(ino, "/f", &old, &chmod).await.unwrap();
+    fs.setattr_from(ino, chmod, Some(old.clone()))
+        .await
+        .unwrap();
     let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
     assert_eq!(mode, 0o600, "the chmod stayed in the closed file's state");
-    fs.setxattr(ino, "user.k", b"v", 0).await.unwrap();
+    let xattr = |e: &mut pb::Entry| {
+        e.extended.insert("user.k".into(), b"v".to_vec());
+        Ok(())
+    };
+    assert!(
+        fs.change_entry_from(ino, Some(&old), &xattr)
+            .await
+            .is_none(),
+        "an xattr change was taken by the retired state"
+    );
     assert_eq!(
         fs.flush_file(&old).await.unwrap_err().errno,
         libc::ESTALE,
@@ -1417,4 +1428,99 @@ async fn requests_racing_failed_last_closes_never_commit_deleted_chunks() {
         settle().await;
         all_referenced_chunks_exist(&filer, &store);
     }
+}
+
+/// A request holding a state retired meanwhile while the file is open again (a newer state
+/// with data of its own): the change goes to that state, whose commit would otherwise write
+/// over a change made to the filer's entry.
+#[tokio::test]
+async fn a_change_through_a_retired_state_reaches_the_newer_open_state() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
+    let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+    fs.write(fh, ino, 0, b"newer").await.unwrap();
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    fs.setattr_from(ino, chmod, Some(old)).await.unwrap();
+    fs.release(fh, ino).await.unwrap();
+    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    assert_eq!(mode, 0o600, "the newer state's commit undid the chmod");
+    all_referenced_chunks_exist(&filer, &store);
+}
+
+/// A chmod that arrives while the last close's commit is on its way rides the state (it is
+/// not clean): the close commits again before it retires the state, or the chmod is lost
+/// although it was answered.
+#[tokio::test]
+async fn a_chmod_during_the_last_close_commit_is_committed_too() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    let hold = filer.hold_next_create("/f");
+    let close = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.release(fh, a.ino).await })
+    };
+    hold.arrived().await;
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, chmod).await.unwrap();
+    hold.release();
+    close.await.unwrap().unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(crate::chunks::file_size(&e), 4);
+    assert_eq!(
+        e.attributes.unwrap().file_mode & 0o7777,
+        0o600,
+        "the chmod was lost"
+    );
+}
+
+/// A commit dropped while its request is on its way (a caller's timeout) may still land:
+/// the chunks it carried are not deleted at the last close.
+#[tokio::test]
+async fn a_commit_dropped_mid_request_keeps_what_it_carried() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+    fs.open_file(a.ino).unwrap().wait_uploads().await;
+    assert_eq!(store.len(), 1);
+    let hold = filer.hold_next_create("/f");
+    let flush = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.flush(fh, a.ino).await })
+    };
+    hold.arrived().await;
+    flush.abort();
+    let _ = flush.await;
+    hold.release();
+    store.fail_next_uploads(1_000);
+    fs.write(fh, a.ino, MIB as u64, b"tail").await.unwrap();
+    assert!(fs.release(fh, a.ino).await.is_err());
+    store.fail_next_uploads(0);
+    settle().await;
+    assert_eq!(
+        store.len(),
+        1,
+        "a chunk the dropped commit carried was deleted"
+    );
+}
+
+/// An upload that lands after its file was retired is deleted: no entry will list it.
+#[tokio::test]
+async fn an_upload_landing_after_the_last_close_is_deleted() {
+    let (fs, store, _filer) = fs_and_store(Duration::from_millis(1));
+    let (_ino, old, before) = close_with_unplaced_data(&fs, &store).await;
+    let left = store.len();
+    assert_eq!(left, before - 1);
+    let runs = old.retry_failed();
+    assert!(!runs.is_empty());
+    fs.start_uploads(&old, runs, true).await;
+    old.wait_uploads().await;
+    settle().await;
+    assert_eq!(store.len(), left, "the late upload was left behind");
 }

@@ -24,14 +24,35 @@ pub struct SetAttr {
 
 impl Fs {
     pub async fn setattr(&self, ino: u64, req: SetAttr) -> Result<Attr> {
+        self.setattr_from(ino, req, self.open_file(ino)).await
+    }
+
+    /// [`Self::setattr`] starting from `open`, the open state found for `ino` (a state
+    /// retired meanwhile by its last close is replaced by the current one, if any).
+    pub(super) async fn setattr_from(
+        &self,
+        ino: u64,
+        req: SetAttr,
+        mut open: Option<Arc<OpenFile>>,
+    ) -> Result<Attr> {
         self.check_writable()?;
         if ino == ROOT_INO && self.cfg.root == "/" {
             return Err(errno(libc::EPERM, "cannot change the filer root"));
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        if let Some(of) = self.open_file(ino) {
-            return self.setattr_open(ino, &path, &of, &req).await;
+        for _ in 0..3 {
+            let Some(of) = open.take() else { break };
+            if let Some(a) = self.setattr_open(ino, &path, &of, &req).await? {
+                return Ok(a);
+            }
+            open = self.open_file(ino);
+        }
+        if let Some(of) = open {
+            return Err(errno(
+                libc::ESTALE,
+                format!("{}: closed while being changed", of.path()),
+            ));
         }
         if ino == ROOT_INO {
             let (pdir, pname) = split(&self.cfg.root);
@@ -63,7 +84,10 @@ impl Fs {
             let r = match of {
                 Some(of) => {
                     self.bump_content_gen(ino);
-                    self.setattr_open(ino, &path, &of, &req).await
+                    // counted by our handle: it cannot be retired before the release below
+                    self.setattr_open(ino, &path, &of, &req)
+                        .await
+                        .and_then(|a| a.ok_or_else(|| errno(libc::EIO, "truncated file closed")))
                 }
                 None => Err(errno(libc::EIO, "handle vanished during truncate")),
             };
@@ -124,22 +148,27 @@ impl Fs {
 
     /// setattr through an open file's state: attributes with the file's next commit (or on
     /// the filer's entry when there is nothing to commit), a truncate committed at once.
-    pub(super) async fn setattr_open(
+    /// None if the state was retired (its last close): the caller looks for the current one.
+    async fn setattr_open(
         &self,
         ino: u64,
         path: &str,
         of: &Arc<OpenFile>,
         req: &SetAttr,
-    ) -> Result<Attr> {
+    ) -> Result<Option<Attr>> {
         if req.size.is_none() {
             if self.defer_setattr(of, req) {
-                return Ok(self.open_file_attr(ino, of));
+                return Ok(Some(self.open_file_attr(ino, of)));
             }
             // nothing of ours to commit: change the filer's entry, never our copy of it. The
             // commit lock keeps this node's own commits of the file out of the lookup→update.
             let _commit = of.commit.lock().await;
             if self.defer_setattr(of, req) {
-                return Ok(self.open_file_attr(ino, of));
+                return Ok(Some(self.open_file_attr(ino, of)));
+            }
+            // a newer open state would commit over a change made to the filer's entry here
+            if of.state.lock().retired {
+                return Ok(None);
             }
             let (dir, name) = split(path);
             let e = self
@@ -149,9 +178,12 @@ impl Fs {
                 })
                 .await?;
             self.adopt_if_clean(ino, of, e.clone()).await;
-            return Ok(self.attr_of(ino, path, &e));
+            return Ok(Some(self.attr_of(ino, path, &e)));
         }
         if let Some(size) = req.size {
+            if of.state.lock().retired {
+                return Ok(None);
+            }
             self.refresh_if_clean(ino, of).await?;
             let runs = of.seal_all();
             self.store.expedite();
@@ -189,6 +221,6 @@ impl Fs {
         }
         self.flush_file(of).await?;
         let e = of.state.lock().entry.clone();
-        Ok(self.attr_of(ino, path, &e))
+        Ok(Some(self.attr_of(ino, path, &e)))
     }
 }

@@ -127,7 +127,12 @@ impl Fs {
                 let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
                 let key = r.as_ref().ok().map(super::read::chunk_key);
                 fs_stats.upload_done(r.is_ok());
-                done.finish(r.map_err(|e| e.to_string()));
+                if let Some(fid) = done.finish(r.map_err(|e| e.to_string())) {
+                    // its file was closed for good meanwhile: no entry will list it
+                    if let Err(e) = store.delete_chunks(&[fid]).await {
+                        tracing::warn!(error = %e, "orphaned chunk not deleted (volume.fsck finds it)");
+                    }
+                }
                 // keep what we just wrote: reading it back is common
                 if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
                     cache.insert(key, data).await;
@@ -167,7 +172,11 @@ impl Fs {
             (s.meta_dirty, s.unlinked, s.retired)
         };
         if retired {
-            // its chunks of ours were deleted at the last close: a commit would list them
+            // its chunks of ours were deleted at the last close: a commit would list them.
+            // Nothing lost if it had nothing left to commit (the close committed it).
+            if !dirty {
+                return Ok(());
+            }
             return Err(errno(
                 libc::ESTALE,
                 format!("{}: closed meanwhile; look it up again", of.path()),
@@ -184,14 +193,21 @@ impl Fs {
         let dir = of.state.lock().dir.clone();
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
+        // from here the filer may take what the snapshot carries: unless the commit is known
+        // to have failed before sending or succeeded, its chunks are never deleted by us,
+        // also when this future is dropped mid-request (a caller's timeout)
+        let mut inflight = CarriedUnlessSettled {
+            of,
+            snap: Some(snap),
+        };
+        let snap = inflight.snap.as_ref().expect("just set");
         let start = Instant::now();
         let mut attempt = 0;
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             if attempt > 0 && of.state.lock().unlinked {
-                // removed while we retried: committing now would bring it back. An attempt
-                // before may still have landed: never delete what it carried.
-                of.keep_carried(&snap);
+                // removed while we retried: committing now would bring it back (an attempt
+                // before may still have landed: the guard keeps what it carried)
                 return Ok(());
             }
             match self.create_on_filer(&dir, &snap.entry, false).await {
@@ -202,13 +218,11 @@ impl Fs {
                     tracing::warn!(path = %of.path(), error = %e, attempt, "commit failed, retrying");
                     tokio::time::sleep(wait).await;
                 }
-                Err(e) => {
-                    // the filer may have stored it anyway: never delete what it carried
-                    of.keep_carried(&snap);
-                    return Err(e);
-                }
+                // the filer may have stored it anyway: the guard keeps what it carried
+                Err(e) => return Err(e),
             }
         }
+        let snap = inflight.snap.take().expect("settled once");
         if !snap.folded.is_empty() {
             of.manifestized(&snap.folded, snap.manifests.clone());
         }
@@ -368,9 +382,24 @@ impl Fs {
 struct UploadDone(Option<(Arc<OpenFile>, u64)>);
 
 impl UploadDone {
-    fn finish(mut self, r: std::result::Result<pb::FileChunk, String>) {
-        if let Some((of, id)) = self.0.take() {
-            of.upload_done(id, r);
+    /// The chunk's id if no entry can ever list it (see [`OpenFile::upload_done`]).
+    fn finish(mut self, r: std::result::Result<pb::FileChunk, String>) -> Option<String> {
+        let (of, id) = self.0.take()?;
+        of.upload_done(id, r)
+    }
+}
+
+/// A commit's snapshot while the filer may take it: dropped unsettled (failed, or the
+/// future dropped), the chunks it carries are given up (see [`OpenFile::keep_carried`]).
+struct CarriedUnlessSettled<'a> {
+    of: &'a OpenFile,
+    snap: Option<CommitSnapshot>,
+}
+
+impl Drop for CarriedUnlessSettled<'_> {
+    fn drop(&mut self) {
+        if let Some(snap) = &self.snap {
+            self.of.keep_carried(snap);
         }
     }
 }

@@ -150,20 +150,46 @@ impl Fs {
 
     /// Applies `f` to the entry (xattrs, or the mode along with an ACL) and commits it.
     async fn change_entry(&self, ino: u64, f: impl Fn(&mut pb::Entry) -> Result<()>) -> Result<()> {
-        let open = self.open_file(ino);
+        let mut open = self.open_file(ino);
+        for _ in 0..3 {
+            if let Some(r) = self.change_entry_from(ino, open.as_ref(), &f).await {
+                return r;
+            }
+            // closed for good meanwhile: the current state (if any) takes the change, or a
+            // newer open state's commit would write over a change made to the filer's entry
+            open = self.open_file(ino);
+        }
+        Err(errno(
+            libc::ESTALE,
+            "the file was closed while being changed",
+        ))
+    }
+
+    /// [`Self::change_entry`] through `open`, the file's open state; None if that state was
+    /// retired by its last close.
+    pub(super) async fn change_entry_from(
+        &self,
+        ino: u64,
+        open: Option<&std::sync::Arc<super::file::OpenFile>>,
+        f: &impl Fn(&mut pb::Entry) -> Result<()>,
+    ) -> Option<Result<()>> {
         // this node's own commits of the file stay out of the lookup→update below
-        let commit_lock = match &open {
+        let commit_lock = match open {
             Some(of) => Some(of.commit.lock().await),
             None => None,
         };
-        if let Some(of) = &open {
+        if let Some(of) = open {
             let local = {
                 let mut s = of.state.lock();
-                // a retired state is never committed: the change goes to the filer's entry
-                let local = (!s.is_clean() || s.unlinked) && !s.retired;
+                if s.retired {
+                    return None;
+                }
+                let local = !s.is_clean() || s.unlinked;
                 if local {
                     // our own entry goes to the filer anyway: the change rides that commit
-                    f(&mut s.entry)?;
+                    if let Err(e) = f(&mut s.entry) {
+                        return Some(Err(e));
+                    }
                     let a = s.entry.attributes.get_or_insert_with(Default::default);
                     (a.ctime, a.ctime_ns) = now_parts();
                     s.touch();
@@ -172,16 +198,19 @@ impl Fs {
             };
             if local {
                 drop(commit_lock);
-                return self.flush_file(of).await;
+                return Some(self.flush_file(of).await);
             }
         }
         let (dir, name) = if ino == ROOT_INO {
             if self.cfg.root == "/" {
-                return Err(errno(libc::ENOTSUP, "no xattrs on the filer root"));
+                return Some(Err(errno(libc::ENOTSUP, "no xattrs on the filer root")));
             }
             split(&self.cfg.root)
         } else {
-            split(&self.path_of(ino)?)
+            match self.path_of(ino) {
+                Ok(p) => split(&p),
+                Err(e) => return Some(Err(e)),
+            }
         };
         let e = self
             .update_fresh(&dir, &name, |e| {
@@ -190,15 +219,19 @@ impl Fs {
                 (a.ctime, a.ctime_ns) = now_parts();
                 Ok(())
             })
-            .await?;
-        if let Some(of) = &open {
+            .await;
+        let e = match e {
+            Ok(e) => e,
+            Err(e) => return Some(Err(e)),
+        };
+        if let Some(of) = open {
             self.adopt_if_clean(ino, of, e).await;
         }
         drop(commit_lock);
         if ino == ROOT_INO {
             let _ = self.init_root().await;
         }
-        Ok(())
+        Some(Ok(()))
     }
 }
 
