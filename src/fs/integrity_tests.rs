@@ -1210,12 +1210,18 @@ async fn close_with_unplaced_data(
     of.wait_uploads().await;
     let before = store.len();
     assert_eq!(before, 2, "the second MiB was uploaded");
+    close_failing(fs, store, fh, a.ino, 2 * MIB as u64).await;
+    (a.ino, of, before)
+}
+
+/// Writes a few bytes at `at` while the store refuses uploads, so the handle's last close
+/// fails with them unplaced; the store then takes uploads again.
+async fn close_failing(fs: &Arc<Fs>, store: &MockChunkStore, fh: u64, ino: u64, at: u64) {
     store.fail_next_uploads(1_000);
-    fs.write(fh, a.ino, 2 * MIB as u64, b"tail").await.unwrap();
-    assert_eq!(fs.release(fh, a.ino).await.unwrap_err().errno, libc::EIO);
+    fs.write(fh, ino, at, b"tail").await.unwrap();
+    assert_eq!(fs.release(fh, ino).await.unwrap_err().errno, libc::EIO);
     store.fail_next_uploads(0);
     settle().await;
-    (a.ino, of, before)
 }
 
 /// A file whose last close failed for good (data that could not be placed) leaves no
@@ -1274,11 +1280,7 @@ async fn chunks_a_commit_of_unknown_outcome_carried_survive_the_last_close() {
     let of = fs.open_file(a.ino).unwrap();
     of.wait_uploads().await;
     assert_eq!(store.len(), 4);
-    store.fail_next_uploads(1_000);
-    fs.write(fh, a.ino, 5 * MIB as u64, b"x").await.unwrap();
-    assert!(fs.release(fh, a.ino).await.is_err());
-    store.fail_next_uploads(0);
-    settle().await;
+    close_failing(&fs, &store, fh, a.ino, 5 * MIB as u64).await;
     assert_eq!(
         store.len(),
         3,
@@ -1498,11 +1500,7 @@ async fn a_commit_dropped_mid_request_keeps_what_it_carried() {
     flush.abort();
     let _ = flush.await;
     hold.release();
-    store.fail_next_uploads(1_000);
-    fs.write(fh, a.ino, MIB as u64, b"tail").await.unwrap();
-    assert!(fs.release(fh, a.ino).await.is_err());
-    store.fail_next_uploads(0);
-    settle().await;
+    close_failing(&fs, &store, fh, a.ino, MIB as u64).await;
     assert_eq!(
         store.len(),
         1,
