@@ -8,6 +8,10 @@ use crate::pb::filer as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// Flushes a last close makes at most while changes keep reaching the file (each one
+/// commits what arrived during the one before).
+const CLOSE_ROUNDS: u32 = 16;
+
 impl Fs {
     /// Takes the filer's entry `e` into an open file that has nothing of its own to commit.
     pub(super) async fn adopt_if_clean(&self, ino: u64, of: &Arc<OpenFile>, e: pb::Entry) {
@@ -337,9 +341,16 @@ impl Fs {
             // a change that reached the state while the final flush ran (a chmod deferred
             // into it) is committed too; only a close whose flush failed leaves one behind
             let mut rounds = 0;
-            while !self.retire(ino, &of, r.is_err() || rounds == 3).await {
+            while !self
+                .retire(ino, &of, r.is_err() || rounds == CLOSE_ROUNDS)
+                .await
+            {
                 rounds += 1;
                 r = self.flush_file(&of).await;
+            }
+            if r.is_ok() && rounds == CLOSE_ROUNDS && of.state.lock().meta_dirty {
+                tracing::error!(path = %of.path(), rounds,
+                    "changes kept arriving during the last close; the latest were not committed");
             }
         }
         r
@@ -367,18 +378,23 @@ impl Fs {
             }
             files.remove(&ino);
             s.retired = true;
-            let pending = s
-                .pending_create
-                .then(|| (s.dir.clone(), s.entry.name.clone()));
+            // (an unlinked or replaced one's name may be another file's now)
+            let pending =
+                (s.pending_create && !s.unlinked).then(|| (s.dir.clone(), s.entry.name.clone()));
             let orphans = s.take_orphans();
             drop(s);
             // in the files lock: an open that follows starts a new dirty record after this
             self.verifier.closed(ino);
             (orphans, pending)
         };
-        // never created on the filer: the name this node showed for it goes with it
+        // never created on the filer: the name this node showed for it goes with it (unless
+        // another file took it meanwhile)
         if let Some((dir, name)) = pending {
-            self.meta.remove(&dir, &name);
+            let path = super::inode::join(&dir, &name);
+            if matches!(self.meta.lookup(&dir, &name), super::meta::Cached::Found(cur) if self.is_node(&path, &cur, ino))
+            {
+                self.meta.remove(&dir, &name);
+            }
         }
         if let Some(e) = of.unplaced() {
             let lost: usize = of

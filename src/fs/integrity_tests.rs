@@ -1522,3 +1522,115 @@ async fn an_upload_landing_after_the_last_close_is_deleted() {
     settle().await;
     assert_eq!(store.len(), left, "the late upload was left behind");
 }
+
+/// The xattr counterpart of [`a_change_through_a_retired_state_reaches_the_newer_open_state`].
+#[tokio::test]
+async fn an_xattr_through_a_retired_state_reaches_the_newer_open_state() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
+    let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+    fs.write(fh, ino, 0, b"newer").await.unwrap();
+    let set = |e: &mut pb::Entry| {
+        e.extended.insert("user.k".into(), b"v".to_vec());
+        Ok(())
+    };
+    fs.change_entry_starting(ino, Some(old), set).await.unwrap();
+    fs.release(fh, ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        e.extended.get("user.k").map(|v| &v[..]),
+        Some(&b"v"[..]),
+        "the newer state's commit undid the xattr"
+    );
+}
+
+/// A state retired by a close that committed everything flushes Ok (a request that held it
+/// has nothing to report).
+#[tokio::test]
+async fn a_retired_state_with_nothing_left_flushes_ok() {
+    let (fs, _store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    let old = fs.open_file(a.ino).unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(old.state.lock().retired);
+    fs.flush_file(&old).await.unwrap();
+}
+
+/// Changes keep arriving while the last close commits: it commits again until none is left,
+/// so the last acknowledged chmod is the one the filer keeps.
+#[tokio::test]
+async fn chmods_during_several_close_commits_all_land() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    let mut hold = filer.hold_next_create("/f");
+    let close = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.release(fh, a.ino).await })
+    };
+    for mode in 0o601..=0o605 {
+        tokio::time::timeout(Duration::from_secs(10), hold.arrived())
+            .await
+            .expect("the close stopped committing with a change left");
+        let next = filer.hold_next_create("/f");
+        let chmod = SetAttr {
+            mode: Some(mode),
+            ..Default::default()
+        };
+        fs.setattr(a.ino, chmod).await.unwrap();
+        hold.release();
+        hold = next;
+    }
+    hold.release();
+    close.await.unwrap().unwrap();
+    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    assert_eq!(mode, 0o605, "an acknowledged chmod was dropped");
+}
+
+/// A file never created on the filer, unlinked while open, and a new file made at its
+/// name: the first one's last close leaves the new file's name alone.
+#[tokio::test]
+async fn closing_an_unlinked_never_created_file_keeps_the_new_file_at_its_name() {
+    let (fs, _store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.unlink(ROOT_INO, "f").await.unwrap();
+    let (b, bfh) = create_f(&fs, libc::O_RDWR).await;
+    assert_ne!(a.ino, b.ino);
+    fs.release(fh, a.ino).await.unwrap();
+    assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, b.ino);
+    fs.release(bfh, b.ino).await.unwrap();
+}
+
+/// The same for a never-created file replaced by a rename onto its name.
+#[tokio::test]
+async fn closing_a_replaced_never_created_file_keeps_the_moved_file() {
+    let (fs, _store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (g, gfh) = fs
+        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(gfh, g.ino, 0, b"moved").await.unwrap();
+    fs.release(gfh, g.ino).await.unwrap();
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.rename(ROOT_INO, "g", ROOT_INO, "f", 0).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let found = fs.lookup(ROOT_INO, "f").await.unwrap();
+    assert_eq!(found.size, 5, "the moved file lost its name here");
+}
+
+/// A file unlinked while open and written after: its retired state is never committed, and
+/// a flush of it (a handover's flush of every open file) is not an error.
+#[tokio::test]
+async fn a_retired_unlinked_state_flushes_ok() {
+    let (fs, _store, _filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.unlink(ROOT_INO, "f").await.unwrap();
+    fs.write(fh, a.ino, 4, b"more").await.unwrap();
+    let old = fs.open_file(a.ino).unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(old.state.lock().retired && old.state.lock().meta_dirty);
+    fs.flush_file(&old).await.unwrap();
+}

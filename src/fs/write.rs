@@ -128,10 +128,14 @@ impl Fs {
                 let key = r.as_ref().ok().map(super::read::chunk_key);
                 fs_stats.upload_done(r.is_ok());
                 if let Some(fid) = done.finish(r.map_err(|e| e.to_string())) {
-                    // its file was closed for good meanwhile: no entry will list it
-                    if let Err(e) = store.delete_chunks(&[fid]).await {
-                        tracing::warn!(error = %e, "orphaned chunk not deleted (volume.fsck finds it)");
-                    }
+                    // its file was closed for good meanwhile: no entry will list it (deleted
+                    // apart, so a slow volume server does not hold the upload slot)
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = store.delete_chunks(&[fid]).await {
+                            tracing::warn!(error = %e, "orphaned chunk not deleted (volume.fsck finds it)");
+                        }
+                    });
                 }
                 // keep what we just wrote: reading it back is common
                 if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
@@ -173,8 +177,9 @@ impl Fs {
         };
         if retired {
             // its chunks of ours were deleted at the last close: a commit would list them.
-            // Nothing lost if it had nothing left to commit (the close committed it).
-            if !dirty {
+            // Nothing lost if it had nothing left to commit (the close committed it) or is
+            // unlinked (never to be committed anyway).
+            if !dirty || unlinked {
                 return Ok(());
             }
             return Err(errno(

@@ -150,7 +150,17 @@ impl Fs {
 
     /// Applies `f` to the entry (xattrs, or the mode along with an ACL) and commits it.
     async fn change_entry(&self, ino: u64, f: impl Fn(&mut pb::Entry) -> Result<()>) -> Result<()> {
-        let mut open = self.open_file(ino);
+        self.change_entry_starting(ino, self.open_file(ino), f)
+            .await
+    }
+
+    /// [`Self::change_entry`] starting from `open`, the open state found for `ino`.
+    pub(super) async fn change_entry_starting(
+        &self,
+        ino: u64,
+        mut open: Option<std::sync::Arc<super::file::OpenFile>>,
+        f: impl Fn(&mut pb::Entry) -> Result<()>,
+    ) -> Result<()> {
         for _ in 0..3 {
             if let Some(r) = self.change_entry_from(ino, open.as_ref(), &f).await {
                 return r;
@@ -198,7 +208,13 @@ impl Fs {
             };
             if local {
                 drop(commit_lock);
-                return Some(self.flush_file(of).await);
+                let r = self.flush_file(of).await;
+                // retired by a failed last close before it committed the change: again
+                // through the current state
+                if r.as_ref().is_err_and(|e| e.errno == libc::ESTALE) && of.state.lock().retired {
+                    return None;
+                }
+                return Some(r);
             }
         }
         let (dir, name) = if ino == ROOT_INO {
