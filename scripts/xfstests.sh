@@ -225,7 +225,12 @@ wait_for() { # timeout-seconds command...
 }
 
 # ---- weed master+volume and filer
-mport=$(free_port pair); vport=$(free_port pair); fport=$(free_port pair)
+# three distinct ones: each pick only checks that its port is free now, so two picks can agree
+mport=$(free_port pair)
+vport=$(free_port pair)
+while [ "$vport" = "$mport" ]; do vport=$(free_port pair); done
+fport=$(free_port pair)
+while [ "$fport" = "$mport" ] || [ "$fport" = "$vport" ]; do fport=$(free_port pair); done
 mkdir -p "$work/data" "$work/filer"
 echo "== weed server on 127.0.0.1 (master $mport, volume $vport, filer $fport); results in $results"
 (cd "$work" && exec "$weed" server -dir="$work/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
