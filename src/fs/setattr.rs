@@ -219,14 +219,7 @@ impl Fs {
             self.apply_setattr(&mut st.entry, req);
             st.touch();
         }
-        if let Err(e) = self.flush_file(of).await {
-            // retired by a failed last close before it committed the truncate: again
-            // through the current state
-            if e.errno == libc::ESTALE && of.state.lock().retired {
-                return Ok(None);
-            }
-            return Err(e);
-        }
+        self.flush_file(of).await?;
         let e = of.state.lock().entry.clone();
         Ok(Some(self.attr_of(ino, path, &e)))
     }

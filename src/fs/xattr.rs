@@ -208,13 +208,9 @@ impl Fs {
             };
             if local {
                 drop(commit_lock);
-                let r = self.flush_file(of).await;
-                // retired by a failed last close before it committed the change: again
-                // through the current state
-                if r.as_ref().is_err_and(|e| e.errno == libc::ESTALE) && of.state.lock().retired {
-                    return None;
-                }
-                return Some(r);
+                // an ESTALE here is not retried by path: the file may have been moved away
+                // unseen, and the path may lead to another file now
+                return Some(self.flush_file(of).await);
             }
         }
         let (dir, name) = if ino == ROOT_INO {
