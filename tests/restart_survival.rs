@@ -749,6 +749,24 @@ impl Fixture {
         }
     }
 
+    /// Threads writing kernel invalidations for a session in the keepers started here.
+    fn notifier_threads(&self) -> usize {
+        let pids = self.procs.iter().map(|p| p.pid());
+        pids.map(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|d| {
+                    d.flatten()
+                        .filter(|t| {
+                            std::fs::read_to_string(t.path().join("comm"))
+                                .is_ok_and(|c| c.trim() == "keeper-notify")
+                        })
+                        .count()
+                })
+                .unwrap_or(0)
+        })
+        .sum()
+    }
+
     fn keeper_ids(&self) -> Vec<String> {
         KeeperClient::connect(&self.keeper_socket())
             .unwrap()
@@ -915,6 +933,11 @@ impl Volume {
 
     /// NodeUnpublish x2 + NodeUnstage; then nothing is mounted, kept or recorded.
     async fn tear_down(&self, c: &mut Clients, fx: &Fixture) {
+        let notifiers = fx.notifier_threads();
+        assert!(
+            notifiers >= 2,
+            "a kept session has the keeper write its invalidations ({notifiers} threads)"
+        );
         for t in &self.targets {
             c.node
                 .node_unpublish_volume(unpublish_req(&self.vol, t))
@@ -936,6 +959,16 @@ impl Volume {
             0,
             "state file still records the volume"
         );
+        // the unstaged session's notifier threads end (they hold the FUSE fd)
+        let deadline = Instant::now() + BOUND;
+        while fx.notifier_threads() > notifiers - 2 {
+            assert!(
+                Instant::now() < deadline,
+                "notifier threads outlived their session: {} of {notifiers}",
+                fx.notifier_threads()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 

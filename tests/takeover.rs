@@ -737,3 +737,83 @@ fn without_keeper_daemon_death_is_enotconn_at_once() {
     takeover::unmount(&fx.mnt).unwrap();
     assert!(mountinfo(&fx.mnt).is_empty());
 }
+
+/// Threads of process `pid` named `name`.
+fn threads_named(pid: Pid, name: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name)
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// (e) An invalidation waits, uninterruptibly, for the lock of a directory whose lookup is
+/// in flight to the daemon. A daemon SIGKILLed then must still exit: were the waiting
+/// thread its own, it could not, its fds would stay open, no successor could adopt the
+/// connection and the lookup would never be answered (a hang for good). A keeper thread
+/// writes the notification instead; the successor answers the resent lookup, and the
+/// keeper's write then completes and its thread ends with the daemon's connection.
+fn crash_during_an_invalidation(extra: &[&str]) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut fx = Fixture::new();
+    let k = fx.start_keeper();
+    let mut args = vec![
+        "--hold-lookup-name=stall",
+        "--hold-ms=60000",
+        "--inval-on-hold=other",
+    ];
+    args.extend_from_slice(extra);
+    let a = fx.start_memfs("memfs-a", &args, "memfs-event: ready");
+    let b = fx.prepare_memfs("memfs-b", &["--adopt"]);
+    let keeper = fx.procs[k].pid();
+    assert_eq!(
+        threads_named(keeper, "keeper-notify"),
+        2,
+        "{}",
+        fx.procs[k].log()
+    );
+    let stall = fx.mnt.join("stall");
+    let lookup = std::thread::spawn(move || std::fs::metadata(stall).map(|_| ()));
+    fx.procs[a].wait_for("memfs-event: hold op=lookup", BOUND);
+    fx.procs[a].wait_for("memfs-event: notifying", BOUND);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !fx.procs[a].log().contains("memfs-event: notified"),
+        "the invalidation should wait for the directory's lock"
+    );
+    fx.procs[a].signal(Signal::SIGKILL);
+    fx.procs[a].wait_exit(Duration::from_secs(10));
+    fx.launch(b, "memfs-event: ready");
+    let deadline = Instant::now() + BOUND;
+    while !lookup.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the held lookup was never answered"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let err = lookup.join().unwrap().expect_err("no such file");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+    // the dead daemon's notifier threads end (the stuck one once its write completed);
+    // the successor's two remain
+    let deadline = Instant::now() + BOUND;
+    while threads_named(keeper, "keeper-notify") != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "notifier threads: {}",
+            threads_named(keeper, "keeper-notify")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(fx.mnt.join("after"), b"ok").unwrap();
+    assert_eq!(std::fs::read(fx.mnt.join("after")).unwrap(), b"ok");
+}
+
+#[test]
+fn crash_while_an_invalidation_waits_for_a_held_lookup_still_exits() {
+    crash_during_an_invalidation(&[]);
+}

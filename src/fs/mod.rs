@@ -398,6 +398,13 @@ impl Fs {
         *self.notifier.write() = Some(Arc::new(StoppableNotifier::new(n)));
     }
 
+    /// Stops kernel invalidations and lets go of the notifier (once calls in progress end).
+    pub fn drop_notifier(&self) {
+        if let Some(n) = self.notifier.write().take() {
+            n.stopped.store(true, Ordering::SeqCst);
+        }
+    }
+
     /// The volume is being unmounted or handed over: background work of its own (re-reads
     /// of open files after events) ends.
     pub fn close(&self) {

@@ -950,6 +950,48 @@ impl crate::fs::Notifier for KernelNotifier {
     }
 }
 
+/// Kernel cache invalidation for a kept session: written by the fd-keeper's threads, so that
+/// one waiting in the kernel cannot keep this process from exiting (see
+/// [`crate::keeper::notify`]); by fuser's notifier once the keeper has no connection left.
+pub struct KeptNotifier {
+    pub keeper: crate::keeper::KeeperNotifier,
+    pub direct: KernelNotifier,
+}
+
+impl KeptNotifier {
+    fn pass(&self, msg: std::io::Result<Vec<u8>>, direct: impl FnOnce(&KernelNotifier)) {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(error = %e, "invalidation not sent");
+                return;
+            }
+        };
+        match self.keeper.send(&msg) {
+            // an errno (ENOENT: the kernel holds nothing of that node) is as good as done
+            Ok(()) | Err(Some(_)) => {}
+            Err(None) => direct(&self.direct),
+        }
+    }
+}
+
+impl crate::fs::Notifier for KeptNotifier {
+    fn inval_entry(&self, parent: u64, name: &str) {
+        use crate::keeper::notify::inval_entry_msg;
+        self.pass(inval_entry_msg(parent, name.as_bytes()), |d| {
+            d.inval_entry(parent, name)
+        });
+    }
+    fn inval_inode(&self, ino: u64) {
+        use crate::keeper::notify::inval_inode_msg;
+        self.pass(Ok(inval_inode_msg(ino, 0, -1)), |d| d.inval_inode(ino));
+    }
+    fn inval_attr(&self, ino: u64) {
+        use crate::keeper::notify::inval_inode_msg;
+        self.pass(Ok(inval_inode_msg(ino, -1, 0)), |d| d.inval_attr(ino));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -39,7 +39,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 
 use super::takeover::{self, Handover, InitParams, RESEND_UNIQUE_BIT};
-use crate::keeper::KeeperClient;
+use crate::keeper::{KeeperClient, KeeperNotifier};
 
 const ROOT: u64 = 1;
 /// Completed mutations remembered for deduplicating resent requests. Only requests in flight
@@ -352,6 +352,10 @@ struct Shared {
     sink: Mutex<Option<Sink>>,
     persist_every_change: bool,
     hold: Option<(String, Duration)>,
+    hold_lookup: Option<(String, Duration)>,
+    /// Invalidated (from another thread) while a lookup is held.
+    inval_on_hold: Option<String>,
+    notifier: Mutex<Option<Arc<dyn crate::fs::Notifier>>>,
     first_seen: AtomicBool,
     ttl: Duration,
 }
@@ -387,6 +391,10 @@ pub struct MemFsOptions {
     pub persist_every_change: bool,
     /// Reads of a file with this name sleep this long first (keeps a request in flight).
     pub hold: Option<(String, Duration)>,
+    /// Lookups of this name sleep this long first (keeps the directory's lock taken).
+    pub hold_lookup: Option<(String, Duration)>,
+    /// While a lookup is held, another thread invalidates this name in its directory.
+    pub inval_on_hold: Option<String>,
     pub ttl: Duration,
 }
 
@@ -398,6 +406,9 @@ impl MemFs {
                 sink: Mutex::new(None),
                 persist_every_change: opts.persist_every_change,
                 hold: opts.hold,
+                hold_lookup: opts.hold_lookup,
+                inval_on_hold: opts.inval_on_hold,
+                notifier: Mutex::new(None),
                 first_seen: AtomicBool::new(false),
                 ttl: opts.ttl,
             }),
@@ -471,6 +482,24 @@ impl Filesystem for MemFs {
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.note(req, "lookup");
+        if let Some((held, delay)) = &self.sh.hold_lookup {
+            if name.as_encoded_bytes() == held.as_bytes() {
+                eprintln!("memfs-event: hold op=lookup unique={:#x}", req.unique().0);
+                if let Some(other) = self.sh.inval_on_hold.clone() {
+                    let sh = self.sh.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_millis(50));
+                        let nt = sh.notifier.lock().clone();
+                        if let Some(nt) = nt {
+                            eprintln!("memfs-event: notifying name={other}");
+                            nt.inval_entry(parent.0, &other);
+                            eprintln!("memfs-event: notified name={other}");
+                        }
+                    });
+                }
+                std::thread::sleep(*delay);
+            }
+        }
         let st = self.sh.state.read();
         match name_str(name)
             .and_then(|n| st.child(parent.0, n))
@@ -946,8 +975,17 @@ pub struct MemfsArgs {
     /// Test hook: reads of a file with this name are held for --hold-ms first.
     #[arg(long)]
     pub hold_read_name: Option<String>,
+    /// Test hook: lookups of this name are held for --hold-ms first.
+    #[arg(long)]
+    pub hold_lookup_name: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub hold_ms: u64,
+    /// Test hook: while a lookup is held, invalidate this name in its directory.
+    #[arg(long)]
+    pub inval_on_hold: Option<String>,
+    /// Write invalidations from our own threads, not the keeper's (as before it could).
+    #[arg(long)]
+    pub notify_direct: bool,
 }
 
 /// Waits for SIGTERM/SIGINT (blocked by the caller) while `alive()`; returns the signal.
@@ -964,6 +1002,29 @@ fn wait_signal(mask: &nix::sys::signal::SigSet, alive: impl Fn() -> bool) -> Opt
         }
     }
     None
+}
+
+/// The keeper's notifier for a kept connection, as the product opens it (not with
+/// `--notify-direct`).
+fn keeper_notifier(args: &MemfsArgs, client: &KeeperClient, id: &str) -> Option<KeeperNotifier> {
+    if args.notify_direct {
+        return None;
+    }
+    match KeeperNotifier::open(
+        client.path(),
+        id,
+        None,
+        crate::keeper::notify::CONNS_PER_SESSION,
+    ) {
+        Ok(n) => {
+            eprintln!("memfs-event: keeper-notifier open");
+            Some(n)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the keeper cannot write invalidations");
+            None
+        }
+    }
 }
 
 /// Runs the `memfs` subcommand until SIGTERM/SIGINT or an external unmount.
@@ -996,6 +1057,11 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             .hold_read_name
             .clone()
             .map(|n| (n, Duration::from_millis(args.hold_ms))),
+        hold_lookup: args
+            .hold_lookup_name
+            .clone()
+            .map(|n| (n, Duration::from_millis(args.hold_ms))),
+        inval_on_hold: args.inval_on_hold.clone(),
         ttl: Duration::from_millis(args.ttl_ms),
     };
     let mut config = Config::default();
@@ -1006,7 +1072,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     config.acl = SessionACL::All;
     config.n_threads = Some(args.threads.max(1));
 
-    let (session, fs) = if args.adopt {
+    let (session, fs, notifier) = if args.adopt {
         let client = client.clone().expect("checked above");
         eprintln!("memfs-event: claiming id={id}");
         let entry = client
@@ -1022,6 +1088,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             .into_iter()
             .next()
             .context("keeper entry has no fd")?;
+        let notifier = keeper_notifier(&args, &client, &id);
         let fs = MemFs::new(h.state, opts);
         let handle = fs.clone_handle();
         *fs.sh.sink.lock() = Some(Sink {
@@ -1030,11 +1097,12 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
             init: h.init.clone(),
             mountpoint: h.mountpoint.clone(),
         });
-        (takeover::adopt(fs, fd, &h.init, &config)?, handle)
+        (takeover::adopt(fs, fd, &h.init, &config)?, handle, notifier)
     } else {
         let fs = MemFs::new(MemState::default(), opts);
         let handle = fs.clone_handle();
         let m = takeover::mount_fresh(fs, &args.dir, &config)?;
+        let mut notifier = None;
         if let Some(client) = &client {
             *handle.sh.sink.lock() = Some(Sink {
                 client: client.clone(),
@@ -1047,11 +1115,17 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
                 let _ = takeover::unmount(&args.dir);
                 return Err(e).context("hand the connection to the keeper");
             }
+            notifier = keeper_notifier(&args, client, &id);
         }
-        (m.session, handle)
+        (m.session, handle, notifier)
     };
 
     let bg = session.spawn()?;
+    let direct = super::adapter::KernelNotifier(bg.notifier());
+    *fs.sh.notifier.lock() = Some(match notifier {
+        Some(keeper) => Arc::new(super::adapter::KeptNotifier { keeper, direct }),
+        None => Arc::new(direct),
+    });
     eprintln!("memfs-event: ready unix_ns={}", now_ns());
     let handover = client.is_some() && !args.unmount_on_exit;
     match wait_signal(&mask, || !bg.guard.is_finished()) {

@@ -427,16 +427,35 @@ impl MountedVolume {
             path: mountpoint.to_path_buf(),
             source: e,
         })?;
-        Ok(Self::started(fs, &session, mountpoint, Serving::Plain(bg)))
+        Ok(Self::started(
+            fs,
+            &session,
+            mountpoint,
+            Serving::Plain(bg),
+            None,
+        ))
     }
 
-    fn started(fs: Arc<Fs>, session: &SessionFiler, mountpoint: &Path, serving: Serving) -> Self {
+    /// `kept`: the keeper's notifier for a kept session (else invalidations are written here).
+    fn started(
+        fs: Arc<Fs>,
+        session: &SessionFiler,
+        mountpoint: &Path,
+        serving: Serving,
+        kept: Option<crate::keeper::KeeperNotifier>,
+    ) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
             Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
-            fs.set_notifier(Arc::new(super::adapter::KernelNotifier(bg.notifier())));
+            let direct = super::adapter::KernelNotifier(bg.notifier());
+            match kept {
+                Some(keeper) => {
+                    fs.set_notifier(Arc::new(super::adapter::KeptNotifier { keeper, direct }))
+                }
+                None => fs.set_notifier(Arc::new(direct)),
+            }
         }
         raise_readahead(mountpoint, 4096);
         register_metrics(&fs);
@@ -514,6 +533,7 @@ impl MountedVolume {
             let _ = super::takeover::unmount(mountpoint);
             return Err(mount_err(mountpoint, format!("fd-keeper: {e}")));
         }
+        let notifier = keeper_notifier(&keeper, volume_id, token).await;
         let bg = mounted.session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.to_path_buf(),
             source: e,
@@ -527,7 +547,7 @@ impl MountedVolume {
             init: mounted.init,
             token,
         }));
-        Ok(Self::started(fs, &session, mountpoint, serving))
+        Ok(Self::started(fs, &session, mountpoint, serving, notifier))
     }
 
     /// Adopts a session a previous process left with the keeper (crash or upgrade). `keeper`
@@ -601,6 +621,7 @@ impl MountedVolume {
         if let Some(agreed) = &init.agreed {
             fs.set_posix_acl(super::adapter::posix_acl_negotiated(agreed.flags));
         }
+        let notifier = keeper_notifier(&keeper, &state.volume_id, state.token).await;
         let bg = session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.clone(),
             source: e,
@@ -617,7 +638,7 @@ impl MountedVolume {
             init,
             token: state.token,
         }));
-        Ok(Self::started(fs, &filer, &mountpoint, serving))
+        Ok(Self::started(fs, &filer, &mountpoint, serving, notifier))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
@@ -759,6 +780,8 @@ impl MountedVolume {
         })
         .await
         .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
+        // closes the keeper's notifier connections (their threads hold the FUSE fd)
+        self.fs.drop_notifier();
         if let Err(e) = unmounted {
             // already gone (e.g. replaced by the node service): not an error for us
             if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) {
@@ -783,6 +806,35 @@ impl Drop for MountedVolume {
             // a kept session outlives this object on purpose (the keeper holds it)
             Some(Serving::Kept(k)) => std::mem::forget(k.bg),
             None => {}
+        }
+    }
+}
+
+/// The keeper's notifier connections for a kept session; None (logged) if the keeper cannot
+/// give them (an older keeper): this process then writes its invalidations itself, and a
+/// SIGKILL while one waits in the kernel can leave it unable to exit (docs/SEMANTICS.md).
+async fn keeper_notifier(
+    keeper: &Arc<crate::keeper::KeeperClient>,
+    volume_id: &str,
+    token: Option<u64>,
+) -> Option<crate::keeper::KeeperNotifier> {
+    use crate::keeper::notify::CONNS_PER_SESSION;
+    let path = keeper.path().to_path_buf();
+    let id = volume_id.to_string();
+    let opened = tokio::task::spawn_blocking(move || {
+        crate::keeper::KeeperNotifier::open(&path, &id, token, CONNS_PER_SESSION)
+    })
+    .await;
+    match opened {
+        Ok(Ok(n)) => Some(n),
+        Ok(Err(e)) => {
+            tracing::warn!(volume_id, error = %e,
+                "the fd-keeper cannot write this session's invalidations (an older keeper?); writing them here");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(volume_id, error = %e, "opening the keeper's notifier failed");
+            None
         }
     }
 }

@@ -78,7 +78,7 @@ const RECONNECT_DELAYS: [Duration; 3] = [
 /// Longest a call spends reconnecting (the sum of [`RECONNECT_DELAYS`], rounded up).
 pub const RECONNECT_BUDGET: Duration = Duration::from_secs(1);
 
-fn open_conn(path: &Path) -> Result<OwnedFd, KeeperError> {
+pub(super) fn open_conn(path: &Path) -> Result<OwnedFd, KeeperError> {
     let fd = socket(
         AddressFamily::Unix,
         SockType::SeqPacket,
@@ -105,6 +105,11 @@ impl KeeperClient {
             path: path.to_path_buf(),
             timeout: DEFAULT_TIMEOUT,
         })
+    }
+
+    /// The keeper's socket.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Bound for each round trip except `claim`.

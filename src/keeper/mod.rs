@@ -20,6 +20,7 @@
 //! | `claim{id}` | - | like `get`, but only once no *other live connection* owns the entry; the claimer becomes owner |
 //! | `list` | - | `ids` |
 //! | `drop{id}` | - | `ok`; closes the fds (the session is over) |
+//! | `notifier{id, token}` | - | `ok`; the connection then carries raw kernel invalidations ([`notify`]) |
 //!
 //! Ownership is a property of the keeper *connection*: it ends when that connection closes,
 //! which for a daemon that keeps its [`KeeperClient`] for its whole life means the daemon has
@@ -40,12 +41,14 @@
 //!   another keeper is listening on.
 
 mod client;
+pub mod notify;
 mod protocol;
 mod server;
 #[cfg(test)]
 mod tests;
 
 pub use client::{KeeperClient, KeptEntry, DEFAULT_TIMEOUT, RECONNECT_BUDGET};
+pub use notify::KeeperNotifier;
 pub use protocol::{MAX_BLOB, MAX_FDS_PER_ENTRY};
 pub use server::{run, KeeperArgs, KeeperServer};
 

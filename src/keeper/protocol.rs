@@ -41,6 +41,13 @@ pub(super) enum Request {
         id: String,
     },
     List,
+    /// Turns this connection into a notifier for the session `id` (see
+    /// [`super::notify`]); refused if `token` names another session than the entry's.
+    Notifier {
+        id: String,
+        #[serde(default)]
+        token: Option<u64>,
+    },
     Drop {
         id: String,
         #[serde(default)]

@@ -6,6 +6,8 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::sys::socket::{
@@ -20,6 +22,8 @@ use super::MAX_FDS_PER_ENTRY;
 
 const MAX_CONNS: usize = 1024;
 const MAX_ENTRIES: usize = 4096;
+/// Most notifier threads at once (a daemon refused one writes its invalidations itself).
+const MAX_NOTIFIERS: usize = 512;
 
 type ConnId = u64;
 
@@ -45,6 +49,8 @@ pub struct KeeperServer {
     /// Connections to close at the end of the current step (closing can grant claims, which
     /// can fail and close more).
     to_close: Vec<ConnId>,
+    /// Notifier threads running.
+    notifiers: Arc<AtomicUsize>,
 }
 
 impl KeeperServer {
@@ -83,6 +89,7 @@ impl KeeperServer {
             next_conn: 1,
             euid: nix::unistd::geteuid().as_raw(),
             to_close: Vec::new(),
+            notifiers: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -216,6 +223,7 @@ impl KeeperServer {
             | Request::UpdateBlob { id }
             | Request::Get { id }
             | Request::Claim { id }
+            | Request::Notifier { id, .. }
             | Request::Drop { id, .. } => validate_id(id),
         };
         if let Err(m) = id_ok {
@@ -310,6 +318,7 @@ impl KeeperServer {
                     self.grant(&id, cid);
                 }
             }
+            Request::Notifier { id, token } => self.start_notifier(cid, id, token),
             Request::List => {
                 let mut ids: Vec<String> = self.entries.keys().cloned().collect();
                 ids.sort();
@@ -337,6 +346,63 @@ impl KeeperServer {
                     self.reply(cid, &Response::Ok, &[]);
                 }
             },
+        }
+    }
+
+    /// Hands connection `cid` to a thread that writes the invalidations it sends to the
+    /// FUSE connection of entry `id` (see [`super::notify`]).
+    fn start_notifier(&mut self, cid: ConnId, id: String, token: Option<u64>) {
+        let Some(e) = self.entries.get(&id) else {
+            return self.reply_err(cid, ErrKind::NotFound, id);
+        };
+        if token.is_some() && e.token.is_some() && token != e.token {
+            return self.reply_err(
+                cid,
+                ErrKind::Invalid,
+                format!("{id} is another session now"),
+            );
+        }
+        // the connection leaves the poll set: one that owns or waits for entries must stay
+        if self
+            .entries
+            .values()
+            .any(|e| e.owner == Some(cid) || e.waiters.contains(&cid))
+        {
+            let m = "a connection that owns or claims entries cannot be a notifier".into();
+            return self.reply_err(cid, ErrKind::Invalid, m);
+        }
+        if self.notifiers.load(Ordering::SeqCst) >= MAX_NOTIFIERS {
+            return self.reply_err(cid, ErrKind::Invalid, "too many notifiers".into());
+        }
+        let fuse = match e.fds.first().map(|f| f.try_clone()) {
+            Some(Ok(f)) => f,
+            Some(Err(err)) => {
+                return self.reply_err(cid, ErrKind::Invalid, format!("dup: {err}"));
+            }
+            None => return self.reply_err(cid, ErrKind::Invalid, "entry has no fd".into()),
+        };
+        self.reply(cid, &Response::Ok, &[]);
+        if self.to_close.contains(&cid) {
+            return;
+        }
+        let Some(sock) = self.conns.remove(&cid) else {
+            return;
+        };
+        let count = self.notifiers.clone();
+        count.fetch_add(1, Ordering::SeqCst);
+        tracing::info!(id = %id, conn = cid, "keeper: notifier started");
+        let spawned = std::thread::Builder::new()
+            .name("keeper-notify".into())
+            .spawn(move || {
+                super::notify::serve(sock, fuse);
+                count.fetch_sub(1, Ordering::SeqCst);
+                tracing::debug!(id = %id, conn = cid, "keeper: notifier ended");
+            });
+        if let Err(err) = spawned {
+            // the closure (and the connection in it) is gone: the daemon sees EOF and writes
+            // its invalidations itself
+            self.notifiers.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!(conn = cid, error = %err, "keeper: cannot start a notifier thread");
         }
     }
 

@@ -367,3 +367,92 @@ fn a_late_drop_of_an_earlier_session_leaves_the_new_one() {
     c.drop_session("u", Some(9)).unwrap();
     assert!(c.list().unwrap().is_empty());
 }
+
+#[test]
+fn a_notifier_writes_checked_invalidations_to_the_entrys_fd_and_lets_it_go() {
+    use super::notify::{inval_entry_msg, inval_inode_msg};
+    use super::KeeperNotifier;
+    let k = Running::start();
+    let c = k.client();
+    let (r, w) = nix::unistd::pipe().unwrap();
+    c.put_session("v", Some(7), b"{}", &[w.as_fd()]).unwrap();
+    drop(w);
+    // unknown entry, another session's token, the owner's own connection: refused
+    assert!(matches!(
+        KeeperNotifier::open(&k.path(), "nope", None, 1),
+        Err(KeeperError::NotFound(_))
+    ));
+    assert!(matches!(
+        KeeperNotifier::open(&k.path(), "v", Some(8), 1),
+        Err(KeeperError::Rejected(_))
+    ));
+    let n = KeeperNotifier::open(&k.path(), "v", Some(7), 2).unwrap();
+    let mut pipe = File::from(r);
+    for m in [
+        inval_entry_msg(1, b"name").unwrap(),
+        inval_inode_msg(5, -1, 0),
+    ] {
+        n.send(&m).unwrap();
+        let mut got = vec![0u8; m.len()];
+        pipe.read_exact(&mut got).unwrap();
+        assert_eq!(got, m);
+    }
+    // anything but an invalidation (here a reply to request 1) is refused, not written
+    let mut reply = inval_inode_msg(5, -1, 0);
+    reply[8] = 1;
+    let e = n.send(&reply).unwrap_err().unwrap();
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+    // the keeper still owns nothing on behalf of the notifier: the owner stays the owner
+    assert!(k.client().get("v").unwrap().owner_alive);
+    // the session ends: the entry and the notifier threads let go of the fd (EOF)
+    c.drop_entry("v").unwrap();
+    drop(n);
+    let mut rest = Vec::new();
+    pipe.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+}
+
+#[test]
+fn a_connection_that_owns_entries_cannot_become_a_notifier() {
+    let k = Running::start();
+    let (_r, w) = nix::unistd::pipe().unwrap();
+    let sock = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    connect(sock.as_raw_fd(), &UnixAddr::new(&k.path()).unwrap()).unwrap();
+    let blob = super::protocol::blob_to_memfd(b"{}").unwrap();
+    let ask = |msg: &[u8], fds: &[i32]| {
+        send_msg(sock.as_fd(), msg, fds, MsgFlags::empty()).unwrap();
+        let mut buf = vec![0u8; MAX_MSG];
+        let (n, _) = recv_msg(sock.as_fd(), &mut buf, MsgFlags::empty())
+            .unwrap()
+            .unwrap();
+        serde_json::from_slice::<Response>(&buf[..n]).unwrap()
+    };
+    let put = ask(
+        br#"{"op":"put","id":"v"}"#,
+        &[blob.as_raw_fd(), w.as_raw_fd()],
+    );
+    assert!(matches!(put, Response::Ok), "{put:?}");
+    let r = ask(br#"{"op":"notifier","id":"v"}"#, &[]);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                kind: ErrKind::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    // still served as a normal connection, and still the owner
+    assert!(matches!(
+        ask(br#"{"op":"list"}"#, &[]),
+        Response::Ids { .. }
+    ));
+    assert!(k.client().get("v").unwrap().owner_alive);
+}

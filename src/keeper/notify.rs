@@ -1,0 +1,324 @@
+//! Kernel cache invalidations written by the keeper's threads on a daemon's behalf.
+//!
+//! An entry invalidation waits, uninterruptibly, for its directory's lock, and a page
+//! invalidation for locked pages; a request in flight to the daemon may hold either. A daemon
+//! thread stuck there keeps a SIGKILLed daemon from exiting: its keeper connection never
+//! closes, no successor is granted the claim, nobody answers the request, and the mount hangs
+//! for good. So a kept session hands its notifications to the keeper, which already holds the
+//! connection's fd and outlives the daemon: a keeper thread waits in the kernel instead, the
+//! daemon (waiting in `recv`, which a signal ends) can exit, its successor answers the resent
+//! request, and the keeper's write then completes.
+//!
+//! A connection becomes a notifier with `notifier{id, token}` (answered `ok`); from then on
+//! each message on it is one raw notification (`fuse_out_header` with `unique` 0 and the
+//! notify code in `error`, then its body) and each answer 4 bytes: 0 or the errno of the
+//! write. The keeper only passes on the invalidations [`check`] accepts, never a reply to a
+//! request. The thread ends when the daemon closes the connection.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::protocol::{poll_fds, recv_msg, send_msg, ErrKind, Request, Response, MAX_MSG};
+use super::KeeperError;
+
+const FUSE_NOTIFY_INVAL_INODE: i32 = 2;
+const FUSE_NOTIFY_INVAL_ENTRY: i32 = 3;
+const OUT_HEADER: usize = 16;
+/// The kernel's limit on a name in a notification (FUSE_NAME_MAX).
+pub const NAME_MAX: usize = 1024;
+/// Largest notification: the header, the entry body, a name at the limit and its NUL.
+pub const MSG_MAX: usize = OUT_HEADER + 16 + NAME_MAX + 1;
+/// Connections per session: an invalidation waiting on one directory does not hold up the
+/// others.
+pub const CONNS_PER_SESSION: usize = 2;
+
+/// A FUSE_NOTIFY_INVAL_ENTRY message (`fuse_out_header`, `fuse_notify_inval_entry_out`,
+/// the name and its NUL).
+pub fn inval_entry_msg(parent: u64, name: &[u8]) -> io::Result<Vec<u8>> {
+    if name.len() > NAME_MAX || name.contains(&0) {
+        return Err(io::Error::from_raw_os_error(libc::ENAMETOOLONG));
+    }
+    let len = OUT_HEADER + 16 + name.len() + 1;
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(len as u32).to_ne_bytes());
+    m.extend_from_slice(&FUSE_NOTIFY_INVAL_ENTRY.to_ne_bytes());
+    m.extend_from_slice(&0u64.to_ne_bytes());
+    m.extend_from_slice(&parent.to_ne_bytes());
+    m.extend_from_slice(&(name.len() as u32).to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(name);
+    m.push(0);
+    Ok(m)
+}
+
+/// A FUSE_NOTIFY_INVAL_INODE message: `off` < 0 drops the attributes only, otherwise the
+/// pages from `off` for `len` bytes (0 or less: to the end) too.
+pub fn inval_inode_msg(ino: u64, off: i64, len: i64) -> Vec<u8> {
+    let mut m = Vec::with_capacity(OUT_HEADER + 24);
+    m.extend_from_slice(&((OUT_HEADER + 24) as u32).to_ne_bytes());
+    m.extend_from_slice(&FUSE_NOTIFY_INVAL_INODE.to_ne_bytes());
+    m.extend_from_slice(&0u64.to_ne_bytes());
+    m.extend_from_slice(&ino.to_ne_bytes());
+    m.extend_from_slice(&off.to_ne_bytes());
+    m.extend_from_slice(&len.to_ne_bytes());
+    m
+}
+
+fn u32_at(m: &[u8], at: usize) -> u32 {
+    u32::from_ne_bytes(m[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Whether `m` is one well-formed invalidation (the only thing the keeper writes for a
+/// daemon); `Err(EINVAL)` otherwise.
+pub(super) fn check(m: &[u8]) -> Result<(), i32> {
+    if m.len() < OUT_HEADER || u32_at(m, 0) as usize != m.len() || m[8..16] != [0; 8] {
+        return Err(libc::EINVAL);
+    }
+    let ok = match u32_at(m, 4) as i32 {
+        FUSE_NOTIFY_INVAL_INODE => m.len() == OUT_HEADER + 24,
+        FUSE_NOTIFY_INVAL_ENTRY => {
+            let body = OUT_HEADER + 16;
+            m.len() > body
+                && u32_at(m, OUT_HEADER + 8) as usize == m.len() - body - 1
+                && m.len() - body - 1 <= NAME_MAX
+                && m[m.len() - 1] == 0
+        }
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(libc::EINVAL)
+    }
+}
+
+/// The keeper's notifier thread: writes each message from `sock` to `fuse` and answers with
+/// 0 or the errno, until the daemon closes `sock`.
+pub(super) fn serve(sock: OwnedFd, fuse: OwnedFd) {
+    // the keeper accepted it non-blocking; this thread waits on it
+    let raw = sock.as_raw_fd();
+    // SAFETY: fcntl on a valid fd we own.
+    unsafe {
+        let fl = libc::fcntl(raw, libc::F_GETFL);
+        if fl >= 0 {
+            libc::fcntl(raw, libc::F_SETFL, fl & !libc::O_NONBLOCK);
+        }
+    }
+    let mut buf = vec![0u8; MSG_MAX];
+    loop {
+        let n = match recv_msg(sock.as_fd(), &mut buf, nix::sys::socket::MsgFlags::empty()) {
+            Ok(Some((n, _fds))) => n,
+            Ok(None) => return,
+            Err(nix::errno::Errno::EINTR) => continue,
+            // a message larger than any notification, or a broken connection
+            Err(_) => return,
+        };
+        let ans = match check(&buf[..n]) {
+            Err(e) => e,
+            // SAFETY: valid fd and the n bytes received.
+            Ok(()) => match unsafe { libc::write(fuse.as_raw_fd(), buf.as_ptr().cast(), n) } {
+                w if w < 0 => io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO),
+                _ => 0,
+            },
+        };
+        if send_msg(
+            sock.as_fd(),
+            &ans.to_ne_bytes(),
+            &[],
+            nix::sys::socket::MsgFlags::empty(),
+        )
+        .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// One of a daemon's notifier connections.
+struct Conn {
+    /// Held for one message and its answer.
+    sock: Mutex<OwnedFd>,
+    dead: AtomicBool,
+}
+
+/// A daemon's side: the keeper connections that write one session's invalidations.
+pub struct KeeperNotifier {
+    conns: Vec<Conn>,
+    next: AtomicUsize,
+}
+
+/// Longest wait for the keeper to accept a notifier connection.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl KeeperNotifier {
+    /// Opens `n` notifier connections for the session `id` (named `token`). A keeper of an
+    /// older version refuses (`Rejected`): the caller writes invalidations itself then.
+    pub fn open(path: &Path, id: &str, token: Option<u64>, n: usize) -> Result<Self, KeeperError> {
+        let req = serde_json::to_vec(&Request::Notifier {
+            id: id.into(),
+            token,
+        })
+        .expect("requests always serialize");
+        let conns = (0..n.max(1))
+            .map(|_| {
+                let fd = super::client::open_conn(path)?;
+                send_msg(fd.as_fd(), &req, &[], nix::sys::socket::MsgFlags::empty())?;
+                match poll_fds(
+                    &[(Some(fd.as_fd()), libc::POLLIN)],
+                    OPEN_TIMEOUT.as_millis() as i32,
+                )? {
+                    r if r[0] == 0 => return Err(KeeperError::Timeout),
+                    _ => {}
+                }
+                let mut buf = vec![0u8; MAX_MSG];
+                let Some((len, _)) = recv_msg(
+                    fd.as_fd(),
+                    &mut buf,
+                    nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+                )?
+                else {
+                    return Err(KeeperError::Io(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        "keeper closed the connection",
+                    )));
+                };
+                match serde_json::from_slice(&buf[..len]) {
+                    Ok(Response::Ok) => Ok(Conn {
+                        sock: Mutex::new(fd),
+                        dead: AtomicBool::new(false),
+                    }),
+                    Ok(Response::Err {
+                        kind: ErrKind::NotFound,
+                        message,
+                    }) => Err(KeeperError::NotFound(message)),
+                    Ok(Response::Err { message, .. }) => Err(KeeperError::Rejected(message)),
+                    Ok(other) => Err(KeeperError::Protocol(format!(
+                        "unexpected answer {other:?}"
+                    ))),
+                    Err(e) => Err(KeeperError::Protocol(format!("bad answer: {e}"))),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(KeeperNotifier {
+            conns,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Has the keeper write `msg` and waits for the kernel's answer (as long as the kernel
+    /// takes: only a signal ends the wait, and the keeper's write goes on after one).
+    /// `Err(None)`: no connection is left (the caller writes it itself); `Err(Some(e))`: the
+    /// kernel refused it.
+    pub fn send(&self, msg: &[u8]) -> Result<(), Option<io::Error>> {
+        let n = self.conns.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let live: Vec<usize> = (start..start + n)
+            .map(|i| i % n)
+            .filter(|&i| !self.conns[i].dead.load(Ordering::Relaxed))
+            .collect();
+        let Some(&first) = live.first() else {
+            return Err(None);
+        };
+        // an idle connection first; else wait for one
+        let (i, sock) = live
+            .iter()
+            .find_map(|&i| self.conns[i].sock.try_lock().map(|g| (i, g)))
+            .unwrap_or_else(|| (first, self.conns[first].sock.lock()));
+        match exchange(sock.as_fd(), msg) {
+            Ok(0) => Ok(()),
+            Ok(e) => Err(Some(io::Error::from_raw_os_error(e))),
+            Err(e) => {
+                tracing::warn!(error = %e, conn = i, "fd-keeper notifier connection lost");
+                self.conns[i].dead.store(true, Ordering::Relaxed);
+                drop(sock);
+                self.send(msg)
+            }
+        }
+    }
+}
+
+/// Sends `msg`, returns the keeper's answer (0 or an errno).
+fn exchange(sock: BorrowedFd<'_>, msg: &[u8]) -> io::Result<i32> {
+    send_msg(sock, msg, &[], nix::sys::socket::MsgFlags::empty())?;
+    let mut ans = [0u8; 4];
+    loop {
+        match recv_msg(sock, &mut ans, nix::sys::socket::MsgFlags::empty()) {
+            Ok(Some((4, _))) => return Ok(i32::from_ne_bytes(ans)),
+            Ok(Some(_)) => return Err(io::Error::other("short answer from the fd-keeper")),
+            Ok(None) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "fd-keeper closed the notifier connection",
+                ))
+            }
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_have_the_kernel_layout_and_pass_the_check() {
+        let m = inval_entry_msg(7, b"ab").unwrap();
+        assert_eq!(m.len(), 16 + 16 + 3);
+        assert_eq!(u32::from_ne_bytes(m[0..4].try_into().unwrap()), 35);
+        assert_eq!(i32::from_ne_bytes(m[4..8].try_into().unwrap()), 3);
+        assert_eq!(u64::from_ne_bytes(m[8..16].try_into().unwrap()), 0);
+        assert_eq!(u64::from_ne_bytes(m[16..24].try_into().unwrap()), 7);
+        assert_eq!(u32::from_ne_bytes(m[24..28].try_into().unwrap()), 2);
+        assert_eq!(&m[32..], b"ab\0");
+        assert_eq!(check(&m), Ok(()));
+        let m = inval_inode_msg(9, -1, 0);
+        assert_eq!(m.len(), 40);
+        assert_eq!(i32::from_ne_bytes(m[4..8].try_into().unwrap()), 2);
+        assert_eq!(i64::from_ne_bytes(m[24..32].try_into().unwrap()), -1);
+        assert_eq!(check(&m), Ok(()));
+        assert!(inval_entry_msg(1, &[b'a'; NAME_MAX + 1]).is_err());
+        assert!(inval_entry_msg(1, b"a\0b").is_err());
+        assert_eq!(
+            check(&inval_entry_msg(1, &[b'a'; NAME_MAX]).unwrap()),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_check_refuses_anything_but_an_invalidation() {
+        let good = inval_entry_msg(1, b"name").unwrap();
+        // a reply to a request (unique != 0)
+        let mut m = good.clone();
+        m[8] = 1;
+        assert_eq!(check(&m), Err(libc::EINVAL));
+        // another notify code (store, retrieve, delete, resend)
+        for code in [1i32, 4, 5, 6, 7, -2] {
+            let mut m = good.clone();
+            m[4..8].copy_from_slice(&code.to_ne_bytes());
+            assert_eq!(check(&m), Err(libc::EINVAL), "code {code}");
+        }
+        // a length field that lies, a name length that lies, no NUL, too short
+        let mut m = good.clone();
+        m[0] += 1;
+        assert_eq!(check(&m), Err(libc::EINVAL));
+        let mut m = good.clone();
+        m[24] += 1;
+        assert_eq!(check(&m), Err(libc::EINVAL));
+        let mut m = good.clone();
+        *m.last_mut().unwrap() = b'x';
+        assert_eq!(check(&m), Err(libc::EINVAL));
+        assert_eq!(check(&good[..10]), Err(libc::EINVAL));
+        let mut m = inval_inode_msg(1, 0, 0);
+        m.push(0);
+        m[0] += 1;
+        assert_eq!(check(&m), Err(libc::EINVAL));
+    }
+}
