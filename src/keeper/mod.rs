@@ -31,6 +31,9 @@
 //! # Robustness
 //! * Never blocks on a client: sockets are non-blocking and a request gets exactly one small
 //!   answer; a client whose receive buffer is full is disconnected.
+//! * The one blocking thing it does, writing a session's kernel invalidations (which can wait
+//!   for a request the daemon has not answered), happens on a thread per notifier connection,
+//!   outside the request loop.
 //! * Client crashes only close their connection (ownership released, pending claims served).
 //! * Only peers with the keeper's uid (or root) are served; the socket file is mode 0600.
 //! * Restarting the keeper is safe only while it holds nothing: its fds are the only thing
