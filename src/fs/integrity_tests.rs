@@ -1634,3 +1634,28 @@ async fn a_retired_unlinked_state_flushes_ok() {
     assert!(old.state.lock().retired && old.state.lock().meta_dirty);
     fs.flush_file(&old).await.unwrap();
 }
+
+/// An unmount or a handover (both end in `flush_all`) waits for the deletes of chunks a
+/// failed last close left: a process exiting right after would otherwise leave them on the
+/// volume servers for good.
+#[tokio::test]
+async fn flush_all_waits_for_orphaned_chunks_to_be_deleted() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    store.delay_deletes(Duration::from_millis(500));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &vec![1u8; MIB]).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, MIB as u64, &vec![2u8; MIB])
+        .await
+        .unwrap();
+    fs.open_file(a.ino).unwrap().wait_uploads().await;
+    assert_eq!(store.len(), 2);
+    store.fail_next_uploads(1_000);
+    fs.write(fh, a.ino, 2 * MIB as u64, b"tail").await.unwrap();
+    assert_eq!(fs.release(fh, a.ino).await.unwrap_err().errno, libc::EIO);
+    store.fail_next_uploads(0);
+    fs.flush_all().await.unwrap();
+    assert_eq!(store.len(), 1, "the orphaned MiB was still being deleted");
+    assert_eq!(referenced(&filer, "/f"), 1);
+    all_referenced_chunks_exist(&filer, &store);
+}

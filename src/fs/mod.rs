@@ -311,6 +311,8 @@ pub struct Fs {
     used_bytes: AtomicU64,
     quota: AtomicU64,
     notifier: parking_lot::RwLock<Option<Arc<StoppableNotifier>>>,
+    /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
+    deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
     /// The kernel caches and enforces POSIX ACLs (FUSE_POSIX_ACL was negotiated): keep modes
     /// in sync with access ACLs and apply default-ACL inheritance.
@@ -384,6 +386,7 @@ impl Fs {
             statfs_cache: Mutex::new(None),
             used_bytes: AtomicU64::new(0),
             notifier: parking_lot::RwLock::new(None),
+            deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),
             stats: FsStats::default(),

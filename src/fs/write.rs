@@ -121,6 +121,7 @@ impl Fs {
             let fs_stats = crate::metrics::global();
             let cache = self.cache.clone();
             let retry_for = self.cfg.upload_retry;
+            let deletes = self.deletes.clone();
             tokio::spawn(async move {
                 let done = UploadDone(Some((of, run.id)));
                 let data = run.data.clone();
@@ -130,15 +131,10 @@ impl Fs {
                 if let Some(fid) = done.finish(r.map_err(|e| e.to_string())) {
                     // its file was closed for good meanwhile: no entry will list it (deleted
                     // apart, so a slow volume server does not hold the upload slot)
-                    let store = store.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = store.delete_chunks(&[fid]).await {
-                            tracing::warn!(error = %e, "orphaned chunk not deleted (volume.fsck finds it)");
-                        }
-                    });
-                }
-                // keep what we just wrote: reading it back is common
-                if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
+                    deletes.spawn(store.clone(), vec![fid]);
+                } else if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20)
+                {
+                    // keep what we just wrote: reading it back is common
                     cache.insert(key, data).await;
                 }
                 drop(permit);
@@ -299,16 +295,9 @@ impl Fs {
 
     /// Deletes chunks of ours that no entry references, in the background.
     pub(super) fn delete_orphans(&self, fids: Vec<String>) {
-        if fids.is_empty() {
-            return;
+        if !fids.is_empty() {
+            self.deletes.spawn(self.store.clone(), fids);
         }
-        let store = self.store.clone();
-        tokio::spawn(async move {
-            if let Err(e) = store.delete_chunks(&fids).await {
-                tracing::warn!(count = fids.len(), error = %e,
-                    "orphaned chunks not deleted (volume.fsck finds them)");
-            }
-        });
     }
 
     /// Folds `entry`'s data chunks into manifest chunks once there are `manifest_batch` of them,
@@ -378,7 +367,64 @@ impl Fs {
             }
         }
         self.flush_dir_times().await;
+        // the process may exit or the volume go next: what is left is volume.fsck's to find
+        if !self.deletes.drain(DRAIN_DELETES).await {
+            tracing::warn!(root = %self.cfg.root, "orphaned chunk deletes still running; left to volume.fsck");
+        }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Longest an unmount or a handover waits for orphaned chunks' deletes.
+const DRAIN_DELETES: Duration = Duration::from_secs(5);
+
+/// Deletes of chunks no entry references, running in the background, counted so that an
+/// unmount or a handover can wait for them.
+#[derive(Default)]
+pub(super) struct BackgroundDeletes {
+    running: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// Counts one delete down when its task ends, however it ends.
+struct Running(Arc<BackgroundDeletes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl BackgroundDeletes {
+    fn spawn(self: &Arc<Self>, store: Arc<dyn crate::volume::ChunkStore>, fids: Vec<String>) {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        let running = Running(self.clone());
+        tokio::spawn(async move {
+            let _running = running;
+            if let Err(e) = store.delete_chunks(&fids).await {
+                tracing::warn!(count = fids.len(), error = %e,
+                    "orphaned chunks not deleted (volume.fsck finds them)");
+            }
+        });
+    }
+
+    /// Waits up to `limit` until no delete runs; false if some still did then.
+    async fn drain(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            // registered before the check: a delete ending in between still wakes us
+            idle.as_mut().enable();
+            if self.running.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return false;
+            }
+        }
     }
 }
 

@@ -24,6 +24,7 @@ pub struct MockChunkStore {
     fail_uploads: AtomicU32,
     fail_reads: AtomicU32,
     panic_uploads: AtomicU32,
+    delete_delay: Mutex<std::time::Duration>,
 }
 
 /// Decrements `n` if positive; true if this call should fail.
@@ -69,6 +70,11 @@ impl MockChunkStore {
     /// Deletes a needle; later reads of it are `NotFound`.
     pub fn remove(&self, fid: &str) -> bool {
         self.needles.lock().remove(fid).is_some()
+    }
+
+    /// Every delete waits this long first (a slow volume server).
+    pub fn delay_deletes(&self, d: std::time::Duration) {
+        *self.delete_delay.lock() = d;
     }
 
     /// The next `n` uploads panic (a bug in the upload path, for the tests that nothing
@@ -170,6 +176,10 @@ impl ChunkStore for MockChunkStore {
     }
 
     async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {
+        let delay = *self.delete_delay.lock();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         for f in file_ids {
             self.remove(f);
         }
