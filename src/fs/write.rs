@@ -132,8 +132,7 @@ impl Fs {
                     // its file was closed for good meanwhile: no entry will list it (deleted
                     // apart, so a slow volume server does not hold the upload slot)
                     deletes.spawn(store.clone(), vec![fid]);
-                } else if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20)
-                {
+                } else if let Some(key) = key.filter(|_| run.offset == 0 || data.len() <= 1 << 20) {
                     // keep what we just wrote: reading it back is common
                     cache.insert(key, data).await;
                 }

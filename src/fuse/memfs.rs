@@ -1010,12 +1010,7 @@ fn keeper_notifier(args: &MemfsArgs, client: &KeeperClient, id: &str) -> Option<
     if args.notify_direct {
         return None;
     }
-    match KeeperNotifier::open(
-        client.path(),
-        id,
-        None,
-        crate::keeper::notify::CONNS_PER_SESSION,
-    ) {
+    match KeeperNotifier::open(client.path(), id, None) {
         Ok(n) => {
             eprintln!("memfs-event: keeper-notifier open");
             Some(n)

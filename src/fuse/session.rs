@@ -818,13 +818,11 @@ async fn keeper_notifier(
     volume_id: &str,
     token: Option<u64>,
 ) -> Option<crate::keeper::KeeperNotifier> {
-    use crate::keeper::notify::CONNS_PER_SESSION;
     let path = keeper.path().to_path_buf();
     let id = volume_id.to_string();
-    let opened = tokio::task::spawn_blocking(move || {
-        crate::keeper::KeeperNotifier::open(&path, &id, token, CONNS_PER_SESSION)
-    })
-    .await;
+    let opened =
+        tokio::task::spawn_blocking(move || crate::keeper::KeeperNotifier::open(&path, &id, token))
+            .await;
     match opened {
         Ok(Ok(n)) => Some(n),
         Ok(Err(e)) => {

@@ -17,9 +17,12 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use nix::sys::socket::MsgFlags;
 
 use parking_lot::Mutex;
 
@@ -33,9 +36,10 @@ const OUT_HEADER: usize = 16;
 pub const NAME_MAX: usize = 1024;
 /// Largest notification: the header, the entry body, a name at the limit and its NUL.
 pub const MSG_MAX: usize = OUT_HEADER + 16 + NAME_MAX + 1;
-/// Connections per session: an invalidation waiting on one directory does not hold up the
-/// others.
-pub const CONNS_PER_SESSION: usize = 2;
+/// Most connections per session: one is opened per invalidation in progress, so one that
+/// waits in the kernel does not hold up the others; past this many the daemon writes an
+/// invalidation itself.
+pub const MAX_CONNS_PER_SESSION: usize = 8;
 
 /// A FUSE_NOTIFY_INVAL_ENTRY message (`fuse_out_header`, `fuse_notify_inval_entry_out`,
 /// the name and its NUL).
@@ -111,7 +115,7 @@ pub(super) fn serve(sock: OwnedFd, fuse: OwnedFd) {
     }
     let mut buf = vec![0u8; MSG_MAX];
     loop {
-        let n = match recv_msg(sock.as_fd(), &mut buf, nix::sys::socket::MsgFlags::empty()) {
+        let n = match recv_msg(sock.as_fd(), &mut buf, MsgFlags::empty()) {
             Ok(Some((n, _fds))) => n,
             Ok(None) => return,
             Err(nix::errno::Errno::EINTR) => continue,
@@ -128,14 +132,7 @@ pub(super) fn serve(sock: OwnedFd, fuse: OwnedFd) {
                 _ => 0,
             },
         };
-        if send_msg(
-            sock.as_fd(),
-            &ans.to_ne_bytes(),
-            &[],
-            nix::sys::socket::MsgFlags::empty(),
-        )
-        .is_err()
-        {
+        if send_msg(sock.as_fd(), &ans.to_ne_bytes(), &[], MsgFlags::empty()).is_err() {
             return;
         }
     }
@@ -143,113 +140,149 @@ pub(super) fn serve(sock: OwnedFd, fuse: OwnedFd) {
 
 /// One of a daemon's notifier connections.
 struct Conn {
-    /// Held for one message and its answer.
-    sock: Mutex<OwnedFd>,
+    sock: OwnedFd,
+    /// Taken for one message and its answer.
+    busy: AtomicBool,
     dead: AtomicBool,
+}
+
+/// A connection taken for one message (given back when dropped).
+struct Taken(Arc<Conn>);
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.0.busy.store(false, Ordering::SeqCst);
+    }
 }
 
 /// A daemon's side: the keeper connections that write one session's invalidations.
 pub struct KeeperNotifier {
-    conns: Vec<Conn>,
-    next: AtomicUsize,
+    path: PathBuf,
+    id: String,
+    token: Option<u64>,
+    conns: Mutex<Vec<Arc<Conn>>>,
 }
 
 /// Longest wait for the keeper to accept a notifier connection.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl KeeperNotifier {
-    /// Opens `n` notifier connections for the session `id` (named `token`). A keeper of an
-    /// older version refuses (`Rejected`): the caller writes invalidations itself then.
-    pub fn open(path: &Path, id: &str, token: Option<u64>, n: usize) -> Result<Self, KeeperError> {
-        let req = serde_json::to_vec(&Request::Notifier {
-            id: id.into(),
-            token,
-        })
-        .expect("requests always serialize");
-        let conns = (0..n.max(1))
-            .map(|_| {
-                let fd = super::client::open_conn(path)?;
-                send_msg(fd.as_fd(), &req, &[], nix::sys::socket::MsgFlags::empty())?;
-                match poll_fds(
-                    &[(Some(fd.as_fd()), libc::POLLIN)],
-                    OPEN_TIMEOUT.as_millis() as i32,
-                )? {
-                    r if r[0] == 0 => return Err(KeeperError::Timeout),
-                    _ => {}
-                }
-                let mut buf = vec![0u8; MAX_MSG];
-                let Some((len, _)) = recv_msg(
-                    fd.as_fd(),
-                    &mut buf,
-                    nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-                )?
-                else {
-                    return Err(KeeperError::Io(io::Error::new(
-                        io::ErrorKind::ConnectionReset,
-                        "keeper closed the connection",
-                    )));
-                };
-                match serde_json::from_slice(&buf[..len]) {
-                    Ok(Response::Ok) => Ok(Conn {
-                        sock: Mutex::new(fd),
-                        dead: AtomicBool::new(false),
-                    }),
-                    Ok(Response::Err {
-                        kind: ErrKind::NotFound,
-                        message,
-                    }) => Err(KeeperError::NotFound(message)),
-                    Ok(Response::Err { message, .. }) => Err(KeeperError::Rejected(message)),
-                    Ok(other) => Err(KeeperError::Protocol(format!(
-                        "unexpected answer {other:?}"
-                    ))),
-                    Err(e) => Err(KeeperError::Protocol(format!("bad answer: {e}"))),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+    /// Opens a first notifier connection for the session `id` (named `token`). A keeper of
+    /// an older version refuses (`Rejected`): the caller writes invalidations itself then.
+    pub fn open(path: &Path, id: &str, token: Option<u64>) -> Result<Self, KeeperError> {
+        let first = open_one(path, id, token)?;
         Ok(KeeperNotifier {
-            conns,
-            next: AtomicUsize::new(0),
+            path: path.to_path_buf(),
+            id: id.to_string(),
+            token,
+            conns: Mutex::new(vec![Arc::new(first)]),
         })
+    }
+
+    /// Live connections (each is a keeper thread).
+    pub fn connections(&self) -> usize {
+        self.conns.lock().len()
+    }
+
+    /// An idle connection, else a new one (up to [`MAX_CONNS_PER_SESSION`]). Never waits
+    /// for a busy one: an invalidation can wait in the kernel for a request whose handler
+    /// is the very caller that would wait here.
+    fn take(&self) -> Option<Taken> {
+        let mut conns = self.conns.lock();
+        conns.retain(|c| !c.dead.load(Ordering::SeqCst));
+        let idle = conns.iter().find(|c| {
+            c.busy
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        });
+        if let Some(c) = idle {
+            return Some(Taken(c.clone()));
+        }
+        if conns.len() >= MAX_CONNS_PER_SESSION {
+            return None;
+        }
+        match open_one(&self.path, &self.id, self.token) {
+            Ok(c) => {
+                c.busy.store(true, Ordering::SeqCst);
+                let c = Arc::new(c);
+                conns.push(c.clone());
+                Some(Taken(c))
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "no further fd-keeper notifier connection");
+                None
+            }
+        }
     }
 
     /// Has the keeper write `msg` and waits for the kernel's answer (as long as the kernel
     /// takes: only a signal ends the wait, and the keeper's write goes on after one).
-    /// `Err(None)`: no connection is left (the caller writes it itself); `Err(Some(e))`: the
-    /// kernel refused it.
+    /// `Err(None)`: no connection could take it (the caller writes it itself);
+    /// `Err(Some(e))`: the kernel refused it.
     pub fn send(&self, msg: &[u8]) -> Result<(), Option<io::Error>> {
-        let n = self.conns.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let live: Vec<usize> = (start..start + n)
-            .map(|i| i % n)
-            .filter(|&i| !self.conns[i].dead.load(Ordering::Relaxed))
-            .collect();
-        let Some(&first) = live.first() else {
-            return Err(None);
-        };
-        // an idle connection first; else wait for one
-        let (i, sock) = live
-            .iter()
-            .find_map(|&i| self.conns[i].sock.try_lock().map(|g| (i, g)))
-            .unwrap_or_else(|| (first, self.conns[first].sock.lock()));
-        match exchange(sock.as_fd(), msg) {
-            Ok(0) => Ok(()),
-            Ok(e) => Err(Some(io::Error::from_raw_os_error(e))),
-            Err(e) => {
-                tracing::warn!(error = %e, conn = i, "fd-keeper notifier connection lost");
-                self.conns[i].dead.store(true, Ordering::Relaxed);
-                drop(sock);
-                self.send(msg)
+        loop {
+            let Some(taken) = self.take() else {
+                return Err(None);
+            };
+            match exchange(taken.0.sock.as_fd(), msg) {
+                Ok(0) => return Ok(()),
+                Ok(e) => return Err(Some(io::Error::from_raw_os_error(e))),
+                Err(e) => {
+                    tracing::warn!(error = %e, "fd-keeper notifier connection lost");
+                    taken.0.dead.store(true, Ordering::SeqCst);
+                }
             }
         }
     }
 }
 
+/// One notifier connection, accepted by the keeper.
+fn open_one(path: &Path, id: &str, token: Option<u64>) -> Result<Conn, KeeperError> {
+    let req = serde_json::to_vec(&Request::Notifier {
+        id: id.into(),
+        token,
+    })
+    .expect("requests always serialize");
+    let fd = super::client::open_conn(path)?;
+    send_msg(fd.as_fd(), &req, &[], MsgFlags::empty())?;
+    let ready = poll_fds(
+        &[(Some(fd.as_fd()), libc::POLLIN)],
+        OPEN_TIMEOUT.as_millis() as i32,
+    )?;
+    if ready[0] == 0 {
+        return Err(KeeperError::Timeout);
+    }
+    let mut buf = vec![0u8; MAX_MSG];
+    let Some((len, _)) = recv_msg(fd.as_fd(), &mut buf, MsgFlags::MSG_DONTWAIT)? else {
+        return Err(KeeperError::Io(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "keeper closed the connection",
+        )));
+    };
+    match serde_json::from_slice(&buf[..len]) {
+        Ok(Response::Ok) => Ok(Conn {
+            sock: fd,
+            busy: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+        }),
+        Ok(Response::Err {
+            kind: ErrKind::NotFound,
+            message,
+        }) => Err(KeeperError::NotFound(message)),
+        Ok(Response::Err { message, .. }) => Err(KeeperError::Rejected(message)),
+        Ok(other) => Err(KeeperError::Protocol(format!(
+            "unexpected answer {other:?}"
+        ))),
+        Err(e) => Err(KeeperError::Protocol(format!("bad answer: {e}"))),
+    }
+}
+
 /// Sends `msg`, returns the keeper's answer (0 or an errno).
 fn exchange(sock: BorrowedFd<'_>, msg: &[u8]) -> io::Result<i32> {
-    send_msg(sock, msg, &[], nix::sys::socket::MsgFlags::empty())?;
+    send_msg(sock, msg, &[], MsgFlags::empty())?;
     let mut ans = [0u8; 4];
     loop {
-        match recv_msg(sock, &mut ans, nix::sys::socket::MsgFlags::empty()) {
+        match recv_msg(sock, &mut ans, MsgFlags::empty()) {
             Ok(Some((4, _))) => return Ok(i32::from_ne_bytes(ans)),
             Ok(Some(_)) => return Err(io::Error::other("short answer from the fd-keeper")),
             Ok(None) => {

@@ -379,14 +379,14 @@ fn a_notifier_writes_checked_invalidations_to_the_entrys_fd_and_lets_it_go() {
     drop(w);
     // unknown entry, another session's token, the owner's own connection: refused
     assert!(matches!(
-        KeeperNotifier::open(&k.path(), "nope", None, 1),
+        KeeperNotifier::open(&k.path(), "nope", None),
         Err(KeeperError::NotFound(_))
     ));
     assert!(matches!(
-        KeeperNotifier::open(&k.path(), "v", Some(8), 1),
+        KeeperNotifier::open(&k.path(), "v", Some(8)),
         Err(KeeperError::Rejected(_))
     ));
-    let n = KeeperNotifier::open(&k.path(), "v", Some(7), 2).unwrap();
+    let n = KeeperNotifier::open(&k.path(), "v", Some(7)).unwrap();
     let mut pipe = File::from(r);
     for m in [
         inval_entry_msg(1, b"name").unwrap(),
@@ -455,4 +455,61 @@ fn a_connection_that_owns_entries_cannot_become_a_notifier() {
         Response::Ids { .. }
     ));
     assert!(k.client().get("v").unwrap().owner_alive);
+}
+
+/// An invalidation waiting in the kernel (here: the "FUSE fd" is a full pipe) does not hold
+/// up the next one: that gets a connection of its own (its handler may be what the first
+/// one waits for), up to the per-session limit, beyond which the daemon writes it itself.
+#[test]
+fn a_waiting_invalidation_does_not_hold_up_the_next() {
+    use super::notify::{inval_inode_msg, MAX_CONNS_PER_SESSION};
+    use super::KeeperNotifier;
+    use std::sync::Arc;
+    let k = Running::start();
+    let c = k.client();
+    let (r, w) = nix::unistd::pipe().unwrap();
+    c.put("v", b"{}", &[w.as_fd()]).unwrap();
+    // fill the pipe (blocking: the keeper shares this open file): its writes now wait
+    // until the test reads
+    let filled = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_GETPIPE_SZ).unwrap() as usize;
+    let mut left = filled;
+    while left > 0 {
+        left -= nix::unistd::write(&w, &vec![0u8; left]).unwrap();
+    }
+    let n = Arc::new(KeeperNotifier::open(&k.path(), "v", None).unwrap());
+    let msg = inval_inode_msg(5, -1, 0);
+    let senders: Vec<_> = (0..MAX_CONNS_PER_SESSION)
+        .map(|_| {
+            let (n, msg) = (n.clone(), msg.clone());
+            std::thread::spawn(move || n.send(&msg))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while n.connections() < MAX_CONNS_PER_SESSION {
+        assert!(
+            Instant::now() < deadline,
+            "only {} connections for {MAX_CONNS_PER_SESSION} waiting invalidations",
+            n.connections()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // every connection is taken: the next one is the caller's to write
+    assert!(matches!(n.send(&msg), Err(None)));
+    // the kernel (here: the reader) takes them: every waiting one completes
+    let mut pipe = File::from(r);
+    let mut want = filled + MAX_CONNS_PER_SESSION * msg.len();
+    let mut buf = vec![0u8; 65536];
+    while want > 0 {
+        let got = pipe.read(&mut buf).unwrap();
+        assert!(got > 0);
+        want = want.saturating_sub(got);
+    }
+    for s in senders {
+        s.join().unwrap().unwrap();
+    }
+    // and the connections are idle again
+    n.send(&msg).unwrap();
+    assert_eq!(n.connections(), MAX_CONNS_PER_SESSION);
+    drop(w);
+    c.drop_entry("v").unwrap();
 }
