@@ -103,7 +103,7 @@ pub(super) fn check(m: &[u8]) -> Result<(), i32> {
 
 /// The keeper's notifier thread: writes each message from `sock` to `fuse` and answers with
 /// 0 or the errno, until the daemon closes `sock`.
-pub(super) fn serve(sock: OwnedFd, fuse: OwnedFd) {
+pub(super) fn serve(sock: Arc<OwnedFd>, fuse: OwnedFd) {
     // the keeper accepted it non-blocking; this thread waits on it
     let raw = sock.as_raw_fd();
     // SAFETY: fcntl on a valid fd we own.

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use nix::errno::Errno;
 use nix::sys::socket::{
@@ -35,6 +35,20 @@ struct Entry {
     token: Option<u64>,
     /// Connections waiting in `claim`, oldest first.
     waiters: VecDeque<ConnId>,
+    /// The sockets of the notifier threads writing to `fds[0]` (gone once a thread ends).
+    notifiers: Vec<Weak<OwnedFd>>,
+}
+
+impl Entry {
+    /// Ends the entry's notifier threads: their `recv` sees EOF and they let go of the FUSE
+    /// fd they hold (a thread waiting in the kernel ends once its write returns). Called
+    /// when the entry goes: a daemon whose unmount was cut short (a timeout) would otherwise
+    /// keep the threads, and the connection, alive until it exits.
+    fn stop_notifiers(&self) {
+        for sock in self.notifiers.iter().filter_map(Weak::upgrade) {
+            let _ = nix::sys::socket::shutdown(sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        }
+    }
 }
 
 /// The keeper's state and socket. Build with [`KeeperServer::bind`], run with
@@ -248,7 +262,10 @@ impl KeeperServer {
                     Some(_) => self
                         .entries
                         .remove(&id)
-                        .map(|e| e.waiters)
+                        .map(|e| {
+                            e.stop_notifiers();
+                            e.waiters
+                        })
                         .unwrap_or_default(),
                     None if self.entries.len() >= MAX_ENTRIES => {
                         return self.reply_err(cid, ErrKind::Invalid, "too many entries".into());
@@ -265,6 +282,7 @@ impl KeeperServer {
                         owner: Some(cid),
                         token,
                         waiters,
+                        notifiers: Vec::new(),
                     },
                 );
                 self.reply(cid, &Response::Ok, &[]);
@@ -339,6 +357,7 @@ impl KeeperServer {
                 None => self.reply_err(cid, ErrKind::NotFound, id),
                 Some(e) => {
                     tracing::info!(id = %id, conn = cid, "keeper: drop (fds closed)");
+                    e.stop_notifiers();
                     for w in e.waiters {
                         self.reply_err(w, ErrKind::NotFound, id.clone());
                     }
@@ -355,7 +374,8 @@ impl KeeperServer {
         let Some(e) = self.entries.get(&id) else {
             return self.reply_err(cid, ErrKind::NotFound, id);
         };
-        if token.is_some() && e.token.is_some() && token != e.token {
+        // a session named by a token is only ever written for by that session
+        if e.token.is_some() && token != e.token {
             return self.reply_err(
                 cid,
                 ErrKind::Invalid,
@@ -388,6 +408,11 @@ impl KeeperServer {
         let Some(sock) = self.conns.remove(&cid) else {
             return;
         };
+        let sock = Arc::new(sock);
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.notifiers.retain(|n| n.strong_count() > 0);
+            e.notifiers.push(Arc::downgrade(&sock));
+        }
         let count = self.notifiers.clone();
         count.fetch_add(1, Ordering::SeqCst);
         tracing::info!(id = %id, conn = cid, "keeper: notifier started");

@@ -386,6 +386,11 @@ fn a_notifier_writes_checked_invalidations_to_the_entrys_fd_and_lets_it_go() {
         KeeperNotifier::open(&k.path(), "v", Some(8)),
         Err(KeeperError::Rejected(_))
     ));
+    // nor can a caller that names no session write for one that has a token
+    assert!(matches!(
+        KeeperNotifier::open(&k.path(), "v", None),
+        Err(KeeperError::Rejected(_))
+    ));
     let n = KeeperNotifier::open(&k.path(), "v", Some(7)).unwrap();
     let mut pipe = File::from(r);
     for m in [
@@ -404,12 +409,25 @@ fn a_notifier_writes_checked_invalidations_to_the_entrys_fd_and_lets_it_go() {
     assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
     // the keeper still owns nothing on behalf of the notifier: the owner stays the owner
     assert!(k.client().get("v").unwrap().owner_alive);
-    // the session ends: the entry and the notifier threads let go of the fd (EOF)
+    // the session ends, even while the daemon still holds its notifier (an unmount cut
+    // short): the entry and the notifier threads let go of the fd (EOF)
     c.drop_entry("v").unwrap();
-    drop(n);
-    let mut rest = Vec::new();
-    pipe.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty(), "{rest:?}");
+    assert_eof_within(&pipe, Duration::from_secs(10));
+    // and the daemon, told so, writes its invalidations itself
+    assert!(matches!(n.send(&inval_inode_msg(5, -1, 0)), Err(None)));
+}
+
+/// Waits (bounded) for the read end of a pipe to reach EOF with nothing left in it.
+fn assert_eof_within(pipe: &File, limit: Duration) {
+    let ready = super::protocol::poll_fds(
+        &[(Some(pipe.as_fd()), libc::POLLIN)],
+        limit.as_millis() as i32,
+    )
+    .unwrap();
+    assert!(ready[0] != 0, "the fd was still held after {limit:?}");
+    let mut buf = [0u8; 64];
+    let n = (&*pipe).read(&mut buf).unwrap();
+    assert_eq!(n, 0, "unexpected bytes {:?}", &buf[..n]);
 }
 
 #[test]
