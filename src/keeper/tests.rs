@@ -531,3 +531,35 @@ fn a_waiting_invalidation_does_not_hold_up_the_next() {
     drop(w);
     c.drop_entry("v").unwrap();
 }
+
+/// A new session put in place of one whose daemon died ends the old one's notifier threads,
+/// which would otherwise hold the old FUSE connection open.
+#[test]
+fn replacing_an_entry_ends_the_old_sessions_notifiers() {
+    use super::KeeperNotifier;
+    let k = Running::start();
+    let (old_r, old_w) = nix::unistd::pipe().unwrap();
+    let first = k.client();
+    first
+        .put_session("v", Some(1), b"{}", &[old_w.as_fd()])
+        .unwrap();
+    drop(old_w);
+    let n = KeeperNotifier::open(&k.path(), "v", Some(1)).unwrap();
+    // the first daemon is gone (its notifier connection lingers, as after a cut-short exit)
+    drop(first);
+    let (_new_r, new_w) = nix::unistd::pipe().unwrap();
+    let second = k.client();
+    // (the keeper may not have seen the first connection close yet)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match second.put_session("v", Some(2), b"{}", &[new_w.as_fd()]) {
+            Err(KeeperError::Busy(_)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            r => break r.unwrap(),
+        }
+    }
+    assert_eof_within(&File::from(old_r), Duration::from_secs(10));
+    drop(n);
+    second.drop_entry("v").unwrap();
+}
