@@ -18,9 +18,9 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::MsgFlags;
 
@@ -160,8 +160,20 @@ pub struct KeeperNotifier {
     path: PathBuf,
     id: String,
     token: Option<u64>,
-    conns: Mutex<Vec<Arc<Conn>>>,
+    conns: Mutex<Conns>,
+    /// Connections asked of the keeper (for tests).
+    opens: AtomicUsize,
 }
+
+struct Conns {
+    live: Vec<Arc<Conn>>,
+    /// After the keeper refused or could not be reached: no new connection asked for
+    /// before then (each attempt is a round trip under the lock, on every invalidation).
+    retry_at: Option<Instant>,
+}
+
+/// How long a refused or failed connection attempt is remembered.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Longest wait for the keeper to accept a notifier connection.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -175,13 +187,22 @@ impl KeeperNotifier {
             path: path.to_path_buf(),
             id: id.to_string(),
             token,
-            conns: Mutex::new(vec![Arc::new(first)]),
+            conns: Mutex::new(Conns {
+                live: vec![Arc::new(first)],
+                retry_at: None,
+            }),
+            opens: AtomicUsize::new(1),
         })
     }
 
     /// Live connections (each is a keeper thread).
     pub fn connections(&self) -> usize {
-        self.conns.lock().len()
+        self.conns.lock().live.len()
+    }
+
+    /// Connections asked of the keeper so far, the first one included.
+    pub fn attempts(&self) -> usize {
+        self.opens.load(Ordering::SeqCst)
     }
 
     /// An idle connection, else a new one (up to [`MAX_CONNS_PER_SESSION`]). Never waits
@@ -189,8 +210,8 @@ impl KeeperNotifier {
     /// is the very caller that would wait here.
     fn take(&self) -> Option<Taken> {
         let mut conns = self.conns.lock();
-        conns.retain(|c| !c.dead.load(Ordering::SeqCst));
-        let idle = conns.iter().find(|c| {
+        conns.live.retain(|c| !c.dead.load(Ordering::SeqCst));
+        let idle = conns.live.iter().find(|c| {
             c.busy
                 .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
@@ -198,18 +219,23 @@ impl KeeperNotifier {
         if let Some(c) = idle {
             return Some(Taken(c.clone()));
         }
-        if conns.len() >= MAX_CONNS_PER_SESSION {
+        if conns.live.len() >= MAX_CONNS_PER_SESSION
+            || conns.retry_at.is_some_and(|t| Instant::now() < t)
+        {
             return None;
         }
+        self.opens.fetch_add(1, Ordering::SeqCst);
         match open_one(&self.path, &self.id, self.token) {
             Ok(c) => {
                 c.busy.store(true, Ordering::SeqCst);
                 let c = Arc::new(c);
-                conns.push(c.clone());
+                conns.live.push(c.clone());
+                conns.retry_at = None;
                 Some(Taken(c))
             }
             Err(e) => {
                 tracing::debug!(error = %e, "no further fd-keeper notifier connection");
+                conns.retry_at = Some(Instant::now() + RETRY_AFTER);
                 None
             }
         }
