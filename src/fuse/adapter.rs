@@ -954,11 +954,21 @@ impl crate::fs::Notifier for KernelNotifier {
 /// one waiting in the kernel cannot keep this process from exiting (see
 /// [`crate::keeper::notify`]); by fuser's notifier once the keeper has no connection left.
 pub struct KeptNotifier {
-    pub keeper: crate::keeper::KeeperNotifier,
-    pub direct: KernelNotifier,
+    keeper: crate::keeper::KeeperNotifier,
+    direct: KernelNotifier,
+    /// An unexpected errno from the kernel has been logged (once per session).
+    warned: std::sync::atomic::AtomicBool,
 }
 
 impl KeptNotifier {
+    pub fn new(keeper: crate::keeper::KeeperNotifier, direct: KernelNotifier) -> Self {
+        Self {
+            keeper,
+            direct,
+            warned: Default::default(),
+        }
+    }
+
     fn pass(&self, msg: std::io::Result<Vec<u8>>, direct: impl FnOnce(&KernelNotifier)) {
         let msg = match msg {
             Ok(m) => m,
@@ -968,8 +978,16 @@ impl KeptNotifier {
             }
         };
         match self.keeper.send(&msg) {
-            // an errno (ENOENT: the kernel holds nothing of that node) is as good as done
-            Ok(()) | Err(Some(_)) => {}
+            // ENOENT: the kernel holds nothing of that node, as good as done
+            Ok(()) => {}
+            Err(Some(e)) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(Some(e)) => {
+                // not expected (EINVAL: a message the keeper or kernel refuses): once, loud
+                if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "kernel cache invalidation refused; writing them here");
+                }
+                direct(&self.direct)
+            }
             Err(None) => direct(&self.direct),
         }
     }

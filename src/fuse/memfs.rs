@@ -1118,7 +1118,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     let bg = session.spawn()?;
     let direct = super::adapter::KernelNotifier(bg.notifier());
     *fs.sh.notifier.lock() = Some(match notifier {
-        Some(keeper) => Arc::new(super::adapter::KeptNotifier { keeper, direct }),
+        Some(keeper) => Arc::new(super::adapter::KeptNotifier::new(keeper, direct)),
         None => Arc::new(direct),
     });
     eprintln!("memfs-event: ready unix_ns={}", now_ns());

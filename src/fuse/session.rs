@@ -452,7 +452,7 @@ impl MountedVolume {
             let direct = super::adapter::KernelNotifier(bg.notifier());
             match kept {
                 Some(keeper) => {
-                    fs.set_notifier(Arc::new(super::adapter::KeptNotifier { keeper, direct }))
+                    fs.set_notifier(Arc::new(super::adapter::KeptNotifier::new(keeper, direct)))
                 }
                 None => fs.set_notifier(Arc::new(direct)),
             }
@@ -741,6 +741,9 @@ impl MountedVolume {
         for t in self.tasks.drain(..) {
             t.abort();
         }
+        // closes the keeper's notifier connections (their threads hold the FUSE fd) before
+        // anything below can be cut short; nothing needs the kernel's caches dropped now
+        self.fs.drop_notifier();
         let mp = self.mountpoint.clone();
         let (bg, keeper) = match self.serving.take() {
             Some(Serving::Plain(bg)) => (Some(bg), None),
@@ -780,8 +783,6 @@ impl MountedVolume {
         })
         .await
         .map_err(|e| mount_err(&self.mountpoint, e.to_string()))?;
-        // closes the keeper's notifier connections (their threads hold the FUSE fd)
-        self.fs.drop_notifier();
         if let Err(e) = unmounted {
             // already gone (e.g. replaced by the node service): not an error for us
             if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) {
