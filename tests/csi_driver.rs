@@ -980,6 +980,98 @@ async fn expansion_survives_restage_and_reaches_other_nodes() {
     assert_no_mounts_below(&b, "B after unstage");
 }
 
+/// Issue 13 (1), static PV: the controller's expansion finds no directory for a bare handle
+/// (the path is only in the volume context), so NodeExpandVolume on one node must record the
+/// size on the filer: the other node, staged before, picks it up without NodeExpandVolume,
+/// and a new stage with the PV's unchanged context keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
+    const GIB: u64 = 1 << 30;
+    let weed = common::WeedServer::start();
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "-f", "-X", "POST"])
+        .arg(format!("http://{}/static-exp/data/", weed.filer_addr()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let a = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let b = Driver::start_fuse(&weed.filer_addr(), &[]);
+    let (mut ca, mut cb) = (a.clients().await, b.clients().await);
+    let vol = Volume {
+        volume_id: "static-exp".into(),
+        volume_context: [
+            ("path".to_string(), "/static-exp/data".to_string()),
+            ("volumeCapacity".to_string(), GIB.to_string()),
+        ]
+        .into(),
+        ..Default::default()
+    };
+    let mode = Mode::MultiNodeMultiWriter;
+    let (sa, sb) = (a.staging_path("pv-sexp"), b.staging_path("pv-sexp"));
+    for (c, s) in [(&mut ca, &sa), (&mut cb, &sb)] {
+        c.node
+            .node_stage_volume(stage_req(&vol, s, mode))
+            .await
+            .unwrap();
+    }
+    assert_eq!(wait_df(&sa, GIB, 0).await, GIB, "A before the expansion");
+    assert_eq!(wait_df(&sb, GIB, 0).await, GIB, "B before the expansion");
+    let range = Some(CapacityRange {
+        required_bytes: 3 * GIB as i64,
+        limit_bytes: 0,
+    });
+    let expanded = ca
+        .controller
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            capacity_range: range,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(expanded.node_expansion_required);
+    ca.node
+        .node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: sa.display().to_string(),
+            capacity_range: range,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        wait_df(&sa, 3 * GIB, 0).await,
+        3 * GIB,
+        "A after NodeExpandVolume"
+    );
+    assert_eq!(
+        wait_df(&sb, 3 * GIB, 20).await,
+        3 * GIB,
+        "B, staged before the expansion, never got NodeExpandVolume"
+    );
+    // B moves its pod: staged again from the PV's context, which still says 1 GiB
+    cb.node
+        .node_unstage_volume(unstage_req(&vol, &sb))
+        .await
+        .unwrap();
+    let sb = b.staging_path("pv-sexp");
+    cb.node
+        .node_stage_volume(stage_req(&vol, &sb, mode))
+        .await
+        .unwrap();
+    assert_eq!(wait_df(&sb, 3 * GIB, 0).await, 3 * GIB, "B staged again");
+
+    for (c, s) in [(&mut ca, &sa), (&mut cb, &sb)] {
+        c.node
+            .node_unstage_volume(unstage_req(&vol, s))
+            .await
+            .unwrap();
+    }
+    assert_no_mounts_below(&a, "A after unstage");
+    assert_no_mounts_below(&b, "B after unstage");
+}
+
 fn with_flags(mut cap: VolumeCapability, flags: &[&str]) -> VolumeCapability {
     if let Some(volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut() {
         m.mount_flags = flags.iter().map(|s| s.to_string()).collect();

@@ -291,6 +291,36 @@ impl Fs {
         }
     }
 
+    /// Records `bytes` (an expansion this node was told of by NodeExpandVolume) as the
+    /// capacity on the root entry, so that every node enforces it at every stage: a static PV
+    /// has no directory the controller's expansion could find, and its volume context keeps
+    /// the old size. Only ever grows the record (one of `≤ 1`, no quota, stays). A read-only
+    /// session writes nothing.
+    pub async fn record_capacity(&self, bytes: u64) -> Result<()> {
+        if !self.cfg.quota_from_filer || self.cfg.read_only || self.cfg.root == "/" || bytes == 0 {
+            return Ok(());
+        }
+        let (dir, name) = split(&self.cfg.root);
+        // a fresh copy: the update carries every other attribute of the directory as it is
+        let mut e = self.filer.lookup_entry(&dir, &name).await?;
+        let stored = e
+            .extended
+            .get(super::CAPACITY_XATTR)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.trim().parse::<i64>().ok());
+        if stored.is_some_and(|s| s <= 1 || s as u64 >= bytes) {
+            return Ok(());
+        }
+        e.extended.insert(
+            super::CAPACITY_XATTR.to_string(),
+            bytes.to_string().into_bytes(),
+        );
+        self.update_entry(&dir, e.clone()).await?;
+        tracing::info!(root = %self.cfg.root, bytes, "capacity recorded on the filer");
+        self.take_capacity(&e);
+        Ok(())
+    }
+
     /// Re-reads the capacity recorded on the root entry (an expansion made elsewhere).
     /// Errors are ignored: the health check reports an unreachable filer.
     pub async fn refresh_capacity(&self) {

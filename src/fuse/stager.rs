@@ -282,11 +282,17 @@ impl Stager for FuseStager {
     }
 
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
-        let s = self.sessions.lock();
-        let m = s
+        let fs = self
+            .sessions
+            .lock()
             .get(volume_id)
+            .map(|m| m.fs.clone())
             .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
-        m.fs.set_quota(bytes);
-        Ok(())
+        fs.set_quota(bytes);
+        // on the filer too, for every node and every later stage; failing, the expansion is
+        // reported failed and kubelet asks again
+        fs.record_capacity(bytes).await.map_err(|e| {
+            StageError::Unavailable(format!("recording the new capacity on the filer: {e}"))
+        })
     }
 }
