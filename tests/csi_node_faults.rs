@@ -1230,6 +1230,48 @@ async fn an_old_record_keeps_its_filer_and_takes_the_new_cache_root() {
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
+/// A rollback: options a newer version recorded for a volume stay in its record when this
+/// version starts the session again from the recorded request (a repair), so the newer
+/// version finds them when it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repair_keeps_the_options_a_newer_version_recorded() {
+    let site = Site::new("csinewopt");
+    let vol = volume("/buckets/newopt", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let staging = site.staging("newopt");
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &staging, mode)))
+        .await
+        .unwrap();
+    drop((gen1, stager));
+    let file = site.state().join("volumes.json");
+    let mut st: serde_json::Value = serde_json::from_str(&site.state_file()).unwrap();
+    st["volumes"]["/buckets/newopt"]["opts"]["option_of_a_newer_version"] =
+        serde_json::json!({"x": 42});
+    std::fs::write(&file, st.to_string()).unwrap();
+    kill(&[&staging]);
+
+    let stager = site.stager();
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    let repair = gen2.spawn_recovery().expect("recorded volumes");
+    tokio::time::timeout(Duration::from_secs(60), repair)
+        .await
+        .expect("repair finished")
+        .unwrap();
+    assert!(healthy(&staging));
+    let st: serde_json::Value = serde_json::from_str(&site.state_file()).unwrap();
+    assert_eq!(
+        st["volumes"]["/buckets/newopt"]["opts"]["option_of_a_newer_version"],
+        serde_json::json!({"x": 42}),
+        "{st}"
+    );
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &staging)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
 /// A recorded session without a data center, started again by a plugin that now takes it
 /// from this node's label: the startup repair asks the API for it rather than reusing the
 /// recorded options whole.

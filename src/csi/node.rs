@@ -600,6 +600,9 @@ impl NodeService {
         match resolved {
             Ok(o) => MountOptions {
                 quota_bytes: prior.quota_bytes,
+                // what a newer version recorded stays recorded for it (a rollback, then a
+                // roll forward)
+                unknown: prior.unknown.clone(),
                 ..o
             },
             Err(e) => {
