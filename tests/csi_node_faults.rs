@@ -1230,6 +1230,47 @@ async fn an_old_record_keeps_its_filer_and_takes_the_new_cache_root() {
     assert!(site.mounts().is_empty(), "{:?}", site.mounts());
 }
 
+/// After a restart whose records are lost, a session still being adopted has no known path;
+/// a NodeUnstageVolume of an old staging path meanwhile must wait to learn where the session
+/// runs, and leave it (it ended the session at its current path, pods and all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unstage_of_an_old_path_waits_for_an_adoption_and_leaves_the_session() {
+    let site = Site::new("csiadopting");
+    let vol = volume("/buckets/adopting", &[]);
+    let mode = Mode::MultiNodeMultiWriter;
+    let (old, current) = (site.staging("old"), site.staging("current"));
+    let stager = site.stager();
+    let gen1 = node_generation(stager.clone(), &site.state(), Flags::default());
+    gen1.node_stage_volume(Request::new(stage_req(&vol, &current, mode)))
+        .await
+        .unwrap();
+    drop(gen1);
+    std::fs::remove_file(site.state().join("volumes.json")).unwrap();
+    stager.begin_adoption("/buckets/adopting");
+    let gen2 = node_generation(stager.clone(), &site.state(), Flags::default());
+    let adopter = stager.clone();
+    let finish = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        adopter.finish_adoption("/buckets/adopting");
+    });
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &old)))
+        .await
+        .unwrap();
+    finish.await.unwrap();
+    assert!(
+        healthy(&current),
+        "the session at its current path was ended"
+    );
+    assert_eq!(
+        stager.staging_path("/buckets/adopting"),
+        Some(current.clone())
+    );
+    gen2.node_unstage_volume(Request::new(unstage_req(&vol, &current)))
+        .await
+        .unwrap();
+    assert!(site.mounts().is_empty(), "{:?}", site.mounts());
+}
+
 /// A rollback: options a newer version recorded for a volume stay in its record when this
 /// version starts the session again from the recorded request (a repair), so the newer
 /// version finds them when it runs again.

@@ -454,6 +454,7 @@ impl NodeService {
             .get(volume_id)
             .map(|k| k.staging.clone());
         let recorded = self.recorded(volume_id).map(|r| r.staging);
+        self.settled(volume_id).await?;
         let served = self.stager.staging_path(volume_id);
         let moved = HashMap::new();
         let mut others: Vec<PathBuf> = Vec::new();
@@ -1004,6 +1005,19 @@ fn recorded_request(ctx: &HashMap<String, String>, mount_flags: &[String]) -> Re
     }
 }
 
+impl NodeService {
+    /// Waits (bounded) for an adoption of the volume in progress to finish.
+    async fn settled(&self, volume_id: &str) -> Result<(), Status> {
+        let settle = async {
+            self.stager.settled(volume_id).await;
+            Ok(())
+        };
+        with_timeout(self.timeouts.stage, settle)
+            .await
+            .map_err(stage_status)
+    }
+}
+
 async fn with_timeout<T>(
     limit: Duration,
     fut: impl Future<Output = Result<T, StageError>>,
@@ -1159,7 +1173,9 @@ impl Node for NodeService {
             .or_else(|| self.recorded(volume_id).map(|r| r.staging));
         let elsewhere = current.filter(|c| *c != staging);
         // Where the stager's session is mounted decides whether it ends, over records that
-        // may be stale or lost: the stager ends its one session wherever it is mounted.
+        // may be stale or lost: the stager ends its one session wherever it is mounted. One
+        // still being adopted has no known path yet: wait for it.
+        self.settled(volume_id).await?;
         let served = self.stager.staging_path(volume_id);
         let end_session = match &served {
             Some(at) => *at == staging,
@@ -1519,6 +1535,7 @@ impl Node for NodeService {
         let quota = if bytes <= 1 { 0 } else { bytes as u64 };
 
         let _guard = self.locks.lock(volume_id).await;
+        self.settled(volume_id).await?;
         if self.stager.health(volume_id).is_some() {
             with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
                 .await

@@ -101,6 +101,10 @@ pub trait Stager: Send + Sync + 'static {
     /// what `stage` elsewhere or `unstage` would end. Cheap, never blocks on the filesystem.
     fn staging_path(&self, volume_id: &str) -> Option<PathBuf>;
 
+    /// Returns once no adoption of the volume is in progress, so that `staging_path` tells
+    /// where its session runs (the caller bounds the wait).
+    async fn settled(&self, _volume_id: &str) {}
+
     /// Applies a new quota (bytes, 0 = none) to a staged volume.
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError>;
 }
@@ -139,6 +143,8 @@ struct FakeState {
     stage_delay_ms: u64,
     in_flight: HashSet<String>,
     overlap_seen: bool,
+    /// Sessions being "adopted": served, but where is not known yet.
+    adopting: HashSet<String>,
 }
 
 /// Test double: "stages" a volume by bind-mounting `<root>/<sha256(volume id)>` onto the staging
@@ -149,6 +155,7 @@ pub struct FakeStager {
     root: PathBuf,
     state: Mutex<FakeState>,
     unmount_on_drop: bool,
+    adopted: tokio::sync::Notify,
 }
 
 impl FakeStager {
@@ -160,6 +167,7 @@ impl FakeStager {
             root,
             state: Mutex::new(FakeState::default()),
             unmount_on_drop: true,
+            adopted: tokio::sync::Notify::new(),
         })
     }
 
@@ -233,6 +241,17 @@ impl FakeStager {
     /// node service serialises per volume).
     pub fn overlap_seen(&self) -> bool {
         self.state.lock().overlap_seen
+    }
+
+    /// Makes a staged volume's session look as one still being adopted after a restart
+    /// (healthy unknown, path unknown) until [`Self::finish_adoption`].
+    pub fn begin_adoption(&self, volume_id: &str) {
+        self.state.lock().adopting.insert(volume_id.to_string());
+    }
+
+    pub fn finish_adoption(&self, volume_id: &str) {
+        self.state.lock().adopting.remove(volume_id);
+        self.adopted.notify_waiters();
     }
 
     fn enter(&self, volume_id: &str) {
@@ -310,6 +329,8 @@ impl Stager for FakeStager {
     }
 
     async fn unstage(&self, volume_id: &str, staging_path: &Path) -> Result<(), StageError> {
+        // as the real one: an adoption in progress finishes first
+        self.settled(volume_id).await;
         self.enter(volume_id);
         let r = (|| {
             let mut st = self.state.lock();
@@ -334,6 +355,9 @@ impl Stager for FakeStager {
     fn health(&self, volume_id: &str) -> Option<VolumeHealth> {
         let st = self.state.lock();
         let sess = st.sessions.get(volume_id)?;
+        if st.adopting.contains(volume_id) {
+            return Some(VolumeHealth::unhealthy("being adopted"));
+        }
         if let Some(msg) = st.unhealthy.get(volume_id) {
             return Some(VolumeHealth::unhealthy(msg.clone()));
         }
@@ -346,7 +370,22 @@ impl Stager for FakeStager {
 
     fn staging_path(&self, volume_id: &str) -> Option<PathBuf> {
         let st = self.state.lock();
+        if st.adopting.contains(volume_id) {
+            return None;
+        }
         st.sessions.get(volume_id).map(|s| s.staging_path.clone())
+    }
+
+    async fn settled(&self, volume_id: &str) {
+        loop {
+            let notified = self.adopted.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.state.lock().adopting.contains(volume_id) {
+                return;
+            }
+            notified.await;
+        }
     }
 
     async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {

@@ -274,6 +274,10 @@ impl Stager for FuseStager {
         })
     }
 
+    async fn settled(&self, volume_id: &str) {
+        self.wait_adopted(volume_id).await
+    }
+
     fn staging_path(&self, volume_id: &str) -> Option<PathBuf> {
         self.sessions
             .lock()
