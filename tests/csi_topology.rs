@@ -598,3 +598,63 @@ async fn the_controller_advertises_topology_without_the_api_and_a_node_without_c
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
 }
+
+/// The data center reaches SeaweedFS: with volume servers in two data centers, a volume whose
+/// data center comes from the node's zone label writes its chunks to that data center's
+/// volume server, and one whose StorageClass names the other one writes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chunks_land_in_the_data_center_the_session_names() {
+    use std::io::Write;
+    let mut weed = common::WeedServer::start();
+    let port_a = weed.start_extra_volume("za", &["-dataCenter=z-a"]);
+    let port_b = weed.start_extra_volume("zb", &["-dataCenter=z-b"]);
+    let api = FakeApi::start().await;
+    api.set_node("test-node", &[(ZONE, "z-a")]);
+    let driver = api.driver(&weed.filer_addr(), LOCAL_WRITES_BY_LABEL);
+    let mut c = driver.clients().await;
+    let (va, sa, r) = stage(&driver, &mut c, "pvc-dc-label", &[]).await;
+    r.unwrap();
+    let (vb, sb, r) = stage(&driver, &mut c, "pvc-dc-class", &[("dataCenter", "z-b")]).await;
+    r.unwrap();
+    for (vol, staging, port) in [(&va, &sa, port_a), (&vb, &sb, port_b)] {
+        let p = staging.join("f");
+        tokio::task::spawn_blocking(move || {
+            let mut f = std::fs::File::create(&p)?;
+            f.write_all(&vec![7u8; 3 << 20])?;
+            f.sync_all()
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let meta = common::http_get(&weed.filer_url(&format!("{}/f?metadata=true", vol.volume_id)))
+            .expect("the file's metadata");
+        let entry: serde_json::Value = serde_json::from_slice(&meta).unwrap();
+        let chunks = entry["chunks"].as_array().expect("chunks");
+        assert!(!chunks.is_empty(), "{entry}");
+        for ch in chunks {
+            let vid = ch["file_id"].as_str().unwrap().split(',').next().unwrap();
+            let loc = common::http_get(&format!(
+                "http://{}/dir/lookup?volumeId={vid}",
+                weed.master_addr()
+            ))
+            .expect("volume lookup");
+            let loc: serde_json::Value = serde_json::from_slice(&loc).unwrap();
+            let urls: Vec<String> = loc["locations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["url"].as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                urls,
+                vec![format!("127.0.0.1:{port}")],
+                "{}: chunk {ch}",
+                vol.volume_id
+            );
+        }
+    }
+    for (v, s) in [(&va, &sa), (&vb, &sb)] {
+        c.node.node_unstage_volume(unstage_req(v, s)).await.unwrap();
+    }
+    assert!(driver.mounts().is_empty());
+}

@@ -96,6 +96,8 @@ pub struct WeedServer {
     server: Option<Child>,
     filer: Option<Child>,
     volume: Option<Child>,
+    /// Further volume servers ([`WeedServer::start_extra_volume`]).
+    extra_volumes: Vec<Child>,
     pub master_port: u16,
     pub volume_port: u16,
     pub filer_port: u16,
@@ -163,6 +165,7 @@ impl WeedServer {
             server: None,
             filer: None,
             volume: None,
+            extra_volumes: Vec::new(),
             master_port: free_port_pair(),
             volume_port: free_port_pair(),
             filer_port: free_port_pair(),
@@ -296,6 +299,43 @@ impl WeedServer {
         assert!(ok, "weed volume did not start: {}", self.log("volume.log"));
     }
 
+    /// Starts one more volume server (its own directory and port, `args` added, such as
+    /// `-dataCenter=dc2`) and returns its port once it is up; stopped with the server.
+    pub fn start_extra_volume(&mut self, name: &str, args: &[&str]) -> u16 {
+        let dir = self.dir.path().join(format!("data-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port_pair();
+        let log =
+            std::fs::File::create(self.dir.path().join(format!("volume-{name}.log"))).unwrap();
+        let child = Command::new(weed_bin())
+            .current_dir(self.dir.path())
+            .args([
+                "volume".to_string(),
+                format!("-dir={}", dir.display()),
+                format!("-mserver=127.0.0.1:{}", self.master_port),
+                "-ip=127.0.0.1".into(),
+                "-ip.bind=127.0.0.1".into(),
+                format!("-port={port}"),
+                format!("-max={}", self.opts.max_volumes()),
+            ])
+            .args(args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start weed volume");
+        self.extra_volumes.push(child);
+        let ok = wait_http_ok(
+            &format!("http://127.0.0.1:{port}/status"),
+            Duration::from_secs(60),
+        );
+        assert!(
+            ok,
+            "weed volume {name} did not start: {}",
+            self.log(&format!("volume-{name}.log"))
+        );
+        port
+    }
+
     /// Stops the separate volume server (by pid) and waits for it to exit.
     pub fn stop_volume(&mut self) {
         if let Some(mut c) = self.volume.take() {
@@ -398,6 +438,9 @@ impl Drop for WeedServer {
     fn drop(&mut self) {
         self.stop_filer();
         self.stop_volume();
+        for mut c in self.extra_volumes.drain(..) {
+            kill_child(&mut c);
+        }
         if let Some(mut c) = self.server.take() {
             kill_child(&mut c);
         }
