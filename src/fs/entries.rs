@@ -562,6 +562,16 @@ impl Fs {
         f: impl FnOnce(&mut pb::Entry) -> Result<()>,
     ) -> Result<pb::Entry> {
         let _turn = self.entry_lock(dir, name).lock().await;
+        self.update_fresh_locked(dir, name, f).await
+    }
+
+    /// [`Self::update_fresh`] for a caller that holds the entry's turn already.
+    pub(super) async fn update_fresh_locked(
+        &self,
+        dir: &str,
+        name: &str,
+        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+    ) -> Result<pb::Entry> {
         let mut e = self.fresh_entry(dir, name).await?;
         f(&mut e)?;
         self.update_entry(dir, e.clone()).await?;

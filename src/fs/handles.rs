@@ -53,6 +53,10 @@ impl Fs {
         if !clean {
             return Ok(());
         }
+        // the read and the adoption take the entry's turn: a chmod (or xattr change) that
+        // reached the filer between them would be undone by the stale entry adopted here,
+        // which this file's next commit carries
+        let _turn = self.entry_lock(&dir, &name).lock().await;
         match self.fresh_entry(&dir, &name).await {
             Ok(e) => {
                 self.adopt_if_clean(ino, of, e).await;

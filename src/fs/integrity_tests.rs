@@ -1659,3 +1659,45 @@ async fn flush_all_waits_for_orphaned_chunks_to_be_deleted() {
     assert_eq!(referenced(&filer, "/f"), 1);
     all_referenced_chunks_exist(&filer, &store);
 }
+
+/// A chmod that reaches the filer while a writer's open is re-reading the entry (between
+/// that read and its adoption) must not be undone by the writer's commit, which carries the
+/// entry its open adopted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_racing_a_writable_open_is_not_undone_by_its_commit() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"first").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let held = filer.hold_next_lookup("/f");
+    let opener = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.open(a.ino, libc::O_WRONLY).await })
+    };
+    held.arrived().await;
+    let chmod = {
+        let fs = fs.clone();
+        tokio::spawn(async move {
+            let req = SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            };
+            fs.setattr(a.ino, req).await
+        })
+    };
+    // the chmod runs to its end here unless it waits for the open's turn
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    held.release();
+    let fh = opener.await.unwrap().unwrap();
+    chmod.await.unwrap().unwrap();
+    fs.write(fh, a.ino, 0, b"second").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        e.attributes.as_ref().unwrap().file_mode & 0o7777,
+        0o600,
+        "the chmod was undone by the writer's commit"
+    );
+    let of = fs.open_inode(a.ino, true).await.unwrap();
+    assert_eq!(&fs.read_range(&of, 0, 6).await.unwrap()[..], b"second");
+}

@@ -94,8 +94,18 @@ impl Fs {
             let released = self.release(fh, ino).await;
             return r.and_then(|a| released.map(|_| a));
         }
+        let turn = self.entry_lock(&dir, &name).lock().await;
+        if let Some(of) = self.open_file(ino) {
+            // opened since the look above: its state takes the change (its commit carries
+            // the entry its open read, which would undo a change made on the filer here)
+            drop(turn);
+            return self
+                .setattr_open(ino, &path, &of, &req)
+                .await?
+                .ok_or_else(|| errno(libc::ESTALE, format!("{path}: closed while being changed")));
+        }
         let e = self
-            .update_fresh(&dir, &name, |e| {
+            .update_fresh_locked(&dir, &name, |e| {
                 self.apply_setattr(e, &req);
                 if e.is_directory && req.mtime.is_some() {
                     self.dir_time_set(&path);
@@ -103,6 +113,7 @@ impl Fs {
                 Ok(())
             })
             .await?;
+        drop(turn);
         Ok(self.attr_of(ino, &path, &e))
     }
 

@@ -224,14 +224,20 @@ impl Fs {
                 Err(e) => return Some(Err(e)),
             }
         };
+        let turn = self.entry_lock(&dir, &name).lock().await;
+        if open.is_none() && ino != ROOT_INO && self.open_file(ino).is_some() {
+            // opened since the caller looked: that state takes the change (see setattr)
+            return None;
+        }
         let e = self
-            .update_fresh(&dir, &name, |e| {
+            .update_fresh_locked(&dir, &name, |e| {
                 f(e)?;
                 let a = e.attributes.get_or_insert_with(Default::default);
                 (a.ctime, a.ctime_ns) = now_parts();
                 Ok(())
             })
             .await;
+        drop(turn);
         let e = match e {
             Ok(e) => e,
             Err(e) => return Some(Err(e)),
