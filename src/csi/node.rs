@@ -454,7 +454,10 @@ impl NodeService {
             .get(volume_id)
             .map(|k| k.staging.clone());
         let recorded = self.recorded(volume_id).map(|r| r.staging);
-        self.settled(volume_id).await?;
+        if in_memory.is_none() && recorded.is_none() {
+            // nothing known of the volume here: a session being adopted may be elsewhere
+            self.settled(volume_id).await?;
+        }
         let served = self.stager.staging_path(volume_id);
         let moved = HashMap::new();
         let mut others: Vec<PathBuf> = Vec::new();
@@ -1171,11 +1174,14 @@ impl Node for NodeService {
             .get(volume_id)
             .map(|k| k.staging.clone())
             .or_else(|| self.recorded(volume_id).map(|r| r.staging));
+        let known = current.is_some();
         let elsewhere = current.filter(|c| *c != staging);
         // Where the stager's session is mounted decides whether it ends, over records that
         // may be stale or lost: the stager ends its one session wherever it is mounted. One
-        // still being adopted has no known path yet: wait for it.
-        self.settled(volume_id).await?;
+        // still being adopted has no known path yet: with no record to go by, wait for it.
+        if !known {
+            self.settled(volume_id).await?;
+        }
         let served = self.stager.staging_path(volume_id);
         let end_session = match &served {
             Some(at) => *at == staging,

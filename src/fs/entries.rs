@@ -301,6 +301,9 @@ impl Fs {
             return Ok(());
         }
         let (dir, name) = split(&self.cfg.root);
+        // in turn with this node's other cycles of the entry (the directory time write-back
+        // would store a copy read before this change, without the record)
+        let _turn = self.entry_lock(&dir, &name).lock().await;
         // a fresh copy: the update carries every other attribute of the directory as it is
         let mut e = self.filer.lookup_entry(&dir, &name).await?;
         let stored = e

@@ -56,8 +56,14 @@ impl Fs {
         // the read and the adoption take the entry's turn: a chmod (or xattr change) that
         // reached the filer between them would be undone by the stale entry adopted here,
         // which this file's next commit carries
-        let _turn = self.entry_lock(&dir, &name).lock().await;
-        match self.fresh_entry(&dir, &name).await {
+        let turn = self.entry_lock(&dir, &name).lock().await;
+        let fresh = self.fresh_entry(&dir, &name).await;
+        if fresh.is_err() {
+            // not held across the invalidation below: it waits for the directory's lock,
+            // which a rename or link there may hold while its handler waits for this turn
+            drop(turn);
+        }
+        match fresh {
             Ok(e) => {
                 self.adopt_if_clean(ino, of, e).await;
                 Ok(())
