@@ -751,14 +751,24 @@ def check_monitoring(where: str, docs: list[Doc], p: Problems) -> None:
 #
 # The API server refuses to change some fields; `helm upgrade` then stops half-way. The facts
 # about the Go chart (which objects it makes and their immutable fields, for a release name and
-# values) are data in go_chart_immutable.json, so CI needs no network. To re-derive them from a
-# checkout of the Go chart: check_manifests.py --go-chart DIR --write-go-fixture.
+# values) are data in go_chart_immutable.json, so CI needs no network. The fixture holds cases
+# from more than one version of the Go chart: "sources" says where each version's facts come
+# from (chart version, commit), and every case names the version and commit it was rendered
+# from ("go_chart"). To (re)derive the cases of one version from a checkout of the Go chart:
+#   check_manifests.py --go-chart DIR [--go-version V] [--go-commit SHA] --write-go-fixture
+# V defaults to DIR's Chart.yaml version. A version not in the fixture yet (needs --go-commit)
+# gets cases with the release names and values of the first source's cases.
 
 GO_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "go_chart_immutable.json")
 # API defaults of fields a chart may leave unset (what a live object has).
 CSIDRIVER_DEFAULTS = {"attachRequired": True, "podInfoOnMount": False,
                       "fsGroupPolicy": "ReadWriteOnceWithFSType",
                       "volumeLifecycleModes": ["Persistent"]}
+# The CSIDriver spec fields the API server refuses to change, by cluster version: all four
+# before Kubernetes 1.29; fsGroupPolicy and podInfoOnMount are mutable since.
+CSIDRIVER_IMMUTABLE = (("v1.28.0", ["attachRequired", "volumeLifecycleModes", "fsGroupPolicy",
+                                    "podInfoOnMount"]),
+                       ("v1.30.0", ["attachRequired", "volumeLifecycleModes"]))
 
 
 def immutable_fields(d: Doc) -> dict[str, Any] | None:
@@ -800,6 +810,23 @@ def load_go_fixture() -> dict[str, Any]:
         return json.load(f)
 
 
+def chart_version(chart_dir: str) -> str:
+    with open(os.path.join(chart_dir, "Chart.yaml")) as f:
+        return str(yaml.safe_load(f)["version"])
+
+
+def our_upgrade_facts(case: Doc) -> dict[str, dict[str, Any]]:
+    """Our chart's immutable fields for a case's release name and values, as `helm upgrade`."""
+    return immutable_facts(render_helm(copy.deepcopy(case["values"]), case["namespace"],
+                                       release=case["release"], is_upgrade=True))
+
+
+def csidriver_conflicts(ours: dict[str, Any], live_spec: dict[str, Any]) -> dict[str, list[str]]:
+    """Per cluster version: the immutable CSIDriver fields our chart would change."""
+    return {kv: [f for f in immutable if ours[f"spec.{f}"] != live_spec[f]]
+            for kv, immutable in CSIDRIVER_IMMUTABLE}
+
+
 LOOKUP = 'lookup "storage.k8s.io/v1" "CSIDriver" "" .Values.driverName'
 KUBE_VERSION = ".Capabilities.KubeVersion.Version"
 
@@ -831,8 +858,16 @@ def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> s
     return None
 
 
-def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
+def check_go_upgrade(p: Problems, go_chart: str | None, go_version: str | None = None) -> None:
     fx = load_go_fixture()
+    sources = {s["version"]: s for s in fx["sources"]}
+    for case in fx["cases"]:
+        gc = case.get("go_chart", {})
+        src = sources.get(gc.get("version"))
+        if src is None or src["commit"] != gc.get("commit"):
+            p.add("go_chart_immutable.json", f"case (release {case['release']}) names Go chart "
+                                             f"{gc}, which is not one of its sources")
+    checked = None
     if go_chart:
         # A values file copied from the Go chart passes our schema and renders.
         with open(os.path.join(go_chart, "values.yaml")) as f:
@@ -842,19 +877,24 @@ def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
             print("Go chart's values.yaml: accepted")
         except Exception as e:
             p.add("Go chart's values.yaml", f"rejected by our chart: {e}")
+        checked = go_version or chart_version(go_chart)
+        if checked not in sources:
+            p.add("upgrade from Go chart", f"go_chart_immutable.json has no cases for Go chart "
+                                           f"{checked} ({go_chart}); add them with "
+                                           f"--write-go-fixture")
     for case in fx["cases"]:
         rel, values = case["release"], case["values"]
-        where = f"upgrade from Go chart (release {rel})"
+        version = case["go_chart"]["version"]
+        where = f"upgrade from Go chart {version} (release {rel})"
         go = case["immutable"]
-        if go_chart:
+        if version == checked:
             # The fixture must still say what the Go chart renders.
             fresh = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
                                                 go_chart, rel))
             if fresh != go:
                 p.add(where, f"go_chart_immutable.json is stale for {go_chart}: "
                              f"{json.dumps(fresh, sort_keys=True)}")
-        ours = immutable_facts(render_helm(copy.deepcopy(values), case["namespace"],
-                                           release=rel, is_upgrade=True))
+        ours = our_upgrade_facts(case)
         for key, want in go.items():
             if key not in ours:
                 print(f"{where}: {key} is removed by the upgrade")
@@ -872,10 +912,7 @@ def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
             live_spec = {k.removeprefix("spec."): v for k, v in go[key].items()}
             live = {"apiVersion": "storage.k8s.io/v1", "kind": "CSIDriver",
                     "metadata": {"name": key.split("/", 1)[1]}, "spec": live_spec}
-            for kv, immutable in (("v1.28.0", ["attachRequired", "volumeLifecycleModes",
-                                               "fsGroupPolicy", "podInfoOnMount"]),
-                                  ("v1.30.0", ["attachRequired", "volumeLifecycleModes"])):
-                differs = [f for f in immutable if ours[key][f"spec.{f}"] != live_spec[f]]
+            for kv, differs in csidriver_conflicts(ours[key], live_spec).items():
                 err = live_check_render(copy.deepcopy(values), live, kv)
                 expect = case["expect_csidriver_conflict"][kv]
                 if sorted(differs) != sorted(expect):
@@ -898,18 +935,54 @@ def check_go_upgrade(p: Problems, go_chart: str | None) -> None:
             err = live_check_render(keep, {"spec": live_spec}, "v1.28.0")
             if err is not None:
                 p.add(where, f"keeping the cluster's CSIDriver settings still fails: {err}")
-    print(f"upgrade from Go chart: {len(fx['cases'])} cases, source {fx['source']['commit'][:7]}")
+    per_source = []
+    for s in fx["sources"]:
+        n = sum(1 for c in fx["cases"] if c["go_chart"]["version"] == s["version"])
+        per_source.append(f"{s['version']} @{s['commit'][:7]}"
+                          + (" reconstructed" if s.get("reconstructed") else "") + f": {n}")
+    print(f"upgrade from Go chart: {len(fx['cases'])} cases ({', '.join(per_source)})")
+    policies = sorted({f["spec.fsGroupPolicy"] for c in fx["cases"]
+                       for k, f in c["immutable"].items() if k.startswith("CSIDriver/")})
+    print(f"upgrade from Go chart: live CSIDriver fsGroupPolicy {', '.join(policies)}")
 
 
-def write_go_fixture(go_chart: str) -> None:
-    """Regenerate go_chart_immutable.json from a checkout of the Go chart."""
-    old = load_go_fixture()
-    for case in old["cases"]:
+def write_go_fixture(go_chart: str, go_version: str | None, go_commit: str | None) -> None:
+    """Regenerate the cases of one Go chart version in go_chart_immutable.json from a
+    checkout of that chart; a version not in the fixture yet gets new cases."""
+    fx = load_go_fixture()
+    version = go_version or chart_version(go_chart)
+    src = next((s for s in fx["sources"] if s["version"] == version), None)
+    if src is None:
+        if not go_commit:
+            sys.exit(f"Go chart {version} is not in {GO_FIXTURE} yet: give its --go-commit")
+        first = fx["sources"][0]
+        src = {"version": version, "commit": go_commit, "repository": first["repository"],
+               "chart": first["chart"]}
+        fx["sources"].append(src)
+        for t in [c for c in fx["cases"] if c["go_chart"]["version"] == first["version"]]:
+            case = {"go_chart": {"version": version}, "release": t["release"], "namespace": t["namespace"],
+                    "values": copy.deepcopy(t["values"]), "expect_csidriver_conflict": {},
+                    "immutable": {}}
+            fx["cases"].append(case)
+        print(f"added Go chart {version}: review expect_csidriver_conflict of its cases and "
+              f"describe the source in {GO_FIXTURE}")
+    elif go_commit:
+        src["commit"] = go_commit
+    for case in fx["cases"]:
+        if case["go_chart"].get("version") != version:
+            continue
+        case["go_chart"] = {"version": version, "commit": src["commit"]}
         case["immutable"] = immutable_facts(render_helm(copy.deepcopy(case["values"]),
                                                         case["namespace"], go_chart,
                                                         case["release"]))
+        if not case["expect_csidriver_conflict"]:
+            # A new case: start from what our chart does now (the check then pins it).
+            ours = our_upgrade_facts(case)
+            key = next(k for k in case["immutable"] if k.startswith("CSIDriver/"))
+            live_spec = {k.removeprefix("spec."): v for k, v in case["immutable"][key].items()}
+            case["expect_csidriver_conflict"] = csidriver_conflicts(ours[key], live_spec)
     with open(GO_FIXTURE, "w") as f:
-        json.dump(old, f, indent=2, sort_keys=False)
+        json.dump(fx, f, indent=2, sort_keys=False)
         f.write("\n")
 
 
@@ -955,17 +1028,25 @@ def main() -> int:
     ap.add_argument("--go-chart", default=os.environ.get("GO_CSI_CHART"),
                     help="a checkout of the Go driver's chart (deploy/helm/seaweedfs-csi-driver) "
                          "to check go_chart_immutable.json against (env GO_CSI_CHART)")
-    ap.add_argument("--write-go-fixture", action="store_true")
+    ap.add_argument("--go-version", default=os.environ.get("GO_CSI_CHART_VERSION"),
+                    help="which Go chart version of go_chart_immutable.json the checkout is "
+                         "(default: its Chart.yaml version; env GO_CSI_CHART_VERSION)")
+    ap.add_argument("--go-commit", help="with --write-go-fixture: the checkout's commit "
+                                        "(needed for a version not in the fixture yet)")
+    ap.add_argument("--write-go-fixture", action="store_true",
+                    help="regenerate the cases of the checkout's version from --go-chart")
     args = ap.parse_args()
     if args.write_go_fixture:
-        write_go_fixture(args.go_chart)
+        if not args.go_chart:
+            ap.error("--write-go-fixture needs --go-chart DIR")
+        write_go_fixture(args.go_chart, args.go_version, args.go_commit)
         return 0
     flags = None
     if args.flags_json:
         raw = json.load(open(args.flags_json))
         flags = {k: set(v) for k, v in raw.items()}
     p = run(flags)
-    check_go_upgrade(p, args.go_chart)
+    check_go_upgrade(p, args.go_chart, args.go_version)
     if not args.go_chart:
         print("SKIP Go chart cross-check: no checkout given (--go-chart DIR or GO_CSI_CHART); "
               "go_chart_immutable.json is trusted as is")
