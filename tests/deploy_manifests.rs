@@ -100,9 +100,16 @@ fn run_checker(flags_json: Option<&Path>) -> String {
         ),
         "{stdout}"
     );
-    // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json).
+    // The upgrade-from-the-Go-chart check ran (tests/deploy/go_chart_immutable.json), for Go
+    // charts that leave fsGroupPolicy unset (<= 0.2.35) and that set File (PR #313).
     assert!(
-        stdout.contains("upgrade from Go chart: 2 cases"),
+        stdout.contains("upgrade from Go chart: 4 cases"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "upgrade from Go chart: live CSIDriver fsGroupPolicy File, ReadWriteOnceWithFSType"
+        ),
         "{stdout}"
     );
     stdout
