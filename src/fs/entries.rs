@@ -275,12 +275,7 @@ impl Fs {
         if !self.cfg.quota_from_filer {
             return;
         }
-        let Some(bytes) = root
-            .extended
-            .get(super::CAPACITY_XATTR)
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|s| s.trim().parse::<i64>().ok())
-        else {
+        let Some(bytes) = recorded_capacity(root) else {
             return;
         };
         // 1 byte or less means no quota, as in the volume context.
@@ -306,11 +301,7 @@ impl Fs {
         let _turn = self.entry_lock(&dir, &name).lock().await;
         // a fresh copy: the update carries every other attribute of the directory as it is
         let mut e = self.filer.lookup_entry(&dir, &name).await?;
-        let stored = e
-            .extended
-            .get(super::CAPACITY_XATTR)
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|s| s.trim().parse::<i64>().ok());
+        let stored = recorded_capacity(&e);
         if stored.is_some_and(|s| s <= 1 || s as u64 >= bytes) {
             return Ok(());
         }
@@ -630,4 +621,12 @@ impl Drop for DirLock<'_> {
             m.remove(&self.dir);
         }
     }
+}
+
+/// The capacity recorded on a volume's directory ([`super::CAPACITY_XATTR`]), if readable.
+fn recorded_capacity(e: &pb::Entry) -> Option<i64> {
+    e.extended
+        .get(super::CAPACITY_XATTR)
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|s| s.trim().parse::<i64>().ok())
 }
