@@ -1701,3 +1701,44 @@ async fn a_chmod_racing_a_writable_open_is_not_undone_by_its_commit() {
     let of = fs.open_inode(a.ino, true).await.unwrap();
     assert_eq!(&fs.read_range(&of, 0, 6).await.unwrap()[..], b"second");
 }
+
+/// A chmod that waited for a file's turn, found it opened meanwhile and then saw that open
+/// state retired by its last close (it waits for the state's commit lock, which the close's
+/// retirement holds) goes on to the filer's entry instead of failing with ESTALE.
+#[tokio::test]
+async fn a_chmod_that_finds_an_open_retired_under_it_still_changes_the_file() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    assert!(fs.open_file(a.ino).is_none());
+    // the file's turn is busy (another change of it in flight): the chmod, which found the
+    // file closed, waits for it
+    let turn = fs.entry_lock("/", "f").lock().await;
+    let chmod = {
+        let fs = fs.clone();
+        tokio::spawn(async move {
+            let req = SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            };
+            fs.setattr(a.ino, req).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // meanwhile the file is opened (a clean state), and its last close begins: the
+    // retirement holds the state's commit lock
+    let of = fs.open_inode(a.ino, true).await.unwrap();
+    let retiring = of.commit.lock().await;
+    drop(turn);
+    // the chmod finds the state under the turn and waits for its commit lock
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!chmod.is_finished());
+    fs.files.lock().remove(&a.ino);
+    of.state.lock().retired = true;
+    drop(retiring);
+    let attr = chmod.await.unwrap().expect("the chmod failed");
+    assert_eq!(attr.perm & 0o7777, 0o600);
+    let e = filer.get("/f").unwrap();
+    assert_eq!(e.attributes.as_ref().unwrap().file_mode & 0o7777, 0o600);
+}

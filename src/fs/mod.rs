@@ -32,6 +32,10 @@ pub use attr::{Attr, IdMap, Kind};
 /// written by the CSI controller at CreateVolume and ControllerExpandVolume. Not prefixed with
 /// `xattr-`, so FUSE clients do not list it as a user xattr.
 pub const CAPACITY_XATTR: &str = "seaweedfs-csi.capacity";
+
+/// How many open states, each retired by its last close while we waited for it, a setattr or
+/// xattr change follows to the next before it gives up with `EAGAIN`.
+const CHANGE_ROUNDS: usize = 16;
 /// Stripes of [`Fs`]'s entry locks (two paths sharing one only wait for each other).
 const ENTRY_LOCK_STRIPES: usize = 256;
 pub use dirs::{DirEntryOut, DirListing};

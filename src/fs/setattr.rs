@@ -41,18 +41,48 @@ impl Fs {
         }
         let path = self.path_of(ino)?;
         let (dir, name) = split(&path);
-        for _ in 0..3 {
-            let Some(of) = open.take() else { break };
-            if let Some(a) = self.setattr_open(ino, &path, &of, &req).await? {
-                return Ok(a);
+        // A state retired by its last close while we waited for it is not an error: the
+        // change goes to whatever holds the file now (a newer state, or the filer's entry).
+        // Bounded, so opens and closes racing without end cannot keep a change spinning.
+        let mut rounds = 0;
+        let turn = loop {
+            if let Some(of) = open.take() {
+                if let Some(a) = self.setattr_open(ino, &path, &of, &req).await? {
+                    return Ok(a);
+                }
+                rounds += 1;
+                if rounds >= super::CHANGE_ROUNDS {
+                    return Err(errno(
+                        libc::EAGAIN,
+                        format!("{path}: opened and closed {rounds} times while being changed"),
+                    ));
+                }
+                open = self.open_file(ino);
+                continue;
             }
-            open = self.open_file(ino);
-        }
-        if let Some(of) = open {
-            return Err(errno(
-                libc::ESTALE,
-                format!("{}: closed while being changed", of.path()),
-            ));
+            if ino == ROOT_INO || req.size.is_some() {
+                break None;
+            }
+            let turn = self.entry_lock(&dir, &name).lock().await;
+            // opened since the look above: its state takes the change (its commit carries
+            // the entry its open read, which would undo a change made on the filer here)
+            match self.open_file(ino) {
+                Some(of) => open = Some(of),
+                None => break Some(turn),
+            }
+        };
+        if let Some(turn) = turn {
+            let e = self
+                .update_fresh_locked(&dir, &name, |e| {
+                    self.apply_setattr(e, &req);
+                    if e.is_directory && req.mtime.is_some() {
+                        self.dir_time_set(&path);
+                    }
+                    Ok(())
+                })
+                .await?;
+            drop(turn);
+            return Ok(self.attr_of(ino, &path, &e));
         }
         if ino == ROOT_INO {
             let (pdir, pname) = split(&self.cfg.root);
@@ -70,51 +100,28 @@ impl Fs {
             *self.root_attr.lock() = a.clone();
             return Ok(a);
         }
-        if req.size.is_some() {
-            // A truncate rewrites the chunk list: build it on the filer's entry, not a cached
-            // one, and through the open-file path (a cut chunk is rewritten, inline content
-            // that grows past the inline limit becomes a chunk instead of a huge buffer).
-            let e = self.fresh_entry(&dir, &name).await?;
-            if e.is_directory {
-                return Err(errno(libc::EISDIR, "truncate of a directory"));
+        // Only a truncate is left. It rewrites the chunk list: build it on the filer's entry, not a cached
+        // one, and through the open-file path (a cut chunk is rewritten, inline content
+        // that grows past the inline limit becomes a chunk instead of a huge buffer).
+        let e = self.fresh_entry(&dir, &name).await?;
+        if e.is_directory {
+            return Err(errno(libc::EISDIR, "truncate of a directory"));
+        }
+        // through a registered open state, so a concurrent open shares it and its commits
+        let fh = self.open(ino, libc::O_WRONLY).await?;
+        let of = self.handles.lock().get(&fh).map(|h| h.file.clone());
+        let r = match of {
+            Some(of) => {
+                self.bump_content_gen(ino);
+                // counted by our handle: it cannot be retired before the release below
+                self.setattr_open(ino, &path, &of, &req)
+                    .await
+                    .and_then(|a| a.ok_or_else(|| errno(libc::EIO, "truncated file closed")))
             }
-            // through a registered open state, so a concurrent open shares it and its commits
-            let fh = self.open(ino, libc::O_WRONLY).await?;
-            let of = self.handles.lock().get(&fh).map(|h| h.file.clone());
-            let r = match of {
-                Some(of) => {
-                    self.bump_content_gen(ino);
-                    // counted by our handle: it cannot be retired before the release below
-                    self.setattr_open(ino, &path, &of, &req)
-                        .await
-                        .and_then(|a| a.ok_or_else(|| errno(libc::EIO, "truncated file closed")))
-                }
-                None => Err(errno(libc::EIO, "handle vanished during truncate")),
-            };
-            let released = self.release(fh, ino).await;
-            return r.and_then(|a| released.map(|_| a));
-        }
-        let turn = self.entry_lock(&dir, &name).lock().await;
-        if let Some(of) = self.open_file(ino) {
-            // opened since the look above: its state takes the change (its commit carries
-            // the entry its open read, which would undo a change made on the filer here)
-            drop(turn);
-            return self
-                .setattr_open(ino, &path, &of, &req)
-                .await?
-                .ok_or_else(|| errno(libc::ESTALE, format!("{path}: closed while being changed")));
-        }
-        let e = self
-            .update_fresh_locked(&dir, &name, |e| {
-                self.apply_setattr(e, &req);
-                if e.is_directory && req.mtime.is_some() {
-                    self.dir_time_set(&path);
-                }
-                Ok(())
-            })
-            .await?;
-        drop(turn);
-        Ok(self.attr_of(ino, &path, &e))
+            None => Err(errno(libc::EIO, "handle vanished during truncate")),
+        };
+        let released = self.release(fh, ino).await;
+        r.and_then(|a| released.map(|_| a))
     }
 
     fn apply_setattr(&self, e: &mut pb::Entry, req: &SetAttr) {

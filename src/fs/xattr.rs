@@ -161,7 +161,7 @@ impl Fs {
         mut open: Option<std::sync::Arc<super::file::OpenFile>>,
         f: impl Fn(&mut pb::Entry) -> Result<()>,
     ) -> Result<()> {
-        for _ in 0..3 {
+        for _ in 0..super::CHANGE_ROUNDS {
             if let Some(r) = self.change_entry_from(ino, open.as_ref(), &f).await {
                 return r;
             }
@@ -170,8 +170,8 @@ impl Fs {
             open = self.open_file(ino);
         }
         Err(errno(
-            libc::ESTALE,
-            "the file was closed while being changed",
+            libc::EAGAIN,
+            "the file was opened and closed again and again while being changed",
         ))
     }
 
