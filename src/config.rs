@@ -76,6 +76,9 @@ pub struct MountOptions {
     /// (at mount and every few seconds after), over `quota_bytes`: the CSI controller records
     /// every expansion there, so every node enforces the latest size without NodeExpandVolume.
     pub quota_from_filer: bool,
+    /// The CSI volume id, when a CSI volume is mounted: NodeExpandVolume records the capacity
+    /// under a name of this volume's own (static PVs may share a directory). Empty: none.
+    pub volume_id: String,
     /// Max total wait for read retries.
     pub read_retry_secs: u64,
     /// FUSE worker threads.
@@ -110,6 +113,7 @@ impl Default for MountOptions {
             volume_server_access: VolumeServerAccess::Direct,
             quota_bytes: 0,
             quota_from_filer: false,
+            volume_id: String::new(),
             read_retry_secs: 6,
             fuse_threads: 4,
             manifest_batch: crate::chunks::MANIFEST_BATCH,

@@ -435,6 +435,7 @@ pub fn resolve_mount_options(
     // The capacity recorded on the volume's directory (CreateVolume, every expansion) wins
     // over the context, which keeps the size at creation for the PV's whole life.
     o.quota_from_filer = true;
+    o.volume_id = volume_id.to_string();
     o.cache_dir = defaults
         .cache_root
         .as_deref()

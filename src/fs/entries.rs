@@ -268,49 +268,81 @@ impl Fs {
         Ok(())
     }
 
-    /// Applies the capacity recorded on the root entry (see [`super::CAPACITY_XATTR`]) as the
-    /// quota, when this volume takes its quota from the filer. An absent or unreadable record
-    /// keeps the current quota (volume context, NodeExpandVolume).
+    /// Applies the capacity recorded on the root entry (see [`Self::capacity_on`]) as the
+    /// quota, when this volume takes its quota from the filer. No readable record keeps the
+    /// current quota (volume context, NodeExpandVolume).
     fn take_capacity(&self, root: &pb::Entry) {
         if !self.cfg.quota_from_filer {
             return;
         }
-        let Some(bytes) = recorded_capacity(root) else {
+        let Some(bytes) = self.capacity_on(root) else {
             return;
         };
-        // 1 byte or less means no quota, as in the volume context.
-        let bytes = if bytes <= 1 { 0 } else { bytes as u64 };
         if bytes != self.quota() {
             tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
             self.set_quota(bytes);
         }
     }
 
-    /// Records `bytes` (an expansion this node was told of by NodeExpandVolume) as the
-    /// capacity on the root entry, so that every node enforces it at every stage: a static PV
-    /// has no directory the controller's expansion could find, and its volume context keeps
-    /// the old size. Only ever grows the record (one of `≤ 1`, no quota, stays). A read-only
-    /// session writes nothing.
-    pub async fn record_capacity(&self, bytes: u64) -> Result<()> {
+    /// The capacity the root entry's records give this volume: the controller's
+    /// ([`super::CAPACITY_XATTR`], CreateVolume and ControllerExpandVolume) and this volume's
+    /// own (NodeExpandVolume's, named after the volume: static PVs may share a directory).
+    /// The larger wins; a record of 1 byte or less means no quota (0), as in the volume
+    /// context. None: no readable record.
+    fn capacity_on(&self, root: &pb::Entry) -> Option<u64> {
+        let keys = std::iter::once(super::CAPACITY_XATTR).chain(self.cfg.capacity_key.as_deref());
+        let mut out = None;
+        for v in keys.filter_map(|k| recorded_capacity(root, k)) {
+            if v <= 1 {
+                return Some(0);
+            }
+            out = Some(out.map_or(v as u64, |o: u64| o.max(v as u64)));
+        }
+        out
+    }
+
+    /// NodeExpandVolume: this node enforces `bytes` and records it on the root entry, so
+    /// that every node enforces it at every stage (a static PV has no directory the
+    /// controller's expansion could find, and its volume context keeps the old size). The
+    /// record only grows, and the quota applied is what the records say after it: an older,
+    /// smaller expansion asked again never lowers it. A read-only session, or one that does
+    /// not take its quota from the filer, only sets its own quota. Failing to record, the
+    /// quota may only grow here, and the error says kubelet should ask again.
+    pub async fn expand(&self, bytes: u64) -> Result<()> {
         if !self.cfg.quota_from_filer || self.cfg.read_only || self.cfg.root == "/" || bytes == 0 {
+            self.set_quota(bytes);
             return Ok(());
         }
+        let r = self.record_capacity(bytes).await;
+        if r.is_err() {
+            let q = self.quota();
+            if q != 0 && bytes > q {
+                self.set_quota(bytes);
+            }
+        }
+        r
+    }
+
+    async fn record_capacity(&self, bytes: u64) -> Result<()> {
         let (dir, name) = split(&self.cfg.root);
         // in turn with this node's other cycles of the entry (the directory time write-back
         // would store a copy read before this change, without the record)
         let _turn = self.entry_lock(&dir, &name).lock().await;
         // a fresh copy: the update carries every other attribute of the directory as it is
         let mut e = self.filer.lookup_entry(&dir, &name).await?;
-        let stored = recorded_capacity(&e);
-        if stored.is_some_and(|s| s <= 1 || s as u64 >= bytes) {
+        if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
+            self.take_capacity(&e);
             return Ok(());
         }
-        e.extended.insert(
-            super::CAPACITY_XATTR.to_string(),
-            bytes.to_string().into_bytes(),
-        );
+        let key = self
+            .cfg
+            .capacity_key
+            .as_deref()
+            .unwrap_or(super::CAPACITY_XATTR);
+        e.extended
+            .insert(key.to_string(), bytes.to_string().into_bytes());
         self.update_entry(&dir, e.clone()).await?;
-        tracing::info!(root = %self.cfg.root, bytes, "capacity recorded on the filer");
+        tracing::info!(root = %self.cfg.root, bytes, key, "capacity recorded on the filer");
         self.take_capacity(&e);
         Ok(())
     }
@@ -623,10 +655,10 @@ impl Drop for DirLock<'_> {
     }
 }
 
-/// The capacity recorded on a volume's directory ([`super::CAPACITY_XATTR`]), if readable.
-fn recorded_capacity(e: &pb::Entry) -> Option<i64> {
+/// A capacity recorded on a volume's directory under `key`, if readable.
+fn recorded_capacity(e: &pb::Entry, key: &str) -> Option<i64> {
     e.extended
-        .get(super::CAPACITY_XATTR)
+        .get(key)
         .and_then(|v| std::str::from_utf8(v).ok())
         .and_then(|s| s.trim().parse::<i64>().ok())
 }

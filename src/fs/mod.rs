@@ -182,6 +182,9 @@ pub struct FsConfig {
     pub quota_bytes: u64,
     /// See [`MountOptions::quota_from_filer`].
     pub quota_from_filer: bool,
+    /// The root entry's xattr where NodeExpandVolume records this volume's capacity
+    /// (`CAPACITY_XATTR.<volume id>`); None: the shared one.
+    pub capacity_key: Option<String>,
     pub concurrent_writers: usize,
     pub concurrent_readers: usize,
     /// Chunks prefetched ahead of a sequential reader.
@@ -232,6 +235,8 @@ impl FsConfig {
             },
             quota_bytes: o.quota_bytes,
             quota_from_filer: o.quota_from_filer,
+            capacity_key: (!o.volume_id.is_empty())
+                .then(|| format!("{CAPACITY_XATTR}.{}", o.volume_id)),
             concurrent_writers: o.concurrent_writers.max(1),
             concurrent_readers: o.concurrent_readers.max(1),
             readahead_chunks: (o.concurrent_readers / 4).clamp(1, 8),

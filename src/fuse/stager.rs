@@ -292,10 +292,9 @@ impl Stager for FuseStager {
             .get(volume_id)
             .map(|m| m.fs.clone())
             .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
-        fs.set_quota(bytes);
         // on the filer too, for every node and every later stage; failing, the expansion is
         // reported failed and kubelet asks again
-        fs.record_capacity(bytes).await.map_err(|e| {
+        fs.expand(bytes).await.map_err(|e| {
             StageError::Unavailable(format!("recording the new capacity on the filer: {e}"))
         })
     }
