@@ -917,14 +917,6 @@ async fn expansion_survives_restage_and_reaches_other_nodes() {
         .unwrap();
     assert_eq!(wait_df(&sa, GIB, 0).await, GIB, "A before the expansion");
     assert_eq!(wait_df(&sb, GIB, 0).await, GIB, "B before the expansion");
-    // another static PV on the same directory, with its own size, staged on B
-    let mut other = vol.clone();
-    other.volume_id = "static-exp-other".into();
-    let so = b.staging_path("pv-sexp-other");
-    cb.node
-        .node_stage_volume(stage_req(&other, &so, mode))
-        .await
-        .unwrap();
 
     // csi-resizer: ControllerExpandVolume, then kubelet on node A only: NodeExpandVolume.
     ca.controller
@@ -960,43 +952,6 @@ async fn expansion_survives_restage_and_reaches_other_nodes() {
         3 * GIB,
         "B, staged before the expansion, never got NodeExpandVolume"
     );
-    // an older, smaller expansion asked again (kubelet retries) does not lower the quota
-    ca.node
-        .node_expand_volume(NodeExpandVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            volume_path: sa.display().to_string(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 2 * GIB as i64,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(
-        wait_df(&sa, 3 * GIB, 0).await,
-        3 * GIB,
-        "A after a smaller NodeExpandVolume"
-    );
-    // the other PV on the directory keeps its own size, also when staged again
-    assert_eq!(
-        wait_df(&so, GIB, 0).await,
-        GIB,
-        "the other PV after the expansion"
-    );
-    cb.node
-        .node_unstage_volume(unstage_req(&other, &so))
-        .await
-        .unwrap();
-    cb.node
-        .node_stage_volume(stage_req(&other, &so, mode))
-        .await
-        .unwrap();
-    assert_eq!(wait_df(&so, GIB, 0).await, GIB, "the other PV staged again");
-    cb.node
-        .node_unstage_volume(unstage_req(&other, &so))
-        .await
-        .unwrap();
 
     // The pod moves: kubelet unstages and stages again with the context stored in the PV.
     ca.node
@@ -1061,6 +1016,14 @@ async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
     }
     assert_eq!(wait_df(&sa, GIB, 0).await, GIB, "A before the expansion");
     assert_eq!(wait_df(&sb, GIB, 0).await, GIB, "B before the expansion");
+    // another static PV on the same directory, with its own size, staged on B
+    let mut other = vol.clone();
+    other.volume_id = "static-exp-other".into();
+    let so = b.staging_path("pv-sexp-other");
+    cb.node
+        .node_stage_volume(stage_req(&other, &so, mode))
+        .await
+        .unwrap();
     let range = Some(CapacityRange {
         required_bytes: 3 * GIB as i64,
         limit_bytes: 0,
@@ -1095,6 +1058,43 @@ async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
         3 * GIB,
         "B, staged before the expansion, never got NodeExpandVolume"
     );
+    // an older, smaller expansion asked again (kubelet retries) does not lower the quota
+    ca.node
+        .node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: sa.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 2 * GIB as i64,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        wait_df(&sa, 3 * GIB, 0).await,
+        3 * GIB,
+        "A after a smaller NodeExpandVolume"
+    );
+    // the other PV on the directory keeps its own size, also when staged again
+    assert_eq!(
+        wait_df(&so, GIB, 0).await,
+        GIB,
+        "the other PV after the expansion"
+    );
+    cb.node
+        .node_unstage_volume(unstage_req(&other, &so))
+        .await
+        .unwrap();
+    cb.node
+        .node_stage_volume(stage_req(&other, &so, mode))
+        .await
+        .unwrap();
+    assert_eq!(wait_df(&so, GIB, 0).await, GIB, "the other PV staged again");
+    cb.node
+        .node_unstage_volume(unstage_req(&other, &so))
+        .await
+        .unwrap();
     // B moves its pod: staged again from the PV's context, which still says 1 GiB
     cb.node
         .node_unstage_volume(unstage_req(&vol, &sb))
