@@ -828,7 +828,7 @@ async fn keeper_notifier(
         Ok(Ok(n)) => Some(n),
         Ok(Err(e)) => {
             tracing::warn!(volume_id, error = %e,
-                "the fd-keeper cannot write this session's invalidations (an older keeper?); writing them here");
+                "the fd-keeper does not take this session's invalidations (see the error; a keeper older than this plugin refuses them); writing them here");
             None
         }
         Err(e) => {

@@ -168,8 +168,11 @@ pub struct KeeperNotifier {
 struct Conns {
     live: Vec<Arc<Conn>>,
     /// After the keeper refused or could not be reached: no new connection asked for
-    /// before then (each attempt is a round trip under the lock, on every invalidation).
+    /// before then (each attempt is a round trip, on every invalidation).
     retry_at: Option<Instant>,
+    /// Connections being asked for now (counted against the limit; asked outside the lock,
+    /// so a slow keeper never holds up callers that find an idle connection).
+    opening: usize,
 }
 
 /// How long a refused or failed connection attempt is remembered.
@@ -190,6 +193,7 @@ impl KeeperNotifier {
             conns: Mutex::new(Conns {
                 live: vec![Arc::new(first)],
                 retry_at: None,
+                opening: 0,
             }),
             opens: AtomicUsize::new(1),
         })
@@ -209,23 +213,29 @@ impl KeeperNotifier {
     /// for a busy one: an invalidation can wait in the kernel for a request whose handler
     /// is the very caller that would wait here.
     fn take(&self) -> Option<Taken> {
-        let mut conns = self.conns.lock();
-        conns.live.retain(|c| !c.dead.load(Ordering::SeqCst));
-        let idle = conns.live.iter().find(|c| {
-            c.busy
-                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        });
-        if let Some(c) = idle {
-            return Some(Taken(c.clone()));
-        }
-        if conns.live.len() >= MAX_CONNS_PER_SESSION
-            || conns.retry_at.is_some_and(|t| Instant::now() < t)
         {
-            return None;
+            let mut conns = self.conns.lock();
+            conns.live.retain(|c| !c.dead.load(Ordering::SeqCst));
+            let idle = conns.live.iter().find(|c| {
+                c.busy
+                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            });
+            if let Some(c) = idle {
+                return Some(Taken(c.clone()));
+            }
+            if conns.live.len() + conns.opening >= MAX_CONNS_PER_SESSION
+                || conns.retry_at.is_some_and(|t| Instant::now() < t)
+            {
+                return None;
+            }
+            conns.opening += 1;
         }
         self.opens.fetch_add(1, Ordering::SeqCst);
-        match open_one(&self.path, &self.id, self.token) {
+        let opened = open_one(&self.path, &self.id, self.token);
+        let mut conns = self.conns.lock();
+        conns.opening -= 1;
+        match opened {
             Ok(c) => {
                 c.busy.store(true, Ordering::SeqCst);
                 let c = Arc::new(c);

@@ -42,7 +42,8 @@ pub(super) enum Request {
     },
     List,
     /// Turns this connection into a notifier for the session `id` (see
-    /// [`super::notify`]); refused if `token` names another session than the entry's.
+    /// [`super::notify`]); refused unless `token` is the entry's (a request without one is
+    /// refused for an entry that has one).
     Notifier {
         id: String,
         #[serde(default)]

@@ -567,3 +567,96 @@ fn replacing_an_entry_ends_the_old_sessions_notifiers() {
     drop(n);
     second.drop_entry("v").unwrap();
 }
+
+/// A keeper slow to accept a further notifier connection holds up only the caller asking
+/// for it: another caller that finds an idle connection sends at once (the connection was
+/// once asked for under the notifier's lock, for up to 5 s).
+#[test]
+fn a_slow_notifier_connection_holds_up_no_one_else() {
+    use super::notify::inval_inode_msg;
+    use super::KeeperNotifier;
+    use nix::sys::socket::{accept, bind, listen, Backlog};
+    use std::sync::{mpsc, Arc};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fake.sock");
+    let listener = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    bind(listener.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+    listen(&listener, Backlog::new(8).unwrap()).unwrap();
+    // a fake keeper: the first connection is accepted at once and answers each invalidation
+    // (the first one after `first_answer` is signalled); the second one gets no answer to
+    // its request until `second_answer` is signalled
+    let (first_answer, first_wait) = mpsc::channel::<()>();
+    let (second_answer, second_wait) = mpsc::channel::<()>();
+    let (second_arrived, second_seen) = mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let ok = serde_json::to_vec(&Response::Ok).unwrap();
+        let mut buf = vec![0u8; MAX_MSG];
+        let first = unsafe { OwnedFd::from_raw_fd(accept(listener.as_raw_fd()).unwrap()) };
+        recv_msg(first.as_fd(), &mut buf, MsgFlags::empty()).unwrap();
+        send_msg(first.as_fd(), &ok, &[], MsgFlags::empty()).unwrap();
+        let serve_first = std::thread::spawn(move || {
+            let mut buf = vec![0u8; MAX_MSG];
+            let mut n = 0;
+            while let Ok(Some(_)) = recv_msg(first.as_fd(), &mut buf, MsgFlags::empty()) {
+                if n == 0 {
+                    first_wait.recv().unwrap();
+                }
+                n += 1;
+                send_msg(first.as_fd(), &0i32.to_ne_bytes(), &[], MsgFlags::empty()).unwrap();
+            }
+        });
+        let second = unsafe { OwnedFd::from_raw_fd(accept(listener.as_raw_fd()).unwrap()) };
+        recv_msg(second.as_fd(), &mut buf, MsgFlags::empty()).unwrap();
+        second_arrived.send(()).unwrap();
+        second_wait.recv().unwrap();
+        send_msg(second.as_fd(), &ok, &[], MsgFlags::empty()).unwrap();
+        while let Ok(Some(_)) = recv_msg(second.as_fd(), &mut buf, MsgFlags::empty()) {
+            send_msg(second.as_fd(), &0i32.to_ne_bytes(), &[], MsgFlags::empty()).unwrap();
+        }
+        serve_first
+    });
+    use std::os::fd::FromRawFd;
+    let n = Arc::new(KeeperNotifier::open(&path, "v", Some(1)).unwrap());
+    let msg = inval_inode_msg(5, -1, 0);
+    // A: its invalidation waits in the "kernel" on the only connection
+    let a = {
+        let (n, msg) = (n.clone(), msg.clone());
+        std::thread::spawn(move || n.send(&msg))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // B: finds no idle connection and asks for a second one, which the keeper is slow to give
+    let b = {
+        let (n, msg) = (n.clone(), msg.clone());
+        std::thread::spawn(move || n.send(&msg))
+    };
+    second_seen.recv().unwrap();
+    // A's invalidation is answered: the first connection is idle again
+    first_answer.send(()).unwrap();
+    a.join().unwrap().unwrap();
+    // C takes the idle connection while B still waits for its own
+    let c = {
+        let (n, msg) = (n.clone(), msg.clone());
+        std::thread::spawn(move || n.send(&msg))
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !c.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let c_done_first = c.is_finished() && !b.is_finished();
+    second_answer.send(()).unwrap();
+    c.join().unwrap().unwrap();
+    b.join().unwrap().unwrap();
+    assert!(
+        c_done_first,
+        "a send that found an idle connection waited for another caller's connection attempt"
+    );
+    // the notifier's connections close with it: the fake keeper's threads end
+    drop(n);
+    fake.join().unwrap().join().unwrap();
+}
