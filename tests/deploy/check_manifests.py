@@ -828,13 +828,17 @@ def csidriver_conflicts(ours: dict[str, Any], live_spec: dict[str, Any]) -> dict
 
 
 LOOKUP = 'lookup "storage.k8s.io/v1" "CSIDriver" "" .Values.driverName'
+LIVE_NOTES = ""
 KUBE_VERSION = ".Capabilities.KubeVersion.Version"
 
 
 def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> str | None:
     """Render a copy of our chart in which csidriver.yaml's `lookup` of the live CSIDriver
     returns `live` (offline rendering has no cluster, so lookup is empty) and the cluster
-    version is `kube_version`. None = rendered, else the failure message."""
+    version is `kube_version`. None = rendered, else the failure message. The rendered
+    NOTES.txt (which looks the CSIDriver up too) is left in LIVE_NOTES."""
+    global LIVE_NOTES
+    LIVE_NOTES = ""
     import tempfile
     import shutil
     import helm_python as helm
@@ -850,9 +854,16 @@ def live_check_render(values: dict[str, Any], live: Doc, kube_version: str) -> s
         text = text.replace(KUBE_VERSION, f'"{kube_version}"')
         with open(path, "w") as f:
             f.write(text)
+        notes = os.path.join(chart, "templates", "NOTES.txt")
+        text = open(notes).read()
+        if LOOKUP not in text:
+            return "NOTES.txt does not look up the live CSIDriver"
+        with open(notes, "w") as f:
+            f.write(text.replace(LOOKUP, "fromJson `" + json.dumps(live) + "`"))
         try:
             with helm.Chart.load(chart) as c:
-                c.render(values, name="r", namespace="default", is_upgrade=True)
+                out = c.render(values, name="r", namespace="default", is_upgrade=True)
+            LIVE_NOTES = next((out[n] for n in out if n.endswith("NOTES.txt")), "")
         except Exception as e:  # HelmRenderError
             return str(e)
     return None
@@ -924,6 +935,19 @@ def check_go_upgrade(p: Problems, go_chart: str | None, go_version: str | None =
                                  f"did not stop with the fix: {err}")
                 if not differs and err is not None:
                     p.add(where, f"Kubernetes {kv}: CSIDriver matches but the chart failed: {err}")
+                # an upgrade that goes through and changes whether fsGroup is applied says so
+                was, now = live_spec["fsGroupPolicy"], ours[key]["spec.fsGroupPolicy"]
+                changes = was != now and "File" in (was, now)
+                warned = f"fsGroupPolicy changed from {was} to {now}" in LIVE_NOTES
+                if err is None and changes and not (
+                        warned and f"--set fsGroupPolicy={was}" in LIVE_NOTES):
+                    p.add(where, f"Kubernetes {kv}: fsGroupPolicy goes from {was} to {now} "
+                                 f"without a warning in NOTES.txt: {LIVE_NOTES}")
+                if err is None and not changes and "fsGroupPolicy changed" in LIVE_NOTES:
+                    p.add(where, f"Kubernetes {kv}: NOTES.txt warns of an fsGroupPolicy "
+                                 f"change that is not one: {LIVE_NOTES}")
+                if err is None and changes:
+                    print(f"{where}, Kubernetes {kv}: NOTES.txt warns: fsGroupPolicy {was} -> {now}")
                 print(f"{where}, Kubernetes {kv}: CSIDriver "
                       + (f"stops early on {differs}" if differs else "upgrades in place"))
         # and with the cluster's settings kept (the message's alternative), it goes through
