@@ -221,15 +221,7 @@ async fn full_lifecycle_like_kubelet() {
     assert!(exp.node_expansion_required);
     let nexp = c
         .node
-        .node_expand_volume(NodeExpandVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            volume_path: targets[0].display().to_string(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 2 << 30,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        })
+        .node_expand_volume(node_expand_req(&vol.volume_id, &targets[0], 2 << 30))
         .await
         .unwrap()
         .into_inner();
@@ -872,6 +864,19 @@ async fn go_style_flags_and_env_vars() {
     );
 }
 
+/// NodeExpandVolume of `volume_id` at `path` to `bytes`, as kubelet asks for it.
+fn node_expand_req(volume_id: &str, path: &std::path::Path, bytes: u64) -> NodeExpandVolumeRequest {
+    NodeExpandVolumeRequest {
+        volume_id: volume_id.to_string(),
+        volume_path: path.display().to_string(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: bytes as i64,
+            limit_bytes: 0,
+        }),
+        ..Default::default()
+    }
+}
+
 /// Waits up to `secs` for `df` at `path` to show `want` bytes; returns what it showed last.
 async fn wait_df(path: &std::path::Path, want: u64, secs: u64) -> u64 {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
@@ -931,15 +936,7 @@ async fn expansion_survives_restage_and_reaches_other_nodes() {
         .await
         .unwrap();
     ca.node
-        .node_expand_volume(NodeExpandVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            volume_path: sa.display().to_string(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 3 * GIB as i64,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        })
+        .node_expand_volume(node_expand_req(&vol.volume_id, &sa, 3 * GIB))
         .await
         .unwrap();
     assert_eq!(
@@ -1040,12 +1037,7 @@ async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
         .into_inner();
     assert!(expanded.node_expansion_required);
     ca.node
-        .node_expand_volume(NodeExpandVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            volume_path: sa.display().to_string(),
-            capacity_range: range,
-            ..Default::default()
-        })
+        .node_expand_volume(node_expand_req(&vol.volume_id, &sa, 3 * GIB))
         .await
         .unwrap();
     assert_eq!(
@@ -1060,15 +1052,7 @@ async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
     );
     // an older, smaller expansion asked again (kubelet retries) does not lower the quota
     ca.node
-        .node_expand_volume(NodeExpandVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            volume_path: sa.display().to_string(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 2 * GIB as i64,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        })
+        .node_expand_volume(node_expand_req(&vol.volume_id, &sa, 2 * GIB))
         .await
         .unwrap();
     assert_eq!(

@@ -1675,16 +1675,7 @@ async fn a_chmod_racing_a_writable_open_is_not_undone_by_its_commit() {
         tokio::spawn(async move { fs.open(a.ino, libc::O_WRONLY).await })
     };
     held.arrived().await;
-    let chmod = {
-        let fs = fs.clone();
-        tokio::spawn(async move {
-            let req = SetAttr {
-                mode: Some(0o600),
-                ..Default::default()
-            };
-            fs.setattr(a.ino, req).await
-        })
-    };
+    let chmod = spawn_chmod(&fs, a.ino, 0o600);
     // the chmod runs to its end here unless it waits for the open's turn
     tokio::time::sleep(Duration::from_millis(100)).await;
     held.release();
@@ -1715,16 +1706,7 @@ async fn a_chmod_that_finds_an_open_retired_under_it_still_changes_the_file() {
     // the file's turn is busy (another change of it in flight): the chmod, which found the
     // file closed, waits for it
     let turn = fs.entry_lock("/", "f").lock().await;
-    let chmod = {
-        let fs = fs.clone();
-        tokio::spawn(async move {
-            let req = SetAttr {
-                mode: Some(0o600),
-                ..Default::default()
-            };
-            fs.setattr(a.ino, req).await
-        })
-    };
+    let chmod = spawn_chmod(&fs, a.ino, 0o600);
     tokio::time::sleep(Duration::from_millis(50)).await;
     // meanwhile the file is opened (a clean state), and its last close begins: the
     // retirement holds the state's commit lock
@@ -1741,4 +1723,16 @@ async fn a_chmod_that_finds_an_open_retired_under_it_still_changes_the_file() {
     assert_eq!(attr.perm & 0o7777, 0o600);
     let e = filer.get("/f").unwrap();
     assert_eq!(e.attributes.as_ref().unwrap().file_mode & 0o7777, 0o600);
+}
+
+/// A chmod of `ino` to `mode`, running on its own.
+fn spawn_chmod(fs: &Arc<Fs>, ino: u64, mode: u32) -> tokio::task::JoinHandle<super::Result<Attr>> {
+    let fs = fs.clone();
+    tokio::spawn(async move {
+        let req = SetAttr {
+            mode: Some(mode),
+            ..Default::default()
+        };
+        fs.setattr(ino, req).await
+    })
 }
