@@ -172,6 +172,10 @@ pub struct FileState {
     /// replayed event whose move is not taken): until a re-read finds it under its name, a
     /// commit first checks that the name still leads to it.
     pub name_doubt: bool,
+    /// The attribute changes deferred into this state (merged, later ones winning) and the
+    /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
+    /// that fails for good still applies them to the filer's entry (they were answered).
+    pub deferred_attrs: Option<(super::setattr::SetAttr, u64)>,
 }
 
 /// See [`FileState::resync`].
@@ -346,6 +350,7 @@ impl OpenFile {
                 local_inflight: 0,
                 resync: Resync::default(),
                 name_doubt: false,
+                deferred_attrs: None,
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),
@@ -774,6 +779,12 @@ impl OpenFile {
         let mut s = self.state.lock();
         if s.seq == snap.seq && s.slots.is_empty() && s.inflight.is_empty() {
             s.meta_dirty = false;
+        }
+        if s.deferred_attrs
+            .as_ref()
+            .is_some_and(|(_, seq)| *seq <= snap.seq)
+        {
+            s.deferred_attrs = None;
         }
         s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
         s.pending_create = false;

@@ -362,6 +362,10 @@ impl Fs {
                 tracing::error!(path = %of.path(), rounds,
                     "changes kept arriving during the last close; the latest were not committed");
             }
+            // (not after an ESTALE: the name may lead to another file now)
+            if r.as_ref().is_err_and(|e| e.errno == libc::EIO) || rounds == CLOSE_ROUNDS {
+                self.salvage_deferred_attrs(&of).await;
+            }
         }
         r
     }

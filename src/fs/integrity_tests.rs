@@ -1736,3 +1736,34 @@ fn spawn_chmod(fs: &Arc<Fs>, ino: u64, mode: u32) -> tokio::task::JoinHandle<sup
         fs.setattr(ino, req).await
     })
 }
+
+/// A chmod answered while the file had data of ours to commit rides that commit; when the
+/// last close then fails for good (the data cannot be placed), the chmod still reaches the
+/// filer's entry: it was answered as done.
+#[tokio::test]
+async fn a_chmod_deferred_into_a_failed_last_close_still_lands() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"committed").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 9, b" and more").await.unwrap();
+    let req = SetAttr {
+        mode: Some(0o640),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, req).await.unwrap();
+    assert_ne!(
+        filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777,
+        0o640,
+        "the chmod was meant to wait for the file's commit"
+    );
+    close_failing(&fs, &store, fh, a.ino, 18).await;
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        e.attributes.as_ref().unwrap().file_mode & 0o7777,
+        0o640,
+        "the answered chmod was lost with the data"
+    );
+    let of = fs.open_inode(a.ino, true).await.unwrap();
+    assert_eq!(&fs.read_range(&of, 0, 9).await.unwrap()[..], b"committed");
+}

@@ -22,6 +22,24 @@ pub struct SetAttr {
     pub ctime: Option<SystemTime>,
 }
 
+impl SetAttr {
+    /// `later` on top of this one: its fields win where it has them.
+    fn merge(&mut self, later: &SetAttr) {
+        fn over<T: Copy>(a: &mut Option<T>, b: Option<T>) {
+            if b.is_some() {
+                *a = b;
+            }
+        }
+        over(&mut self.mode, later.mode);
+        over(&mut self.uid, later.uid);
+        over(&mut self.gid, later.gid);
+        over(&mut self.size, later.size);
+        over(&mut self.atime, later.atime);
+        over(&mut self.mtime, later.mtime);
+        over(&mut self.ctime, later.ctime);
+    }
+}
+
 impl Fs {
     pub async fn setattr(&self, ino: u64, req: SetAttr) -> Result<Attr> {
         self.setattr_from(ino, req, self.open_file(ino)).await
@@ -161,7 +179,46 @@ impl Fs {
         }
         self.apply_setattr(&mut st.entry, req);
         st.touch();
+        let seq = st.seq;
+        match st.deferred_attrs.as_mut() {
+            Some((merged, at)) => {
+                merged.merge(req);
+                *at = seq;
+            }
+            None => st.deferred_attrs = Some((req.clone(), seq)),
+        }
         true
+    }
+
+    /// After a last close that failed for good (its data could not be placed): the
+    /// attribute changes deferred into the state, which were answered as done, go to the
+    /// filer's entry on their own. Not for a file that never reached the filer, was unlinked,
+    /// or whose name may lead to another file now (moved by another client unseen).
+    pub(super) async fn salvage_deferred_attrs(&self, of: &OpenFile) {
+        let (req, dir, name) = {
+            let mut s = of.state.lock();
+            if !s.retired || s.unlinked || s.pending_create || s.name_doubt {
+                return;
+            }
+            let Some((req, _)) = s.deferred_attrs.take() else {
+                return;
+            };
+            (req, s.dir.clone(), s.entry.name.clone())
+        };
+        let r = self
+            .update_fresh(&dir, &name, |e| {
+                self.apply_setattr(e, &req);
+                Ok(())
+            })
+            .await;
+        match r {
+            Ok(_) => {
+                tracing::warn!(path = %of.path(), "last close failed; its attribute changes were applied on their own")
+            }
+            Err(e) => {
+                tracing::error!(path = %of.path(), error = %e, "last close failed; its attribute changes are lost too")
+            }
+        }
     }
 
     /// setattr through an open file's state: attributes with the file's next commit (or on
