@@ -206,6 +206,68 @@ fn write_by_other_user_clears_setuid() {
     assert!(!st.success(), "EACCES for other users");
 }
 
+/// The other ways a file loses its set-user/group-ID bits: a truncate, an `O_TRUNC` open and
+/// a fallocate by an unprivileged user, a chown by anyone (root included). The kernel leaves
+/// this to us (FUSE_HANDLE_KILLPRIV_V2); a directory keeps its set-group-ID bit on chown,
+/// and a file that is not group-executable keeps set-group-ID.
+#[test]
+fn truncate_open_trunc_fallocate_and_chown_clear_setuid() {
+    let w = shared_server();
+    let m = mount_ours(&w, &unique_path("suid-more"), &[]);
+    let p = m.join("s");
+    let as_nobody = |cmd: String| {
+        let st = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .uid(65534)
+            .gid(65534)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    };
+    let setuid = |mode: u32| {
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+        assert_eq!(lstat(&p).unwrap().st_mode & 0o7777, mode);
+    };
+    let bits = || lstat(&p).unwrap().st_mode & 0o7777;
+    fs::write(&p, b"data").unwrap();
+    setuid(0o6777);
+    as_nobody(format!("truncate -s 2 '{}'", p.display()));
+    assert_eq!(bits(), 0o777, "an unprivileged truncate");
+    assert_eq!(fs::read(&p).unwrap(), b"da");
+    setuid(0o6777);
+    as_nobody(format!("echo new > '{}'", p.display()));
+    assert_eq!(bits(), 0o777, "an unprivileged O_TRUNC open");
+    assert_eq!(fs::read(&p).unwrap(), b"new\n");
+    setuid(0o6777);
+    as_nobody(format!("fallocate -l 8192 '{}'", p.display()));
+    assert_eq!(bits(), 0o777, "an unprivileged fallocate");
+    setuid(0o6777);
+    std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+    assert_eq!(bits(), 0o777, "a chown by root");
+    // set-group-ID without group execute is a mandatory-locking mark: kept
+    setuid(0o6766);
+    std::os::unix::fs::chown(&p, None, Some(65534)).unwrap();
+    assert_eq!(
+        bits(),
+        0o2766,
+        "a chown keeps set-group-ID of a file not group-executable"
+    );
+    let d = m.join("d");
+    fs::create_dir(&d).unwrap();
+    fs::set_permissions(&d, fs::Permissions::from_mode(0o2777)).unwrap();
+    std::os::unix::fs::chown(&d, Some(65534), None).unwrap();
+    assert_eq!(
+        lstat(&d).unwrap().st_mode & 0o7777,
+        0o2777,
+        "a directory keeps its bits"
+    );
+    // root's own truncate and write keep them (it has CAP_FSETID)
+    setuid(0o6777);
+    fs::write(&p, b"root").unwrap();
+    assert_eq!(bits(), 0o6777, "root's O_TRUNC write");
+}
+
 #[test]
 fn directories() {
     let w = shared_server();

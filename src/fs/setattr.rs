@@ -20,6 +20,11 @@ pub struct SetAttr {
     pub atime: Option<SystemTime>,
     pub mtime: Option<SystemTime>,
     pub ctime: Option<SystemTime>,
+    /// Clear the set-user-ID bit, and the set-group-ID bit of a group-executable file, as
+    /// the kernel would on a write, truncate or chown by a caller without CAP_FSETID: with
+    /// FUSE_HANDLE_KILLPRIV_V2 it leaves that to us (see `crate::fuse::adapter`).
+    /// Directories keep theirs.
+    pub kill_suidgid: bool,
 }
 
 impl SetAttr {
@@ -37,10 +42,28 @@ impl SetAttr {
         over(&mut self.atime, later.atime);
         over(&mut self.mtime, later.mtime);
         over(&mut self.ctime, later.ctime);
+        self.kill_suidgid |= later.kill_suidgid;
     }
 }
 
 impl Fs {
+    /// Clears the set-user-ID bit (and set-group-ID of a group-executable file) of `ino`
+    /// if it has one, as a write, O_TRUNC open or fallocate by an unprivileged caller must:
+    /// see [`SetAttr::kill_suidgid`]. Nothing changes (and nothing is asked of the filer)
+    /// for a file without them.
+    pub async fn kill_suidgid(&self, ino: u64) -> Result<()> {
+        let perm = u32::from(self.getattr(ino).await?.perm);
+        let sgid = libc::S_ISGID | libc::S_IXGRP;
+        if perm & libc::S_ISUID == 0 && perm & sgid != sgid {
+            return Ok(());
+        }
+        let req = SetAttr {
+            kill_suidgid: true,
+            ..Default::default()
+        };
+        self.setattr(ino, req).await.map(|_| ())
+    }
+
     pub async fn setattr(&self, ino: u64, req: SetAttr) -> Result<Attr> {
         self.setattr_from(ino, req, self.open_file(ino)).await
     }
@@ -148,6 +171,15 @@ impl Fs {
             let (kind, _) = attr::from_go_mode(a.file_mode);
             let kind = if e.is_directory { Kind::Dir } else { kind };
             a.file_mode = to_go_mode(kind, m & 0o7777);
+        }
+        if req.kill_suidgid && !e.is_directory {
+            let (kind, perm) = attr::from_go_mode(a.file_mode);
+            let mut perm = u32::from(perm);
+            perm &= !libc::S_ISUID;
+            if perm & libc::S_IXGRP != 0 {
+                perm &= !libc::S_ISGID;
+            }
+            a.file_mode = to_go_mode(kind, perm);
         }
         if let Some(u) = req.uid {
             a.uid = self.cfg.ids.uid_to_filer(u);
