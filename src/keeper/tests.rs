@@ -576,7 +576,9 @@ fn a_slow_notifier_connection_holds_up_no_one_else() {
     use super::notify::inval_inode_msg;
     use super::KeeperNotifier;
     use nix::sys::socket::{accept, bind, listen, Backlog};
+    use std::os::fd::FromRawFd;
     use std::sync::{mpsc, Arc};
+    const LIMIT: Duration = Duration::from_secs(20);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("fake.sock");
     let listener = socket(
@@ -588,11 +590,14 @@ fn a_slow_notifier_connection_holds_up_no_one_else() {
     .unwrap();
     bind(listener.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
     listen(&listener, Backlog::new(8).unwrap()).unwrap();
-    // a fake keeper: the first connection is accepted at once and answers each invalidation
-    // (the first one after `first_answer` is signalled); the second one gets no answer to
-    // its request until `second_answer` is signalled
+    // a fake keeper: the first connection is accepted at once; the first invalidation on it
+    // is reported (`a_arrived`) and answered once `first_answer` is signalled, later ones at
+    // once; the second connection's request is reported (`second_arrived`) and answered once
+    // `second_answer` is signalled. Every wait is bounded: a test that goes wrong fails, it
+    // does not hang.
     let (first_answer, first_wait) = mpsc::channel::<()>();
     let (second_answer, second_wait) = mpsc::channel::<()>();
+    let (a_arrived, a_seen) = mpsc::channel::<()>();
     let (second_arrived, second_seen) = mpsc::channel::<()>();
     let fake = std::thread::spawn(move || {
         let ok = serde_json::to_vec(&Response::Ok).unwrap();
@@ -605,7 +610,8 @@ fn a_slow_notifier_connection_holds_up_no_one_else() {
             let mut n = 0;
             while let Ok(Some(_)) = recv_msg(first.as_fd(), &mut buf, MsgFlags::empty()) {
                 if n == 0 {
-                    first_wait.recv().unwrap();
+                    a_arrived.send(()).unwrap();
+                    first_wait.recv_timeout(LIMIT).unwrap();
                 }
                 n += 1;
                 send_msg(first.as_fd(), &0i32.to_ne_bytes(), &[], MsgFlags::empty()).unwrap();
@@ -614,49 +620,64 @@ fn a_slow_notifier_connection_holds_up_no_one_else() {
         let second = unsafe { OwnedFd::from_raw_fd(accept(listener.as_raw_fd()).unwrap()) };
         recv_msg(second.as_fd(), &mut buf, MsgFlags::empty()).unwrap();
         second_arrived.send(()).unwrap();
-        second_wait.recv().unwrap();
+        second_wait.recv_timeout(LIMIT).unwrap();
         send_msg(second.as_fd(), &ok, &[], MsgFlags::empty()).unwrap();
         while let Ok(Some(_)) = recv_msg(second.as_fd(), &mut buf, MsgFlags::empty()) {
             send_msg(second.as_fd(), &0i32.to_ne_bytes(), &[], MsgFlags::empty()).unwrap();
         }
         serve_first
     });
-    use std::os::fd::FromRawFd;
     let n = Arc::new(KeeperNotifier::open(&path, "v", Some(1)).unwrap());
     let msg = inval_inode_msg(5, -1, 0);
+    let send = || {
+        let (n, msg) = (n.clone(), msg.clone());
+        std::thread::spawn(move || n.send(&msg))
+    };
     // A: its invalidation waits in the "kernel" on the only connection
-    let a = {
-        let (n, msg) = (n.clone(), msg.clone());
-        std::thread::spawn(move || n.send(&msg))
-    };
-    std::thread::sleep(Duration::from_millis(100));
+    let a = send();
+    a_seen
+        .recv_timeout(LIMIT)
+        .expect("A's invalidation reached the keeper");
     // B: finds no idle connection and asks for a second one, which the keeper is slow to give
-    let b = {
-        let (n, msg) = (n.clone(), msg.clone());
-        std::thread::spawn(move || n.send(&msg))
-    };
-    second_seen.recv().unwrap();
+    let b = send();
+    second_seen
+        .recv_timeout(LIMIT)
+        .expect("B asked for a second connection");
     // A's invalidation is answered: the first connection is idle again
     first_answer.send(()).unwrap();
-    a.join().unwrap().unwrap();
+    join_within(a, LIMIT, "A").unwrap();
     // C takes the idle connection while B still waits for its own
-    let c = {
-        let (n, msg) = (n.clone(), msg.clone());
-        std::thread::spawn(move || n.send(&msg))
-    };
+    let c = send();
     let deadline = Instant::now() + Duration::from_secs(3);
     while !c.is_finished() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     let c_done_first = c.is_finished() && !b.is_finished();
     second_answer.send(()).unwrap();
-    c.join().unwrap().unwrap();
-    b.join().unwrap().unwrap();
+    join_within(c, LIMIT, "C").unwrap();
+    join_within(b, LIMIT, "B").unwrap();
     assert!(
         c_done_first,
         "a send that found an idle connection waited for another caller's connection attempt"
     );
     // the notifier's connections close with it: the fake keeper's threads end
     drop(n);
-    fake.join().unwrap().join().unwrap();
+    join_within(
+        join_within(fake, LIMIT, "the fake keeper"),
+        LIMIT,
+        "its first connection",
+    );
+}
+
+/// Joins `t`, failing the test (not hanging it) if it has not ended within `limit`.
+fn join_within<T>(t: std::thread::JoinHandle<T>, limit: Duration, what: &str) -> T {
+    let deadline = Instant::now() + limit;
+    while !t.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not finish within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    t.join().unwrap()
 }
