@@ -1050,11 +1050,19 @@ async fn a_static_volumes_expansion_reaches_other_nodes_and_later_stages() {
         3 * GIB,
         "B, staged before the expansion, never got NodeExpandVolume"
     );
-    // an older, smaller expansion asked again (kubelet retries) does not lower the quota
-    ca.node
+    // an older, smaller expansion asked again (kubelet retries) does not lower the quota,
+    // and the answer says what the volume has
+    let answer = ca
+        .node
         .node_expand_volume(node_expand_req(&vol.volume_id, &sa, 2 * GIB))
         .await
-        .unwrap();
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.capacity_bytes as u64,
+        3 * GIB,
+        "NodeExpandVolume's answer after a smaller request"
+    );
     assert_eq!(
         wait_df(&sa, 3 * GIB, 0).await,
         3 * GIB,

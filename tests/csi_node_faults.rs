@@ -1191,6 +1191,11 @@ async fn an_old_record_keeps_its_filer_and_takes_the_new_cache_root() {
         .unwrap()
         .remove("request")
         .expect("recorded with its request");
+    st["volumes"]["/buckets/legacy"]["opts"]
+        .as_object_mut()
+        .unwrap()
+        .remove("volume_id")
+        .expect("recorded with the volume's id");
     std::fs::write(&file, st.to_string()).unwrap();
     kill(&[&staging]);
 
@@ -1219,6 +1224,8 @@ async fn an_old_record_keeps_its_filer_and_takes_the_new_cache_root() {
         (o.collection.as_str(), o.filer_path.as_str()),
         ("c7", "/buckets/legacy")
     );
+    // NodeExpandVolume's capacity record is named after it
+    assert_eq!(o.volume_id, "/buckets/legacy", "the volume's id");
     let st: serde_json::Value = serde_json::from_str(&site.state_file()).unwrap();
     let rec = &st["volumes"]["/buckets/legacy"];
     assert_eq!(rec["opts"]["filers"][0], "f:8888", "what runs is recorded");

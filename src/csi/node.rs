@@ -580,6 +580,21 @@ impl NodeService {
         read_only: bool,
         prior: &MountOptions,
     ) -> MountOptions {
+        MountOptions {
+            // an older build's record does not name the volume, which NodeExpandVolume's
+            // capacity record is named after
+            volume_id: volume_id.to_string(),
+            ..self.options_again_or_prior(volume_id, request, read_only, prior).await
+        }
+    }
+
+    async fn options_again_or_prior(
+        &self,
+        volume_id: &str,
+        request: Option<(&HashMap<String, String>, &[String])>,
+        read_only: bool,
+        prior: &MountOptions,
+    ) -> MountOptions {
         let Some((ctx, mount_flags)) = request else {
             // An older build's record: its filer may be the volume's own (`filer` key), which
             // cannot be told from that build's --filer, and a wrong guess would show the pods
@@ -1543,13 +1558,15 @@ impl Node for NodeService {
         let _guard = self.locks.lock(volume_id).await;
         self.settled(volume_id).await?;
         if self.stager.health(volume_id).is_some() {
-            with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
-                .await
-                .map_err(stage_status)?;
-            self.keep_quota(volume_id, quota);
-            tracing::info!(volume_id, quota, "quota applied");
+            // what the session applies: a larger capacity recorded for the volume stays
+            let applied =
+                with_timeout(self.timeouts.stage, self.stager.set_quota(volume_id, quota))
+                    .await
+                    .map_err(stage_status)?;
+            self.keep_quota(volume_id, applied);
+            tracing::info!(volume_id, quota = applied, "quota applied");
             return Ok(Response::new(NodeExpandVolumeResponse {
-                capacity_bytes: bytes,
+                capacity_bytes: if applied == 0 { bytes } else { applied as i64 },
             }));
         }
         let path = PathBuf::from(&req.volume_path);

@@ -105,8 +105,9 @@ pub trait Stager: Send + Sync + 'static {
     /// where its session runs (the caller bounds the wait).
     async fn settled(&self, _volume_id: &str) {}
 
-    /// Applies a new quota (bytes, 0 = none) to a staged volume.
-    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError>;
+    /// Applies a new quota (bytes, 0 = none) to a staged volume. Returns the quota applied:
+    /// a larger one recorded for the volume stays.
+    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<u64, StageError>;
 }
 
 /// One call recorded by [`FakeStager`].
@@ -388,7 +389,7 @@ impl Stager for FakeStager {
         }
     }
 
-    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
+    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<u64, StageError> {
         let mut st = self.state.lock();
         st.calls.push(StagerCall::SetQuota {
             volume_id: volume_id.to_string(),
@@ -399,7 +400,7 @@ impl Stager for FakeStager {
             .get_mut(volume_id)
             .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
         sess.opts.quota_bytes = bytes;
-        Ok(())
+        Ok(bytes)
     }
 }
 

@@ -330,6 +330,12 @@ impl MockFiler {
         self.hold_next("rename_entry", path)
     }
 
+    /// The next update of `path` is applied, then waits for [`LookupHold::release`] before
+    /// it answers.
+    pub fn hold_next_update(&self, path: &str) -> Arc<LookupHold> {
+        self.hold_next("update_entry", path)
+    }
+
     /// The next create of `path` waits for [`LookupHold::release`] before it is applied.
     pub fn hold_next_create(&self, path: &str) -> Arc<LookupHold> {
         self.hold_next("create_entry", path)
@@ -342,6 +348,39 @@ impl MockFiler {
             .lock()
             .push((format!("{op} {path}"), h.clone()));
         h
+    }
+
+    /// Applies an update (see [`MockFiler::hold_next_update`] for the answer's hold).
+    fn update_now(
+        &self,
+        req: pb::UpdateEntryRequest,
+    ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+        let dir = norm_dir(&req.directory);
+        let mut entry = req
+            .entry
+            .ok_or_else(|| FilerError::InvalidArgument("update without entry".into()))?;
+        let path = join(&dir, &entry.name);
+        let sigs = self.sigs(&req.signatures);
+        let mut st = self.shared.state.lock();
+        let Some(old) = st.entries.get(&path).cloned() else {
+            return Err(FilerError::NotFound(path));
+        };
+        let attrs = entry.attributes.get_or_insert_with(Default::default);
+        if attrs.inode == 0 {
+            attrs.inode = old.attributes.as_ref().map(|a| a.inode).unwrap_or(0);
+        }
+        if old == entry {
+            return Ok(None);
+        }
+        st.entries.insert(path, entry.clone());
+        Ok(Some(st.log_event(
+            &dir,
+            Some(old),
+            Some(entry),
+            &dir,
+            &sigs,
+            false,
+        )))
     }
 
     /// The rename itself, applied at once (see [`FilerApi::rename_entry`]).
@@ -637,32 +676,12 @@ impl FilerApi for MockFiler {
         req: pb::UpdateEntryRequest,
     ) -> Result<Option<pb::SubscribeMetadataResponse>> {
         self.enter("update_entry")?;
-        let dir = norm_dir(&req.directory);
-        let mut entry = req
-            .entry
-            .ok_or_else(|| FilerError::InvalidArgument("update without entry".into()))?;
-        let path = join(&dir, &entry.name);
-        let sigs = self.sigs(&req.signatures);
-        let mut st = self.shared.state.lock();
-        let Some(old) = st.entries.get(&path).cloned() else {
-            return Err(FilerError::NotFound(path));
-        };
-        let attrs = entry.attributes.get_or_insert_with(Default::default);
-        if attrs.inode == 0 {
-            attrs.inode = old.attributes.as_ref().map(|a| a.inode).unwrap_or(0);
+        let path = req.entry.as_ref().map(|e| join(&norm_dir(&req.directory), &e.name));
+        let out = self.update_now(req);
+        if let Some(path) = path {
+            self.wait_at_hold("update_entry", &path).await;
         }
-        if old == entry {
-            return Ok(None);
-        }
-        st.entries.insert(path, entry.clone());
-        Ok(Some(st.log_event(
-            &dir,
-            Some(old),
-            Some(entry),
-            &dir,
-            &sigs,
-            false,
-        )))
+        out
     }
 
     async fn delete_entry(

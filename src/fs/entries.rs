@@ -11,6 +11,10 @@ use crate::pb::filer as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// Updates of the root entry NodeExpandVolume tries before it gives up (each found its
+/// record overwritten by another writer of the entry).
+const CAPACITY_ROUNDS: usize = 5;
+
 impl Fs {
     pub fn path_of(&self, ino: u64) -> Result<String> {
         self.inodes
@@ -307,11 +311,12 @@ impl Fs {
     /// record only grows, and the quota applied is what the records say after it: an older,
     /// smaller expansion asked again never lowers it. A read-only session, or one that does
     /// not take its quota from the filer, only sets its own quota. Failing to record, the
-    /// quota may only grow here, and the error says kubelet should ask again.
-    pub async fn expand(&self, bytes: u64) -> Result<()> {
+    /// quota may only grow here, and the error says kubelet should ask again. Returns the
+    /// quota applied (0 = none).
+    pub async fn expand(&self, bytes: u64) -> Result<u64> {
         if !self.cfg.quota_from_filer || self.cfg.read_only || self.cfg.root == "/" || bytes == 0 {
             self.set_quota(bytes);
-            return Ok(());
+            return Ok(bytes);
         }
         let r = self.record_capacity(bytes).await;
         if r.is_err() {
@@ -320,31 +325,41 @@ impl Fs {
                 self.set_quota(bytes);
             }
         }
-        r
+        r.map(|()| self.quota())
     }
 
     async fn record_capacity(&self, bytes: u64) -> Result<()> {
         let (dir, name) = split(&self.cfg.root);
-        // in turn with this node's other cycles of the entry (the directory time write-back
-        // would store a copy read before this change, without the record)
-        let _turn = self.entry_lock(&dir, &name).lock().await;
-        // a fresh copy: the update carries every other attribute of the directory as it is
-        let mut e = self.filer.lookup_entry(&dir, &name).await?;
-        if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
-            self.take_capacity(&e);
-            return Ok(());
-        }
         let key = self
             .cfg
             .capacity_key
             .as_deref()
             .unwrap_or(super::CAPACITY_XATTR);
-        e.extended
-            .insert(key.to_string(), bytes.to_string().into_bytes());
-        self.update_entry(&dir, e.clone()).await?;
-        tracing::info!(root = %self.cfg.root, bytes, key, "capacity recorded on the filer");
-        self.take_capacity(&e);
-        Ok(())
+        // in turn with this node's other cycles of the entry (the directory time write-back
+        // would store a copy read before this change, without the record)
+        let _turn = self.entry_lock(&dir, &name).lock().await;
+        // The filer has no compare-and-swap: another writer of the entry (another node, or
+        // another PV's session on this directory) that read it before this update stores its
+        // copy without the record. Read back after each update and write it again.
+        for _ in 0..CAPACITY_ROUNDS {
+            // a fresh copy: the update carries every other attribute of the directory as it is
+            let mut e = self.filer.lookup_entry(&dir, &name).await?;
+            if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
+                self.take_capacity(&e);
+                return Ok(());
+            }
+            e.extended
+                .insert(key.to_string(), bytes.to_string().into_bytes());
+            self.update_entry(&dir, e).await?;
+            tracing::info!(root = %self.cfg.root, bytes, key, "capacity recorded on the filer");
+        }
+        Err(errno(
+            libc::EAGAIN,
+            format!(
+                "{}: the capacity record was overwritten {CAPACITY_ROUNDS} times",
+                self.cfg.root
+            ),
+        ))
     }
 
     /// Re-reads the capacity recorded on the root entry (an expansion made elsewhere).

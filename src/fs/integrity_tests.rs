@@ -1767,3 +1767,138 @@ async fn a_chmod_deferred_into_a_failed_last_close_still_lands() {
     let of = fs.open_inode(a.ino, true).await.unwrap();
     assert_eq!(&fs.read_range(&of, 0, 9).await.unwrap()[..], b"committed");
 }
+
+/// The salvage of a failed last close's deferred chmod goes to a newer open state of the
+/// file when there is one (opened, written and dirty since the close retired the old one):
+/// changed on the filer's entry beside it, the newer state's commit, which carries the whole
+/// entry it read before, would undo it.
+#[tokio::test]
+async fn a_salvaged_chmod_rides_a_newer_open_states_commit() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"committed").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 9, b" and more").await.unwrap();
+    let req = SetAttr {
+        mode: Some(0o640),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, req).await.unwrap();
+    // the state leaves the open files, retired with its chmod deferred (as a last close
+    // whose commit failed for good leaves it, before it salvages the chmod)
+    let old = fs.open_file(a.ino).unwrap();
+    fs.files.lock().remove(&a.ino);
+    old.state.lock().retired = true;
+    // a newer open of the file, dirty before the salvage runs
+    let fh2 = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    fs.write(fh2, a.ino, 0, b"C").await.unwrap();
+    fs.salvage_deferred_attrs(&old).await;
+    fs.flush(fh2, a.ino).await.unwrap();
+    fs.release(fh2, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        e.attributes.as_ref().unwrap().file_mode & 0o7777,
+        0o640,
+        "the newer open state's commit undid the salvaged chmod"
+    );
+    assert_eq!(e.chunks.len(), 2, "the newer write was committed: {e:?}");
+}
+
+/// A session of volume "pv1" on the filer directory "/vol", which another client made.
+async fn volume_on_vol() -> (Arc<Fs>, Arc<MockFiler>) {
+    let cfg = FsConfig::from_mount_options(&MountOptions {
+        filer_path: "/vol".into(),
+        volume_id: "pv1".into(),
+        quota_from_filer: true,
+        quota_bytes: 1 << 30,
+        ..Default::default()
+    });
+    let filer = Arc::new(MockFiler::new());
+    filer
+        .other_client()
+        .create_entry(pb::CreateEntryRequest {
+            directory: "/".into(),
+            entry: Some(pb::Entry {
+                name: "vol".into(),
+                is_directory: true,
+                attributes: Some(pb::FuseAttributes {
+                    file_mode: 0o755 | libc::S_IFDIR,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let store = Arc::new(MockChunkStore::new());
+    let fs = Fs::new(cfg, filer.clone(), store, ChunkCache::new(1 << 20));
+    fs.set_quota(1 << 30);
+    (fs, filer)
+}
+
+/// Another writer of "/vol" that read it before `expand` recorded the capacity stores that
+/// stale copy after each of the next `rounds` updates of `expand`.
+async fn overwrite_after_updates(filer: &MockFiler, stale: &pb::Entry, rounds: usize) {
+    let other = filer.other_client();
+    for _ in 0..rounds {
+        let held = filer.hold_next_update("/vol");
+        if tokio::time::timeout(Duration::from_secs(5), held.arrived())
+            .await
+            .is_err()
+        {
+            held.release(); // no further update came: the hold must not catch ours
+            return;
+        }
+        other
+            .update_entry(pb::UpdateEntryRequest {
+                directory: "/".into(),
+                entry: Some(stale.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        held.release();
+    }
+}
+
+const CAPACITY_KEY: &str = "seaweedfs-csi.capacity.pv1";
+
+/// NodeExpandVolume's record is a whole-entry update of the volume's directory: another
+/// writer's copy read before it (another node, another PV on the directory) overwrites it.
+/// The expansion reads the entry back and records again until the record stays.
+#[tokio::test]
+async fn an_expansion_whose_record_is_overwritten_records_it_again() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    let expand = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.expand(3 << 30).await }
+    });
+    overwrite_after_updates(&filer, &stale, 1).await;
+    assert_eq!(expand.await.unwrap().unwrap(), 3 << 30);
+    let e = filer.get("/vol").unwrap();
+    assert_eq!(
+        e.extended.get(CAPACITY_KEY).map(|v| v.as_slice()),
+        Some(b"3221225472".as_slice()),
+        "the capacity record was left overwritten"
+    );
+    assert_eq!(fs.quota(), 3 << 30);
+}
+
+/// Overwritten again and again, the expansion gives up (kubelet asks again) rather than
+/// loop; the quota applied here still grew.
+#[tokio::test]
+async fn an_expansion_overwritten_every_time_fails_with_eagain() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    let expand = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.expand(3 << 30).await }
+    });
+    overwrite_after_updates(&filer, &stale, 5).await;
+    let err = expand.await.unwrap().unwrap_err();
+    assert_eq!(err.errno, libc::EAGAIN, "{err:?}");
+    assert_eq!(filer.calls("update_entry"), 2 * 5);
+    assert_eq!(fs.quota(), 3 << 30);
+}

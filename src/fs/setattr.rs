@@ -42,8 +42,25 @@ impl SetAttr {
         over(&mut self.atime, later.atime);
         over(&mut self.mtime, later.mtime);
         over(&mut self.ctime, later.ctime);
-        self.kill_suidgid |= later.kill_suidgid;
+        // a later explicit mode is applied after any earlier clearing (chmod u+s after a
+        // write by another user keeps the bit)
+        if later.mode.is_some() {
+            self.kill_suidgid = later.kill_suidgid;
+        } else {
+            self.kill_suidgid |= later.kill_suidgid;
+        }
     }
+}
+
+/// `perm` without the bits a write by an unprivileged caller clears: set-user-ID, and
+/// set-group-ID of a group-executable file (without group execute it marks mandatory
+/// locking, which stays).
+fn killed_perm(perm: u32) -> u32 {
+    let mut perm = perm & !libc::S_ISUID;
+    if perm & libc::S_IXGRP != 0 {
+        perm &= !libc::S_ISGID;
+    }
+    perm
 }
 
 impl Fs {
@@ -53,8 +70,7 @@ impl Fs {
     /// for a file without them.
     pub async fn kill_suidgid(&self, ino: u64) -> Result<()> {
         let perm = u32::from(self.getattr(ino).await?.perm);
-        let sgid = libc::S_ISGID | libc::S_IXGRP;
-        if perm & libc::S_ISUID == 0 && perm & sgid != sgid {
+        if killed_perm(perm) == perm {
             return Ok(());
         }
         let req = SetAttr {
@@ -141,9 +157,10 @@ impl Fs {
             *self.root_attr.lock() = a.clone();
             return Ok(a);
         }
-        // Only a truncate is left. It rewrites the chunk list: build it on the filer's entry, not a cached
-        // one, and through the open-file path (a cut chunk is rewritten, inline content
-        // that grows past the inline limit becomes a chunk instead of a huge buffer).
+        // Only a truncate is left. It rewrites the chunk list: build it on the filer's
+        // entry, not a cached one, and through the open-file path (a cut chunk is
+        // rewritten, inline content that grows past the inline limit becomes a chunk
+        // instead of a huge buffer).
         let e = self.fresh_entry(&dir, &name).await?;
         if e.is_directory {
             return Err(errno(libc::EISDIR, "truncate of a directory"));
@@ -174,12 +191,7 @@ impl Fs {
         }
         if req.kill_suidgid && !e.is_directory {
             let (kind, perm) = attr::from_go_mode(a.file_mode);
-            let mut perm = u32::from(perm);
-            perm &= !libc::S_ISUID;
-            if perm & libc::S_IXGRP != 0 {
-                perm &= !libc::S_ISGID;
-            }
-            a.file_mode = to_go_mode(kind, perm);
+            a.file_mode = to_go_mode(kind, killed_perm(u32::from(perm)));
         }
         if let Some(u) = req.uid {
             a.uid = self.cfg.ids.uid_to_filer(u);
@@ -227,7 +239,7 @@ impl Fs {
     /// filer's entry on their own. Not for a file that never reached the filer, was unlinked,
     /// or whose name may lead to another file now (moved by another client unseen).
     pub(super) async fn salvage_deferred_attrs(&self, of: &OpenFile) {
-        let (req, dir, name) = {
+        let req = {
             let mut s = of.state.lock();
             if !s.retired || s.unlinked || s.pending_create || s.name_doubt {
                 return;
@@ -235,14 +247,12 @@ impl Fs {
             let Some((req, _)) = s.deferred_attrs.take() else {
                 return;
             };
-            (req, s.dir.clone(), s.entry.name.clone())
+            req
         };
-        let r = self
-            .update_fresh(&dir, &name, |e| {
-                self.apply_setattr(e, &req);
-                Ok(())
-            })
-            .await;
+        // as any setattr: a newer open state of the file (opened since the close retired
+        // this one) takes the change, or its commit would carry the entry without it
+        // (boxed: a truncate's setattr_from closes a handle, which may come back here)
+        let r = Box::pin(self.setattr_from(of.ino, req, self.open_file(of.ino))).await;
         match r {
             Ok(_) => {
                 tracing::warn!(path = %of.path(), "last close failed; its attribute changes were applied on their own")

@@ -354,6 +354,17 @@ pub struct VolumeState {
     pub token: Option<u64>,
 }
 
+impl VolumeState {
+    /// Fills in what a predecessor of an older version did not record: its options do not
+    /// name the volume, which NodeExpandVolume's capacity record is named after.
+    fn completed(mut self) -> Self {
+        if self.opts.volume_id.is_empty() {
+            self.opts.volume_id = self.volume_id.clone();
+        }
+        self
+    }
+}
+
 type Blob = super::takeover::Handover<VolumeState>;
 
 /// How a session is served.
@@ -572,7 +583,7 @@ impl MountedVolume {
             ),
         };
         let dirty_fd = fds.next();
-        let state = blob.state;
+        let state = blob.state.completed();
         // The kernel queues requests meanwhile; keep trying while the filer is unreachable.
         let mut pauses = crate::retry::RECONNECT.pauses();
         let (fs, filer) = loop {
@@ -1049,6 +1060,26 @@ mod tests {
             .collect();
         fs.releasedir(dh);
         names
+    }
+
+    /// A blob of an older version has options without the volume's id: the adopted session
+    /// records its capacity under the volume's own name all the same.
+    #[test]
+    fn an_older_blobs_options_get_the_volume_id() {
+        let mut v = serde_json::to_value(VolumeState {
+            volume_id: "pv-old".into(),
+            opts: MountOptions {
+                volume_id: "pv-old".into(),
+                ..Default::default()
+            },
+            inodes: Vec::new(),
+            graceful: true,
+            token: None,
+        })
+        .unwrap();
+        v["opts"].as_object_mut().unwrap().remove("volume_id");
+        let old: VolumeState = serde_json::from_value(v).unwrap();
+        assert_eq!(old.completed().opts.volume_id, "pv-old");
     }
 
     /// The collector exports every live session's numbers, one series per volume: sessions

@@ -285,7 +285,7 @@ impl Stager for FuseStager {
             .map(|m| m.mountpoint.clone())
     }
 
-    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<(), StageError> {
+    async fn set_quota(&self, volume_id: &str, bytes: u64) -> Result<u64, StageError> {
         let fs = self
             .sessions
             .lock()
