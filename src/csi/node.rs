@@ -584,7 +584,9 @@ impl NodeService {
             // an older build's record does not name the volume, which NodeExpandVolume's
             // capacity record is named after
             volume_id: volume_id.to_string(),
-            ..self.options_again_or_prior(volume_id, request, read_only, prior).await
+            ..self
+                .options_again_or_prior(volume_id, request, read_only, prior)
+                .await
         }
     }
 

@@ -676,7 +676,10 @@ impl FilerApi for MockFiler {
         req: pb::UpdateEntryRequest,
     ) -> Result<Option<pb::SubscribeMetadataResponse>> {
         self.enter("update_entry")?;
-        let path = req.entry.as_ref().map(|e| join(&norm_dir(&req.directory), &e.name));
+        let path = req
+            .entry
+            .as_ref()
+            .map(|e| join(&norm_dir(&req.directory), &e.name));
         let out = self.update_now(req);
         if let Some(path) = path {
             self.wait_at_hold("update_entry", &path).await;

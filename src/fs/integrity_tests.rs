@@ -1768,6 +1768,34 @@ async fn a_chmod_deferred_into_a_failed_last_close_still_lands() {
     assert_eq!(&fs.read_range(&of, 0, 9).await.unwrap()[..], b"committed");
 }
 
+/// Deferred changes are merged for a salvage: a chmod u+s after a write that cleared the
+/// set-user-ID bit (another user's write) must keep the bit it sets.
+#[tokio::test]
+async fn a_salvaged_chmod_after_a_clearing_write_keeps_its_set_user_id_bit() {
+    let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"committed").await.unwrap();
+    let suid = |m| SetAttr {
+        mode: Some(m),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, suid(0o4755)).await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 9, b" and more").await.unwrap();
+    // the write was another user's: the bit is cleared (deferred into the dirty state) ...
+    fs.kill_suidgid(a.ino).await.unwrap();
+    assert_eq!(fs.getattr(a.ino).await.unwrap().perm, 0o755);
+    // ... and set again
+    fs.setattr(a.ino, suid(0o4755)).await.unwrap();
+    close_failing(&fs, &store, fh, a.ino, 18).await;
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        e.attributes.as_ref().unwrap().file_mode & 0o7777,
+        0o4755,
+        "the salvage cleared the bit the later chmod set"
+    );
+}
+
 /// The salvage of a failed last close's deferred chmod goes to a newer open state of the
 /// file when there is one (opened, written and dirty since the close retired the old one):
 /// changed on the filer's entry beside it, the newer state's commit, which carries the whole
