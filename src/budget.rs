@@ -18,8 +18,8 @@ use tokio::sync::Notify;
 pub const MIN_DIRTY_BYTES: u64 = 32 << 20;
 
 /// How the budget is shared, in eighths: dirty write data 2, the chunk cache 3, readahead
-/// in flight 1, metadata caches 1; the last eighth is headroom for the runtime and for
-/// requests in progress.
+/// in flight 1, metadata caches 1; the last eighth is split between the inode tables (a
+/// sixteenth) and headroom for the runtime and for requests in progress.
 const DIRTY_EIGHTHS: u64 = 2;
 const CACHE_EIGHTHS: u64 = 3;
 const READAHEAD_EIGHTHS: u64 = 1;
@@ -27,6 +27,13 @@ const META_EIGHTHS: u64 = 1;
 
 /// The smallest metadata allowance: a few large directories.
 pub const MIN_META_BYTES: u64 = 16 << 20;
+
+/// The smallest inode-table allowance (about 13,000 nodes).
+pub const MIN_INODE_BYTES: u64 = 4 << 20;
+
+/// Resident bytes of one inode-table node, as the budget counts them (`cargo bench --bench
+/// meta_cache`: 312 per node at a million, paths of ~50 bytes).
+pub const NODE_BYTES: u64 = 320;
 
 /// The smallest chunk cache: sequential readahead lands in it.
 pub const MIN_CACHE_BYTES: u64 = 32 << 20;
@@ -46,6 +53,10 @@ pub struct MemoryBudget {
     meta: AtomicU64,
     /// Times a session dropped listings to stay within the metadata part (a metric).
     pub meta_evictions: AtomicU64,
+    /// Nodes in the inode tables of every session, as last reported by each.
+    nodes: AtomicU64,
+    /// Nodes sessions asked the kernel to forget (a metric).
+    pub nodes_pruned: AtomicU64,
     /// Writers that found the budget spent: every session seals its dirty slots.
     pressure: Notify,
     /// Dirty bytes went from over the limit to less.
@@ -64,6 +75,8 @@ impl MemoryBudget {
             readahead: AtomicU64::new(0),
             meta: AtomicU64::new(0),
             meta_evictions: AtomicU64::new(0),
+            nodes: AtomicU64::new(0),
+            nodes_pruned: AtomicU64::new(0),
             pressure: Notify::new(),
             freed: Notify::new(),
             waits: AtomicU64::new(0),
@@ -164,6 +177,35 @@ impl MemoryBudget {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
                 Some(m.saturating_sub(n))
             });
+    }
+
+    /// Bytes the inode tables of every session may hold (`u64::MAX`: unbounded): a
+    /// sixteenth of the budget. Past it, sessions ask the kernel to forget the nodes it
+    /// does not use (see `crate::fs::Fs::prune_nodes`).
+    pub fn inode_limit(&self) -> u64 {
+        match self.total() {
+            u64::MAX => u64::MAX,
+            t => (t / 16).max(MIN_INODE_BYTES),
+        }
+    }
+
+    /// Nodes in every session's inode table (as last reported).
+    pub fn nodes(&self) -> u64 {
+        self.nodes.load(Ordering::Relaxed)
+    }
+
+    /// A session's table went from `before` to `now` nodes.
+    pub fn nodes_changed(&self, before: u64, now: u64) {
+        if now >= before {
+            self.nodes.fetch_add(now - before, Ordering::Relaxed);
+        } else {
+            let n = before - now;
+            let _ = self
+                .nodes
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                    Some(m.saturating_sub(n))
+                });
+        }
     }
 
     pub fn count_meta_eviction(&self) {
@@ -278,6 +320,16 @@ impl Collector for BudgetCollector {
                 b.meta(),
             ),
             (
+                "seaweedfs_csi_inode_table_limit_bytes",
+                "Inode-table nodes allowed node-wide, in bytes (0: unbounded).",
+                finite(b.inode_limit()),
+            ),
+            (
+                "seaweedfs_csi_inode_table_bytes",
+                "Inode-table nodes of every session, in bytes (approximate).",
+                b.nodes().saturating_mul(NODE_BYTES),
+            ),
+            (
                 "seaweedfs_csi_readahead_limit_bytes",
                 "Readahead fetches allowed in flight node-wide (0: unbounded).",
                 finite(b.readahead_limit()),
@@ -309,6 +361,13 @@ impl Collector for BudgetCollector {
             "Times a session dropped cached listings to stay within the metadata budget.",
             MetricType::Counter,
             [(NO_LABELS, b.meta_evictions.load(Ordering::Relaxed))],
+        )?;
+        encode_values(
+            &mut encoder,
+            "seaweedfs_csi_inode_prunes",
+            "Nodes sessions asked the kernel to forget to stay within the inode-table budget.",
+            MetricType::Counter,
+            [(NO_LABELS, b.nodes_pruned.load(Ordering::Relaxed))],
         )
     }
 }

@@ -1033,3 +1033,113 @@ async fn a_directory_too_large_to_cache_lists_whole_in_pages_on_a_real_mount() {
     );
     pod.unpublish_and_unstage(&c).await;
 }
+
+/// The inode table is bounded by its part of `--memoryBudgetMB=64` (4 MiB, about 13,000
+/// nodes): after a walk that stats 20,000 names on a real mount, the kernel is asked to
+/// forget nodes nothing uses and the session's table shrinks below the limit. What is in
+/// use stays: a file held open still reads, a directory with a mount on it keeps the mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
+    const N: u64 = 20_000;
+    let (weed, addr, driver) = driver_with_budget(64).await;
+    let c = driver.clients().await;
+    let pod = driver.provision_and_publish("pvc-prune", "pod-a").await;
+    let t = pod.target.clone();
+    let big = t.join("big");
+    let filer = weed.filer_addr();
+    let dir = format!("{}/big", pod.vol.volume_id);
+    let (held, bind) = tokio::task::spawn_blocking(move || {
+        match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
+            Some(bin) => {
+                let st = std::process::Command::new(bin)
+                    .args([
+                        "fill-dir",
+                        &format!("--filer={filer}"),
+                        &format!("--dir={dir}"),
+                        &format!("--count={N}"),
+                    ])
+                    .status()
+                    .unwrap();
+                assert!(st.success(), "fill-dir failed");
+            }
+            None => {
+                std::fs::create_dir(&big).unwrap();
+                for i in 0..N {
+                    std::fs::File::create(big.join(format!("entry-{i:07}"))).unwrap();
+                }
+            }
+        }
+        std::fs::write(t.join("held"), b"still here").unwrap();
+        let held = std::fs::File::open(t.join("held")).unwrap();
+        // a mount on a directory of the volume (as a pod's subPath is)
+        std::fs::create_dir(t.join("sub")).unwrap();
+        let bind = tempfile::tempdir().unwrap();
+        let st = std::process::Command::new("mount")
+            .args(["--bind"])
+            .arg(bind.path())
+            .arg(t.join("sub"))
+            .status()
+            .unwrap();
+        assert!(st.success(), "bind mount");
+        let out = std::process::Command::new("find")
+            .arg(&big)
+            .args(["-type", "f", "-printf", "%s\n"]) // a stat of each
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(
+            out.stdout.split(|b| *b == b'\n').count() as u64 - 1,
+            N,
+            "names found"
+        );
+        (held, bind)
+    })
+    .await
+    .unwrap();
+    let sub = pod.target.join("sub");
+    let limit_nodes = (4u64 << 20) / 320;
+    let mut nodes = f64::MAX;
+    let mut m = String::new();
+    for _ in 0..60 {
+        m = tokio::task::spawn_blocking(move || get(addr, "/metrics").1)
+            .await
+            .unwrap();
+        nodes = sum_of(&m, "seaweedfs_csi_inodes");
+        if nodes <= limit_nodes as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let unmount_sub = || {
+        let _ = std::process::Command::new("umount").arg(&sub).status();
+    };
+    if nodes > limit_nodes as f64 {
+        unmount_sub();
+        pod.unpublish_and_unstage(&c).await;
+        panic!("{nodes} nodes after 30 s, limit {limit_nodes}");
+    }
+    assert_eq!(
+        sample(&m, "seaweedfs_csi_inode_table_limit_bytes"),
+        (4u64 << 20) as f64
+    );
+    assert!(sample(&m, "seaweedfs_csi_inode_prunes_total") > 0.0, "{m}");
+    // what was in use is untouched
+    let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(sub.to_str().unwrap()));
+    let mut s = String::new();
+    use std::io::Read as _;
+    let read = { held }.read_to_string(&mut s).map(|_| s);
+    unmount_sub();
+    drop(bind);
+    assert!(mounted, "the mount on a directory of the volume went away");
+    assert_eq!(read.unwrap(), "still here", "the file held open");
+    // and every name is still there
+    let big = pod.target.join("big");
+    let n = tokio::task::spawn_blocking(move || std::fs::read_dir(big).unwrap().count())
+        .await
+        .unwrap();
+    assert_eq!(n as u64, N);
+    pod.unpublish_and_unstage(&c).await;
+}

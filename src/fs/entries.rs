@@ -74,6 +74,43 @@ impl Fs {
         }
     }
 
+    /// Keeps the inode tables of every session within their part of the memory budget
+    /// ([`MemoryBudget::inode_limit`]). A node lives until the kernel's FORGET, and the
+    /// kernel keeps every name a walk looked up until its own memory runs short, so past the
+    /// limit this session asks the kernel to forget nodes (see [`super::Notifier::prune`]:
+    /// only what nothing uses goes; open files, working directories and mount points stay,
+    /// and a name dropped is looked up again when next used): its share of the excess, and
+    /// an eighth of the limit more so that it is not asked again at once. Called every
+    /// second; blocking (it writes to the FUSE device). Returns the nodes asked for.
+    ///
+    /// [`MemoryBudget::inode_limit`]: crate::budget::MemoryBudget::inode_limit
+    pub fn prune_nodes(&self) -> usize {
+        use crate::budget::NODE_BYTES;
+        let now = self.inodes.len() as u64;
+        let before = self.nodes_reported.swap(now, Ordering::Relaxed);
+        self.cfg.budget.nodes_changed(before, now);
+        let limit = self.cfg.budget.inode_limit() / NODE_BYTES;
+        let total = self.cfg.budget.nodes();
+        if total <= limit || now <= 1 {
+            return 0;
+        }
+        let excess = total - (limit - limit / 8);
+        let share = (u128::from(excess) * u128::from(now) / u128::from(total)) as usize;
+        let Some(nt) = self.notifier.read().clone() else {
+            return 0;
+        };
+        let inos = self.inodes.prune_candidates(share);
+        if inos.is_empty() || !nt.prune(&inos) {
+            return 0;
+        }
+        self.cfg
+            .budget
+            .nodes_pruned
+            .fetch_add(inos.len() as u64, Ordering::Relaxed);
+        tracing::debug!(root = %self.cfg.root, nodes = now, asked = inos.len(), "asked the kernel to forget nodes");
+        inos.len()
+    }
+
     /// Lists `dir` into the metadata cache (coalesced per directory).
     pub(super) async fn load_dir(&self, dir: &str) -> Result<bool> {
         let lock = self.dir_lock(dir);

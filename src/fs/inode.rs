@@ -628,6 +628,31 @@ impl InodeTable {
         self.inner.read().by_ino.len()
     }
 
+    /// Up to `n` nodes for the kernel to forget (see [`crate::fs::Fs::prune_nodes`]): files
+    /// first, then directories, deepest first (a directory's dentry goes only after its
+    /// children's). Never the root.
+    pub fn prune_candidates(&self, n: usize) -> Vec<u64> {
+        let g = self.inner.read();
+        let mut out: Vec<u64> = g
+            .by_ino
+            .values()
+            .filter(|r| !r.is_dir)
+            .map(|r| r.ino)
+            .take(n)
+            .collect();
+        if out.len() < n {
+            let mut dirs: Vec<(usize, u64)> = g
+                .by_ino
+                .values()
+                .filter(|r| r.is_dir && r.ino != ROOT_INO)
+                .map(|r| (r.path.matches('/').count(), r.ino))
+                .collect();
+            dirs.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
+            out.extend(dirs.into_iter().map(|(_, ino)| ino).take(n - out.len()));
+        }
+        out
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

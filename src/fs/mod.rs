@@ -108,6 +108,12 @@ pub trait Notifier: Send + Sync {
     /// hold (an entry's invalidation waits for the directory's lock, a page's for the page):
     /// a process killed while one is in flight still exits.
     fn inval_attr(&self, ino: u64);
+    /// Asks the kernel to forget the nodes `inos` where nothing uses them (FUSE_NOTIFY_PRUNE):
+    /// it drops their unused dentries, and each node whose inode goes with them comes back
+    /// as a FORGET. Takes no directory lock. False when the kernel (or this notifier) cannot.
+    fn prune(&self, _inos: &[u64]) -> bool {
+        false
+    }
 }
 
 /// The kernel notifier as the filesystem uses it: counts the calls in progress and passes
@@ -147,6 +153,12 @@ impl StoppableNotifier {
 
     pub fn inval_attr(&self, ino: u64) {
         self.pass(|n| n.inval_attr(ino));
+    }
+
+    pub fn prune(&self, inos: &[u64]) -> bool {
+        let mut done = false;
+        self.pass(|n| done = n.prune(inos));
+        done
     }
 
     async fn stop(&self, limit: Duration) -> bool {
@@ -320,6 +332,8 @@ pub struct Fs {
     used_bytes: AtomicU64,
     quota: AtomicU64,
     notifier: parking_lot::RwLock<Option<Arc<StoppableNotifier>>>,
+    /// Nodes of the inode table last counted into the budget (see [`Fs::prune_nodes`]).
+    nodes_reported: AtomicU64,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -395,6 +409,7 @@ impl Fs {
             statfs_cache: Mutex::new(None),
             used_bytes: AtomicU64::new(0),
             notifier: parking_lot::RwLock::new(None),
+            nodes_reported: AtomicU64::new(0),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),
@@ -498,6 +513,14 @@ pub fn sanitize_name(name: &std::ffi::OsStr) -> Result<String> {
         return Err(errno(libc::ENAMETOOLONG, "name longer than 255 bytes"));
     }
     Ok(String::from_utf8_lossy(bytes).replace('\u{FFFD}', "_"))
+}
+
+impl Drop for Fs {
+    fn drop(&mut self) {
+        // this session's nodes leave the node-wide count
+        let n = self.nodes_reported.load(Ordering::Relaxed);
+        self.cfg.budget.nodes_changed(n, 0);
+    }
 }
 
 pub(crate) fn entry_with_name(e: &pb::Entry, name: &str) -> pb::Entry {

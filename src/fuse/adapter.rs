@@ -972,19 +972,83 @@ fn fs_root_like(ino: u64) -> Attr {
     }
 }
 
-/// Kernel cache invalidation through fuser's notifier.
-pub struct KernelNotifier(pub fuser::Notifier);
+/// Kernel cache invalidation through fuser's notifier; notifications fuser does not know
+/// (FUSE_NOTIFY_PRUNE) are written to `raw`, the session's FUSE device.
+pub struct KernelNotifier {
+    notifier: fuser::Notifier,
+    raw: Option<std::os::fd::OwnedFd>,
+    /// The kernel refused a prune (before Linux 6.18): not asked again.
+    no_prune: std::sync::atomic::AtomicBool,
+}
+
+/// Notification code of FUSE_NOTIFY_PRUNE (`enum fuse_notify_code`, ABI 7.45).
+const FUSE_NOTIFY_PRUNE: i32 = 9;
+/// Node ids per prune message (the kernel copies them in batches of 512).
+const PRUNE_BATCH: usize = 4096;
+
+/// A FUSE_NOTIFY_PRUNE message: `fuse_out_header`, `fuse_notify_prune_out` (count, padding,
+/// spare) and the node ids.
+pub fn prune_msg(inos: &[u64]) -> Vec<u8> {
+    let len = 16 + 16 + 8 * inos.len();
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(len as u32).to_ne_bytes());
+    m.extend_from_slice(&FUSE_NOTIFY_PRUNE.to_ne_bytes());
+    m.extend_from_slice(&0u64.to_ne_bytes());
+    m.extend_from_slice(&(inos.len() as u32).to_ne_bytes());
+    m.extend_from_slice(&[0u8; 12]);
+    for ino in inos {
+        m.extend_from_slice(&ino.to_ne_bytes());
+    }
+    m
+}
+
+impl KernelNotifier {
+    /// `raw`: a duplicate of the session's FUSE device fd, if one could be made.
+    pub fn new(notifier: fuser::Notifier, raw: Option<std::os::fd::OwnedFd>) -> Self {
+        Self {
+            notifier,
+            raw,
+            no_prune: Default::default(),
+        }
+    }
+}
 
 impl crate::fs::Notifier for KernelNotifier {
     fn inval_entry(&self, parent: u64, name: &str) {
-        let _ = self.0.inval_entry(INodeNo(parent), OsStr::new(name));
+        let _ = self.notifier.inval_entry(INodeNo(parent), OsStr::new(name));
     }
     fn inval_inode(&self, ino: u64) {
-        let _ = self.0.inval_inode(INodeNo(ino), 0, -1);
+        let _ = self.notifier.inval_inode(INodeNo(ino), 0, -1);
     }
     fn inval_attr(&self, ino: u64) {
         // a negative offset: the kernel drops the attributes and leaves the pages
-        let _ = self.0.inval_inode(INodeNo(ino), -1, 0);
+        let _ = self.notifier.inval_inode(INodeNo(ino), -1, 0);
+    }
+    fn prune(&self, inos: &[u64]) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(fd) = self.raw.as_ref() else {
+            return false;
+        };
+        if self.no_prune.load(Relaxed) {
+            return false;
+        }
+        for batch in inos.chunks(PRUNE_BATCH) {
+            match nix::unistd::write(fd, &prune_msg(batch)) {
+                Ok(_) => {}
+                // the kernel has no such notification
+                Err(e @ (nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS)) => {
+                    if !self.no_prune.swap(true, Relaxed) {
+                        tracing::warn!(error = %e, "the kernel cannot be asked to forget nodes (FUSE_NOTIFY_PRUNE, Linux 6.18+); the inode table is not bounded");
+                    }
+                    return false;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "prune notification failed");
+                    return false;
+                }
+            }
+        }
+        true
     }
 }
 
@@ -1045,6 +1109,10 @@ impl crate::fs::Notifier for KeptNotifier {
     fn inval_attr(&self, ino: u64) {
         use crate::keeper::notify::inval_inode_msg;
         self.pass(Ok(inval_inode_msg(ino, -1, 0)), |d| d.inval_attr(ino));
+    }
+    fn prune(&self, inos: &[u64]) -> bool {
+        // written here: it takes no lock a request in flight to us may hold
+        crate::fs::Notifier::prune(&self.direct, inos)
     }
 }
 

@@ -1116,7 +1116,7 @@ pub fn run(args: MemfsArgs) -> anyhow::Result<()> {
     };
 
     let bg = session.spawn()?;
-    let direct = super::adapter::KernelNotifier(bg.notifier());
+    let direct = super::adapter::KernelNotifier::new(bg.notifier(), None);
     *fs.sh.notifier.lock() = Some(match notifier {
         Some(keeper) => Arc::new(super::adapter::KeptNotifier::new(keeper, direct)),
         None => Arc::new(direct),

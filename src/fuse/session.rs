@@ -238,6 +238,8 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
             tick.tick().await;
             f.flush_dir_times().await;
             f.cache.expire_arrived();
+            let p = f.clone();
+            let _ = tokio::task::spawn_blocking(move || p.prune_nodes()).await;
             if n % 10 == 0 {
                 f.sweep_caches();
             }
@@ -327,6 +329,15 @@ pub fn raise_readahead(mountpoint: &Path, kb: u32) {
     if let Err(e) = std::fs::write(&p, kb.to_string()) {
         tracing::debug!(path = p, error = %e, "cannot raise readahead");
     }
+}
+
+/// A duplicate of a session's FUSE device fd (None, logged, if it cannot be made).
+fn raw_device<F: fuser::Filesystem>(s: &fuser::Session<F>) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::AsFd;
+    s.as_fd()
+        .try_clone_to_owned()
+        .inspect_err(|e| tracing::warn!(error = %e, "cannot duplicate the FUSE device fd; nodes are not pruned"))
+        .ok()
 }
 
 pub fn fsname(opts: &MountOptions) -> String {
@@ -428,9 +439,10 @@ impl MountedVolume {
             .mount_options
             .push(fuser::MountOption::CUSTOM("subtype=seaweedfs".into()));
         let mp = mountpoint.to_path_buf();
-        let bg = tokio::task::spawn_blocking(move || {
+        let (bg, raw) = tokio::task::spawn_blocking(move || {
             let s = fuser::Session::new(adapter, &mp, &config)?;
-            s.spawn()
+            let raw = raw_device(&s);
+            s.spawn().map(|bg| (bg, raw))
         })
         .await
         .map_err(|e| mount_err(mountpoint, e.to_string()))?
@@ -444,23 +456,26 @@ impl MountedVolume {
             mountpoint,
             Serving::Plain(bg),
             None,
+            raw,
         ))
     }
 
     /// `kept`: the keeper's notifier for a kept session (else invalidations are written here).
+    /// `raw`: the session's FUSE device, for notifications fuser does not write.
     fn started(
         fs: Arc<Fs>,
         session: &SessionFiler,
         mountpoint: &Path,
         serving: Serving,
         kept: Option<crate::keeper::KeeperNotifier>,
+        raw: Option<std::os::fd::OwnedFd>,
     ) -> Self {
         let bg = match &serving {
             Serving::Plain(bg) => Some(bg),
             Serving::Kept(k) => k.bg.as_ref(),
         };
         if let Some(bg) = bg {
-            let direct = super::adapter::KernelNotifier(bg.notifier());
+            let direct = super::adapter::KernelNotifier::new(bg.notifier(), raw);
             match kept {
                 Some(keeper) => {
                     fs.set_notifier(Arc::new(super::adapter::KeptNotifier::new(keeper, direct)))
@@ -545,6 +560,7 @@ impl MountedVolume {
             return Err(mount_err(mountpoint, format!("fd-keeper: {e}")));
         }
         let notifier = keeper_notifier(&keeper, volume_id, token).await;
+        let raw = raw_device(&mounted.session);
         let bg = mounted.session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.to_path_buf(),
             source: e,
@@ -558,7 +574,9 @@ impl MountedVolume {
             init: mounted.init,
             token,
         }));
-        Ok(Self::started(fs, &session, mountpoint, serving, notifier))
+        Ok(Self::started(
+            fs, &session, mountpoint, serving, notifier, raw,
+        ))
     }
 
     /// Adopts a session a previous process left with the keeper (crash or upgrade). `keeper`
@@ -633,6 +651,7 @@ impl MountedVolume {
             fs.set_posix_acl(super::adapter::posix_acl_negotiated(agreed.flags));
         }
         let notifier = keeper_notifier(&keeper, &state.volume_id, state.token).await;
+        let raw = raw_device(&session);
         let bg = session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.clone(),
             source: e,
@@ -649,7 +668,14 @@ impl MountedVolume {
             init,
             token: state.token,
         }));
-        Ok(Self::started(fs, &filer, &mountpoint, serving, notifier))
+        Ok(Self::started(
+            fs,
+            &filer,
+            &mountpoint,
+            serving,
+            notifier,
+            raw,
+        ))
     }
 
     /// Graceful handover: stop answering, flush everything, leave the state for the successor.
