@@ -1114,6 +1114,7 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
         let _ = std::process::Command::new("umount").arg(&sub).status();
     };
     if nodes > limit_nodes as f64 {
+        drop(held);
         unmount_sub();
         pod.unpublish_and_unstage(&c).await;
         panic!("{nodes} nodes after 30 s, limit {limit_nodes}");
