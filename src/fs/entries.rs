@@ -99,7 +99,10 @@ impl Fs {
         let Some(nt) = self.notifier.read().clone() else {
             return 0;
         };
-        let inos = self.inodes.prune_candidates(share);
+        let open: std::collections::HashSet<u64> = self.files.lock().keys().copied().collect();
+        let inos = self
+            .inodes
+            .prune_candidates(share, |ino| open.contains(&ino));
         if inos.is_empty() || !nt.prune(&inos) {
             return 0;
         }

@@ -630,13 +630,14 @@ impl InodeTable {
 
     /// Up to `n` nodes for the kernel to forget (see [`crate::fs::Fs::prune_nodes`]): files
     /// first, then directories, deepest first (a directory's dentry goes only after its
-    /// children's). Never the root.
-    pub fn prune_candidates(&self, n: usize) -> Vec<u64> {
+    /// children's). Never the root, nor a file `in_use` says is (asking for it would be
+    /// wasted, and the same ones would be asked for again and again).
+    pub fn prune_candidates(&self, n: usize, in_use: impl Fn(u64) -> bool) -> Vec<u64> {
         let g = self.inner.read();
         let mut out: Vec<u64> = g
             .by_ino
             .values()
-            .filter(|r| !r.is_dir)
+            .filter(|r| !r.is_dir && !in_use(r.ino))
             .map(|r| r.ino)
             .take(n)
             .collect();
@@ -712,6 +713,24 @@ mod tests {
         assert_eq!(split("/m/b/f"), ("/m/b".to_string(), "f".to_string()));
         assert_eq!(split("/x"), ("/".to_string(), "x".to_string()));
         assert_eq!(join("/", "x"), "/x");
+    }
+
+    /// Files go first (not those in use), then directories from the deepest; never the root.
+    #[test]
+    fn prune_candidates_are_files_first_then_the_deepest_directories() {
+        let t = InodeTable::new("/m");
+        t.remember(10, "/m/a", Kind::Dir, true);
+        t.remember(11, "/m/a/b", Kind::Dir, true);
+        t.remember(12, "/m/a/b/f", Kind::File, true);
+        t.remember(13, "/m/g", Kind::File, true);
+        t.remember(14, "/m/open", Kind::File, true);
+        let mut files = t.prune_candidates(2, |ino| ino == 14);
+        files.sort();
+        assert_eq!(files, vec![12, 13]);
+        let all = t.prune_candidates(10, |ino| ino == 14);
+        assert_eq!(all.len(), 4, "{all:?}");
+        assert_eq!(&all[2..], &[11, 10], "deepest directory first");
+        assert!(!all.contains(&ROOT_INO));
     }
 
     #[test]
