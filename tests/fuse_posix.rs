@@ -215,16 +215,17 @@ fn truncate_open_trunc_fallocate_and_chown_clear_setuid() {
     let w = shared_server();
     let m = mount_ours(&w, &unique_path("suid-more"), &[]);
     let p = m.join("s");
-    let as_nobody = |cmd: String| {
-        let st = std::process::Command::new("sh")
+    let nobody_runs = |cmd: String| {
+        std::process::Command::new("sh")
             .arg("-c")
             .arg(cmd)
             .uid(65534)
             .gid(65534)
             .status()
-            .unwrap();
-        assert!(st.success());
+            .unwrap()
+            .success()
     };
+    let as_nobody = |cmd: String| assert!(nobody_runs(cmd));
     let setuid = |mode: u32| {
         fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
         assert_eq!(lstat(&p).unwrap().st_mode & 0o7777, mode);
@@ -241,6 +242,12 @@ fn truncate_open_trunc_fallocate_and_chown_clear_setuid() {
     assert_eq!(bits(), 0o777, "an unprivileged O_TRUNC open");
     assert_eq!(fs::read(&p).unwrap(), b"");
     setuid(0o6777);
+    // a fallocate refused (a punched hole is not supported) changes nothing
+    assert!(!nobody_runs(format!(
+        "fallocate --punch-hole -o 0 -l 1 '{}'",
+        p.display()
+    )));
+    assert_eq!(bits(), 0o6777, "a refused unprivileged fallocate");
     as_nobody(format!("fallocate -l 8192 '{}'", p.display()));
     assert_eq!(bits(), 0o777, "an unprivileged fallocate");
     setuid(0o6777);

@@ -1796,6 +1796,36 @@ async fn a_salvaged_chmod_after_a_clearing_write_keeps_its_set_user_id_bit() {
     );
 }
 
+/// An O_CREAT|O_TRUNC open of a name the kernel thought absent arrives as a create; when the
+/// file exists (made by another client meanwhile), an unprivileged caller's truncation clears
+/// its set-user/group-ID bits as an O_TRUNC open does.
+#[tokio::test]
+async fn a_truncating_create_of_an_existing_file_clears_set_user_id() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    let suid = SetAttr {
+        mode: Some(0o6777),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, suid).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
+    let (b, fh) = fs
+        .create(ROOT_INO, "f", 0o644, 0, flags, 0, 0)
+        .await
+        .unwrap();
+    assert_eq!(b.perm, 0o6777, "root keeps them");
+    fs.release(fh, b.ino).await.unwrap();
+    let (b, fh) = fs
+        .create(ROOT_INO, "f", 0o644, 0, flags, 65534, 65534)
+        .await
+        .unwrap();
+    fs.release(fh, b.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(e.attributes.unwrap().file_mode & 0o7777, 0o777);
+}
+
 /// The salvage of a failed last close's deferred chmod goes to a newer open state of the
 /// file when there is one (opened, written and dirty since the close retired the old one):
 /// changed on the filer's entry beside it, the newer state's commit, which carries the whole

@@ -266,6 +266,14 @@ impl Fs {
                 let path = join(&dir, name);
                 let a = self.remember_asking(&path, &e, true).await;
                 let fh = self.open(a.ino, flags).await?;
+                // an existing file truncated by an unprivileged caller loses its
+                // set-user/group-ID bits, as with an O_TRUNC open (see `SetAttr::kill_suidgid`)
+                if flags & libc::O_TRUNC != 0 && uid != 0 {
+                    if let Err(err) = self.kill_suidgid(a.ino).await {
+                        let _ = self.release(fh, a.ino).await;
+                        return Err(err);
+                    }
+                }
                 return Ok((self.getattr(a.ino).await?, fh));
             }
             Err(e) if e.errno == libc::ENOENT => {}

@@ -53,8 +53,8 @@ impl SetAttr {
 }
 
 /// `perm` without the bits a write by an unprivileged caller clears: set-user-ID, and
-/// set-group-ID of a group-executable file (without group execute it marks mandatory
-/// locking, which stays).
+/// set-group-ID of a group-executable file (as the FUSE_HANDLE_KILLPRIV_V2 rules and the
+/// kernel's own FUSE path have it; without group execute the bit stays).
 fn killed_perm(perm: u32) -> u32 {
     let mut perm = perm & !libc::S_ISUID;
     if perm & libc::S_IXGRP != 0 {

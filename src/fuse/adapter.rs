@@ -859,11 +859,13 @@ impl Filesystem for FuseAdapter {
             "fallocate",
             reply,
             |fs| async {
-                // an unprivileged fallocate clears set-user/group-ID bits (see `setattr`)
+                fs.fallocate(fh.0, ino.0, offset, length, mode).await?;
+                // an unprivileged fallocate clears set-user/group-ID bits (see `setattr`);
+                // after it, so that one refused (a mode we do not support) changes nothing
                 if kill {
                     fs.kill_suidgid(ino.0).await?;
                 }
-                fs.fallocate(fh.0, ino.0, offset, length, mode).await
+                Ok(())
             }
             .await,
             |_v| reply.ok()
