@@ -242,9 +242,9 @@ fn truncate_open_trunc_fallocate_and_chown_clear_setuid() {
     assert_eq!(bits(), 0o777, "an unprivileged O_TRUNC open");
     assert_eq!(fs::read(&p).unwrap(), b"");
     setuid(0o6777);
-    // a fallocate refused (a punched hole is not supported) changes nothing
+    // a fallocate refused (zeroing a range is not supported) changes nothing
     assert!(!nobody_runs(format!(
-        "fallocate --punch-hole -o 0 -l 1 '{}'",
+        "fallocate --zero-range -o 0 -l 1 '{}'",
         p.display()
     )));
     assert_eq!(bits(), 0o6777, "a refused unprivileged fallocate");
