@@ -106,6 +106,11 @@ pub fn posix_acl_negotiated(flags: u64) -> bool {
     InitFlags::from_bits_retain(flags).contains(InitFlags::FUSE_POSIX_ACL)
 }
 
+/// Whether a session's agreed INIT flags leave set-user/group-ID clearing to the daemon.
+pub fn killpriv_v2_negotiated(flags: u64) -> bool {
+    InitFlags::from_bits_retain(flags).contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2)
+}
+
 fn kind(k: Kind) -> FileType {
     match k {
         Kind::File => FileType::RegularFile,

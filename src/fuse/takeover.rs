@@ -257,13 +257,26 @@ pub struct Handover<S> {
     pub state: S,
 }
 
-/// Current [`Handover::format`].
+/// Current [`Handover::format`] of a session whose kernel clears set-user/group-ID bits
+/// itself; [`HANDOVER_FORMAT_KILLPRIV_V2`] for one negotiated with FUSE_HANDLE_KILLPRIV_V2.
 pub const HANDOVER_FORMAT: u32 = 1;
+/// The format of a session negotiated with FUSE_HANDLE_KILLPRIV_V2: the kernel leaves the
+/// clearing of set-user/group-ID bits on writes to the daemon for the connection's life, and
+/// a version before 2 (which never clears them) must not adopt it.
+pub const HANDOVER_FORMAT_KILLPRIV_V2: u32 = 2;
 
 impl<S: Serialize> Handover<S> {
     pub fn new(mountpoint: PathBuf, init: InitParams, state: S) -> Self {
+        let v2 = init
+            .agreed
+            .as_ref()
+            .is_some_and(|a| super::adapter::killpriv_v2_negotiated(a.flags));
         Self {
-            format: HANDOVER_FORMAT,
+            format: if v2 {
+                HANDOVER_FORMAT_KILLPRIV_V2
+            } else {
+                HANDOVER_FORMAT
+            },
             mountpoint,
             init,
             state,
@@ -279,9 +292,9 @@ impl<S: DeserializeOwned> Handover<S> {
     pub fn from_bytes(b: &[u8]) -> io::Result<Self> {
         let h: Self =
             serde_json::from_slice(b).map_err(|e| invalid(format!("decode handover: {e}")))?;
-        if h.format != HANDOVER_FORMAT {
+        if h.format != HANDOVER_FORMAT && h.format != HANDOVER_FORMAT_KILLPRIV_V2 {
             return Err(invalid(format!(
-                "handover format {} not supported (want {HANDOVER_FORMAT})",
+                "handover format {} not supported (want {HANDOVER_FORMAT} or {HANDOVER_FORMAT_KILLPRIV_V2})",
                 h.format
             )));
         }
@@ -738,6 +751,36 @@ mod tests {
         let mut v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         v["format"] = 99.into();
         assert!(Handover::<Vec<u32>>::from_bytes(&serde_json::to_vec(&v).unwrap()).is_err());
+        assert_eq!(h.format, HANDOVER_FORMAT, "nothing agreed");
+    }
+
+    /// A session whose kernel leaves set-user/group-ID clearing to the daemon is handed over
+    /// in format 2, which versions that never clear them (they accept only 1) refuse; this
+    /// version reads both.
+    #[test]
+    fn a_killpriv_v2_session_is_handed_over_in_a_format_older_versions_refuse() {
+        let agreed = |flags: u64| InitAgreed {
+            major: 7,
+            minor: 45,
+            max_readahead: 131072,
+            flags,
+            max_background: 16,
+            congestion_threshold: 12,
+            max_write: 1 << 20,
+            time_gran: 1,
+            max_pages: 256,
+        };
+        let with = |flags: u64| InitParams {
+            agreed: Some(agreed(flags)),
+            ..sample()
+        };
+        let v2 = fuser::InitFlags::FUSE_HANDLE_KILLPRIV_V2.bits();
+        let h = Handover::new(PathBuf::from("/mnt/x"), with(v2 | 1), 0u32);
+        assert_eq!(h.format, HANDOVER_FORMAT_KILLPRIV_V2);
+        assert!(Handover::<u32>::from_bytes(&h.to_bytes().unwrap()).is_ok());
+        let h = Handover::new(PathBuf::from("/mnt/x"), with(1), 0u32);
+        assert_eq!(h.format, HANDOVER_FORMAT);
+        assert!(Handover::<u32>::from_bytes(&h.to_bytes().unwrap()).is_ok());
     }
 
     #[test]
