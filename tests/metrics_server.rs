@@ -694,6 +694,20 @@ async fn keeper_restart_between_stages() {
 /// A real filer, and the driver binary with the FUSE stager and `--memoryBudgetMB=<mb>`
 /// serving metrics on the returned address.
 async fn driver_with_budget(mb: u64) -> (common::WeedServer, SocketAddr, csi_common::Driver) {
+    let (weed, addr, driver, _) = driver_with_budget_and(mb, false).await;
+    (weed, addr, driver)
+}
+
+/// [`driver_with_budget`], with an fd-keeper (`kept`) holding its sessions.
+async fn driver_with_budget_and(
+    mb: u64,
+    kept: bool,
+) -> (
+    common::WeedServer,
+    SocketAddr,
+    csi_common::Driver,
+    Option<KeeperProc>,
+) {
     use csi_common::*;
     // each staged volume is a collection, which grows 7 volumes at once
     let weed = tokio::task::spawn_blocking(|| {
@@ -711,15 +725,20 @@ async fn driver_with_budget(mb: u64) -> (common::WeedServer, SocketAddr, csi_com
         .tempdir()
         .unwrap();
     let socket = dir.path().join("plugin/csi.sock");
-    let args = vec![
+    let mut args = vec![
         format!("--endpoint=unix://{}", socket.display()),
         format!("--filer={}", weed.filer_addr()),
         "--nodeid=node-1".to_string(),
         format!("--metricsPort={port}"),
         format!("--memoryBudgetMB={mb}"),
     ];
+    let keeper = kept.then(|| {
+        let sock = dir.path().join("keeper/keeper.sock");
+        args.push(format!("--keeperSocket={}", sock.display()));
+        KeeperProc::start(&sock, &dir.path().join("keeper.log"))
+    });
     let driver = Driver::start_raw(dir, socket, Stager::Fuse, args, vec![]);
-    (weed, addr, driver)
+    (weed, addr, driver, keeper)
 }
 
 /// The driver binary with `--memoryBudgetMB=128` (32 MiB of dirty data node-wide): 40 files
@@ -1040,15 +1059,32 @@ async fn a_directory_too_large_to_cache_lists_whole_in_pages_on_a_real_mount() {
 /// use stays: a file held open still reads, a directory with a mount on it keeps the mount.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
+    inode_table_shrinks_after_a_walk(false).await;
+}
+
+/// The same for sessions the fd-keeper holds: the keeper writes the prune.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_sessions_inode_table_shrinks_to_its_budget_after_a_walk() {
+    inode_table_shrinks_after_a_walk(true).await;
+}
+
+async fn inode_table_shrinks_after_a_walk(kept: bool) {
+    use std::os::unix::fs::OpenOptionsExt;
     const N: u64 = 20_000;
-    let (weed, addr, driver) = driver_with_budget(64).await;
+    if !kernel_at_least(6, 18) {
+        eprintln!("SKIPPED: FUSE_NOTIFY_PRUNE needs Linux 6.18+");
+        return;
+    }
+    let (weed, addr, driver, _keeper) = driver_with_budget_and(64, kept).await;
     let c = driver.clients().await;
-    let pod = driver.provision_and_publish("pvc-prune", "pod-a").await;
+    let pod = driver
+        .provision_and_publish(if kept { "pvc-prune-kept" } else { "pvc-prune" }, "pod-a")
+        .await;
     let t = pod.target.clone();
     let big = t.join("big");
     let filer = weed.filer_addr();
     let dir = format!("{}/big", pod.vol.volume_id);
-    let (held, bind) = tokio::task::spawn_blocking(move || {
+    let (held, pinned, bind) = tokio::task::spawn_blocking(move || {
         match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
             Some(bin) => {
                 let st = std::process::Command::new(bin)
@@ -1071,6 +1107,13 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
         }
         std::fs::write(t.join("held"), b"still here").unwrap();
         let held = std::fs::File::open(t.join("held")).unwrap();
+        // held by an O_PATH fd only: no open file here, so it is among those asked for
+        std::fs::write(t.join("pinned"), b"pinned").unwrap();
+        let pinned = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(t.join("pinned"))
+            .unwrap();
         // a mount on a directory of the volume (as a pod's subPath is)
         std::fs::create_dir(t.join("sub")).unwrap();
         let bind = tempfile::tempdir().unwrap();
@@ -1092,7 +1135,7 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
             N,
             "names found"
         );
-        (held, bind)
+        (held, pinned, bind)
     })
     .await
     .unwrap();
@@ -1114,7 +1157,7 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
         let _ = std::process::Command::new("umount").arg(&sub).status();
     };
     if nodes > limit_nodes as f64 {
-        drop(held);
+        drop((held, pinned));
         unmount_sub();
         pod.unpublish_and_unstage(&c).await;
         panic!("{nodes} nodes after 30 s, limit {limit_nodes}");
@@ -1132,15 +1175,32 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
     let mut s = String::new();
     use std::io::Read as _;
     let read = { held }.read_to_string(&mut s).map(|_| s);
+    // (fstat of an O_PATH fd asks the daemon for the node's attributes)
+    let pinned_len = pinned.metadata().map(|m| m.len());
     unmount_sub();
-    drop(bind);
+    drop((bind, pinned));
     assert!(mounted, "the mount on a directory of the volume went away");
     assert_eq!(read.unwrap(), "still here", "the file held open");
-    // and every name is still there
+    assert_eq!(pinned_len.unwrap(), 6, "the file held by an O_PATH fd");
+    // every name is still there, and looks up again (stat of each)
     let big = pod.target.join("big");
-    let n = tokio::task::spawn_blocking(move || std::fs::read_dir(big).unwrap().count())
-        .await
-        .unwrap();
+    let n = tokio::task::spawn_blocking(move || {
+        std::fs::read_dir(&big)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().metadata().unwrap().len() == 0)
+            .count()
+    })
+    .await
+    .unwrap();
     assert_eq!(n as u64, N);
     pod.unpublish_and_unstage(&c).await;
+}
+
+fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (major, minor)
 }

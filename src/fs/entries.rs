@@ -10,6 +10,18 @@ use crate::filer::FilerError;
 use crate::pb::filer as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// After a prune the kernel or keeper refused, no candidates are looked for until then.
+const PRUNE_PAUSE: Duration = Duration::from_secs(60);
+
+/// What [`Fs::prune_nodes`] remembers between rounds.
+#[derive(Default)]
+pub(super) struct Pruning {
+    /// The nodes asked for last round.
+    asked: std::collections::HashSet<u64>,
+    paused_until: Option<Instant>,
+}
 
 /// Updates of the root entry NodeExpandVolume tries before it gives up (each found its
 /// record overwritten by another writer of the entry).
@@ -99,19 +111,42 @@ impl Fs {
         let Some(nt) = self.notifier.read().clone() else {
             return 0;
         };
-        let open: std::collections::HashSet<u64> = self.files.lock().keys().copied().collect();
-        let inos = self
-            .inodes
-            .prune_candidates(share, |ino| open.contains(&ino));
-        if inos.is_empty() || !nt.prune(&inos) {
+        let mut pruning = self.pruning.lock();
+        if pruning.paused_until.is_some_and(|t| Instant::now() < t) {
             return 0;
         }
+        // Not the files open here, nor the nodes asked for last time: still in the table,
+        // they are in use (an O_PATH fd, a watch, a mount on a file), and asking for the same
+        // ones every second would never reach the others.
+        let inos = {
+            let open = self.files.lock();
+            let asked = &pruning.asked;
+            self.inodes
+                .prune_candidates(share, |ino| open.contains_key(&ino) || asked.contains(&ino))
+        };
+        if inos.is_empty() {
+            pruning.asked.clear();
+            return 0;
+        }
+        if !nt.prune(&inos) {
+            // refused (an older kernel or keeper) or no keeper connection now: the scan is
+            // not repeated every second
+            pruning.paused_until = Some(Instant::now() + PRUNE_PAUSE);
+            return 0;
+        }
+        pruning.asked = inos.iter().copied().collect();
         self.cfg
             .budget
             .nodes_pruned
             .fetch_add(inos.len() as u64, Ordering::Relaxed);
         tracing::debug!(root = %self.cfg.root, nodes = now, asked = inos.len(), "asked the kernel to forget nodes");
         inos.len()
+    }
+
+    /// This session's nodes leave the node-wide count (its session ends; idempotent).
+    pub fn leave_budget(&self) {
+        let n = self.nodes_reported.swap(0, Ordering::Relaxed);
+        self.cfg.budget.nodes_changed(n, 0);
     }
 
     /// Lists `dir` into the metadata cache (coalesced per directory).

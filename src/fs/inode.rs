@@ -641,15 +641,23 @@ impl InodeTable {
             .map(|r| r.ino)
             .take(n)
             .collect();
-        if out.len() < n {
+        let want = n - out.len();
+        if want > 0 {
             let mut dirs: Vec<(usize, u64)> = g
                 .by_ino
                 .values()
-                .filter(|r| r.is_dir && r.ino != ROOT_INO)
+                .filter(|r| r.is_dir && r.ino != ROOT_INO && !in_use(r.ino))
                 .map(|r| (r.path.matches('/').count(), r.ino))
                 .collect();
-            dirs.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
-            out.extend(dirs.into_iter().map(|(_, ino)| ino).take(n - out.len()));
+            drop(g);
+            // the `want` deepest, without sorting them all
+            let by_depth = |d: &(usize, u64)| std::cmp::Reverse(d.0);
+            if dirs.len() > want {
+                dirs.select_nth_unstable_by_key(want, by_depth);
+                dirs.truncate(want);
+            }
+            dirs.sort_unstable_by_key(by_depth);
+            out.extend(dirs.into_iter().map(|(_, ino)| ino));
         }
         out
     }

@@ -334,6 +334,7 @@ pub struct Fs {
     notifier: parking_lot::RwLock<Option<Arc<StoppableNotifier>>>,
     /// Nodes of the inode table last counted into the budget (see [`Fs::prune_nodes`]).
     nodes_reported: AtomicU64,
+    pruning: Mutex<entries::Pruning>,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -410,6 +411,7 @@ impl Fs {
             used_bytes: AtomicU64::new(0),
             notifier: parking_lot::RwLock::new(None),
             nodes_reported: AtomicU64::new(0),
+            pruning: Mutex::new(Default::default()),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),
@@ -517,9 +519,7 @@ pub fn sanitize_name(name: &std::ffi::OsStr) -> Result<String> {
 
 impl Drop for Fs {
     fn drop(&mut self) {
-        // this session's nodes leave the node-wide count
-        let n = self.nodes_reported.load(Ordering::Relaxed);
-        self.cfg.budget.nodes_changed(n, 0);
+        self.leave_budget();
     }
 }
 

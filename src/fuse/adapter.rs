@@ -988,27 +988,6 @@ pub struct KernelNotifier {
     no_prune: std::sync::atomic::AtomicBool,
 }
 
-/// Notification code of FUSE_NOTIFY_PRUNE (`enum fuse_notify_code`, ABI 7.45).
-const FUSE_NOTIFY_PRUNE: i32 = 9;
-/// Node ids per prune message (the kernel copies them in batches of 512).
-const PRUNE_BATCH: usize = 4096;
-
-/// A FUSE_NOTIFY_PRUNE message: `fuse_out_header`, `fuse_notify_prune_out` (count, padding,
-/// spare) and the node ids.
-pub fn prune_msg(inos: &[u64]) -> Vec<u8> {
-    let len = 16 + 16 + 8 * inos.len();
-    let mut m = Vec::with_capacity(len);
-    m.extend_from_slice(&(len as u32).to_ne_bytes());
-    m.extend_from_slice(&FUSE_NOTIFY_PRUNE.to_ne_bytes());
-    m.extend_from_slice(&0u64.to_ne_bytes());
-    m.extend_from_slice(&(inos.len() as u32).to_ne_bytes());
-    m.extend_from_slice(&[0u8; 12]);
-    for ino in inos {
-        m.extend_from_slice(&ino.to_ne_bytes());
-    }
-    m
-}
-
 impl KernelNotifier {
     /// `raw`: a duplicate of the session's FUSE device fd, if one could be made.
     pub fn new(notifier: fuser::Notifier, raw: Option<std::os::fd::OwnedFd>) -> Self {
@@ -1039,7 +1018,8 @@ impl crate::fs::Notifier for KernelNotifier {
         if self.no_prune.load(Relaxed) {
             return false;
         }
-        for batch in inos.chunks(PRUNE_BATCH) {
+        use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
+        for batch in inos.chunks(PRUNE_IDS_MAX) {
             match nix::unistd::write(fd, &prune_msg(batch)) {
                 Ok(_) => {}
                 // the kernel has no such notification
@@ -1067,6 +1047,8 @@ pub struct KeptNotifier {
     direct: KernelNotifier,
     /// An unexpected errno from the kernel has been logged (once per session).
     warned: std::sync::atomic::AtomicBool,
+    /// The keeper or the kernel refused a prune: not asked again.
+    no_prune: std::sync::atomic::AtomicBool,
 }
 
 impl KeptNotifier {
@@ -1075,6 +1057,7 @@ impl KeptNotifier {
             keeper,
             direct,
             warned: Default::default(),
+            no_prune: Default::default(),
         }
     }
 
@@ -1118,8 +1101,29 @@ impl crate::fs::Notifier for KeptNotifier {
         self.pass(Ok(inval_inode_msg(ino, -1, 0)), |d| d.inval_attr(ino));
     }
     fn prune(&self, inos: &[u64]) -> bool {
-        // written here: it takes no lock a request in flight to us may hold
-        crate::fs::Notifier::prune(&self.direct, inos)
+        use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
+        use std::sync::atomic::Ordering::Relaxed;
+        // Through the keeper like the invalidations, never written here: an inode evicted by
+        // the prune waits for its locked pages, which a read in flight to us may hold, and a
+        // thread of ours waiting there would keep a killed plugin from exiting.
+        if self.no_prune.load(Relaxed) {
+            return false;
+        }
+        for batch in inos.chunks(PRUNE_IDS_MAX) {
+            match self.keeper.send(&prune_msg(batch)) {
+                Ok(()) => {}
+                Err(Some(e)) => {
+                    // EINVAL: a keeper (or kernel) that does not know the notification
+                    if !self.no_prune.swap(true, Relaxed) {
+                        tracing::warn!(error = %e, "the keeper or the kernel cannot ask the kernel to forget nodes (FUSE_NOTIFY_PRUNE: Linux 6.18+ and a keeper of this version); the inode table is not bounded");
+                    }
+                    return false;
+                }
+                // no keeper connection now: not this round
+                Err(None) => return false,
+            }
+        }
+        true
     }
 }
 

@@ -838,6 +838,8 @@ impl Drop for MountedVolume {
         for t in self.tasks.drain(..) {
             t.abort();
         }
+        // (a kept session's filesystem may live on, unreported, in the forgotten session)
+        self.fs.leave_budget();
         match self.serving.take() {
             // dropping a plain session unmounts: never leave a dead mount behind
             Some(Serving::Plain(bg)) => drop(bg),

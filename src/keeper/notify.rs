@@ -31,11 +31,16 @@ use super::KeeperError;
 
 const FUSE_NOTIFY_INVAL_INODE: i32 = 2;
 const FUSE_NOTIFY_INVAL_ENTRY: i32 = 3;
+/// ABI 7.45, Linux 6.18+.
+const FUSE_NOTIFY_PRUNE: i32 = 9;
 const OUT_HEADER: usize = 16;
 /// The kernel's limit on a name in a notification (FUSE_NAME_MAX).
 pub const NAME_MAX: usize = 1024;
 /// Largest notification: the header, the entry body, a name at the limit and its NUL.
 pub const MSG_MAX: usize = OUT_HEADER + 16 + NAME_MAX + 1;
+/// Node ids per FUSE_NOTIFY_PRUNE message: the message fits in [`MSG_MAX`], so a keeper
+/// receives it whole.
+pub const PRUNE_IDS_MAX: usize = (MSG_MAX - OUT_HEADER - 16) / 8;
 /// Most connections per session: one is opened per invalidation in progress, so one that
 /// waits in the kernel does not hold up the others; past this many the daemon writes an
 /// invalidation itself.
@@ -73,6 +78,24 @@ pub fn inval_inode_msg(ino: u64, off: i64, len: i64) -> Vec<u8> {
     m
 }
 
+/// A FUSE_NOTIFY_PRUNE message (`fuse_out_header`, `fuse_notify_prune_out`: count, padding,
+/// spare; then the node ids): the kernel drops the unused dentries of each node it has, and
+/// an inode whose last one goes comes back as a FORGET. At most [`PRUNE_IDS_MAX`] ids.
+pub fn prune_msg(inos: &[u64]) -> Vec<u8> {
+    debug_assert!(inos.len() <= PRUNE_IDS_MAX);
+    let len = OUT_HEADER + 16 + 8 * inos.len();
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(len as u32).to_ne_bytes());
+    m.extend_from_slice(&FUSE_NOTIFY_PRUNE.to_ne_bytes());
+    m.extend_from_slice(&0u64.to_ne_bytes());
+    m.extend_from_slice(&(inos.len() as u32).to_ne_bytes());
+    m.extend_from_slice(&[0u8; 12]);
+    for ino in inos {
+        m.extend_from_slice(&ino.to_ne_bytes());
+    }
+    m
+}
+
 fn u32_at(m: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes(m[at..at + 4].try_into().expect("4 bytes"))
 }
@@ -85,6 +108,13 @@ pub(super) fn check(m: &[u8]) -> Result<(), i32> {
     }
     let ok = match u32_at(m, 4) as i32 {
         FUSE_NOTIFY_INVAL_INODE => m.len() == OUT_HEADER + 24,
+        FUSE_NOTIFY_PRUNE => {
+            let body = OUT_HEADER + 16;
+            m.len() > body && {
+                let n = u32_at(m, OUT_HEADER) as usize;
+                n <= PRUNE_IDS_MAX && m.len() == body + 8 * n
+            }
+        }
         FUSE_NOTIFY_INVAL_ENTRY => {
             let body = OUT_HEADER + 16;
             m.len() > body
