@@ -416,12 +416,17 @@ impl Fs {
         // The filer has no compare-and-swap: another writer of the entry (another node, or
         // another PV's session on this directory) that read it before this update stores its
         // copy without the record. Read back after each update and write it again.
-        for _ in 0..CAPACITY_ROUNDS {
+        self.expanded.fetch_max(bytes, Ordering::Relaxed);
+        // (one more read than updates: the last update is checked too)
+        for round in 0..=CAPACITY_ROUNDS {
             // a fresh copy: the update carries every other attribute of the directory as it is
             let mut e = self.filer.lookup_entry(&dir, &name).await?;
             if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
                 self.take_capacity(&e);
                 return Ok(());
+            }
+            if round == CAPACITY_ROUNDS {
+                break;
             }
             e.extended
                 .insert(key.to_string(), bytes.to_string().into_bytes());
@@ -444,9 +449,22 @@ impl Fs {
             return;
         }
         let (dir, name) = split(&self.cfg.root);
-        if let Ok(e) = self.filer.lookup_entry(&dir, &name).await {
-            self.take_capacity(&e);
+        let Ok(e) = self.filer.lookup_entry(&dir, &name).await else {
+            return;
+        };
+        // A record below what this session expanded to was overwritten after the expansion
+        // checked it (another writer's copy of the entry read before it; the filer has no
+        // compare-and-swap): written again rather than taken, so the size kubelet was told
+        // sticks.
+        let expanded = self.expanded.load(Ordering::Relaxed);
+        if expanded > 0 && self.capacity_on(&e).is_none_or(|c| c != 0 && c < expanded) {
+            tracing::warn!(root = %self.cfg.root, expanded, "the capacity record was overwritten; recording it again");
+            if let Err(err) = self.record_capacity(expanded).await {
+                tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
+            }
+            return;
         }
+        self.take_capacity(&e);
     }
 
     /// Records that the kernel is told of the entry `e` at `path` (one more lookup when

@@ -1944,6 +1944,46 @@ async fn an_expansion_whose_record_is_overwritten_records_it_again() {
     assert_eq!(fs.quota(), 3 << 30);
 }
 
+/// An overwrite that lands after the expansion checked its record (its writer read the
+/// entry before it) is found by the periodic re-read: the record is written again, and the
+/// session keeps the size kubelet was told.
+#[tokio::test]
+async fn a_capacity_record_overwritten_after_the_expansion_is_written_again() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
+    filer
+        .other_client()
+        .update_entry(pb::UpdateEntryRequest {
+            directory: "/".into(),
+            entry: Some(stale),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.refresh_capacity().await;
+    assert_eq!(fs.quota(), 3 << 30, "the quota fell back to the old record");
+    let e = filer.get("/vol").unwrap();
+    assert_eq!(
+        e.extended.get(CAPACITY_KEY).map(|v| v.as_slice()),
+        Some(b"3221225472".as_slice()),
+        "the record was not written again"
+    );
+}
+
+/// The last of the expansion's updates is read back too: one that stuck is a success.
+#[tokio::test]
+async fn an_expansion_whose_last_update_sticks_succeeds() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    let expand = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.expand(3 << 30).await }
+    });
+    overwrite_after_updates(&filer, &stale, 4).await;
+    assert_eq!(expand.await.unwrap().unwrap(), 3 << 30);
+}
+
 /// Overwritten again and again, the expansion gives up (kubelet asks again) rather than
 /// loop; the quota applied here still grew.
 #[tokio::test]

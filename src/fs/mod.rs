@@ -335,6 +335,9 @@ pub struct Fs {
     /// Nodes of the inode table last counted into the budget (see [`Fs::prune_nodes`]).
     nodes_reported: AtomicU64,
     pruning: Mutex<entries::Pruning>,
+    /// The largest capacity NodeExpandVolume recorded through this session (see
+    /// [`Fs::refresh_capacity`]).
+    expanded: AtomicU64,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -412,6 +415,7 @@ impl Fs {
             notifier: parking_lot::RwLock::new(None),
             nodes_reported: AtomicU64::new(0),
             pruning: Mutex::new(Default::default()),
+            expanded: AtomicU64::new(0),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),

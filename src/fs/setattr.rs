@@ -239,7 +239,7 @@ impl Fs {
     /// filer's entry on their own. Not for a file that never reached the filer, was unlinked,
     /// or whose name may lead to another file now (moved by another client unseen).
     pub(super) async fn salvage_deferred_attrs(&self, of: &OpenFile) {
-        let req = {
+        let (req, dir, name) = {
             let mut s = of.state.lock();
             if !s.retired || s.unlinked || s.pending_create || s.name_doubt {
                 return;
@@ -247,12 +247,24 @@ impl Fs {
             let Some((req, _)) = s.deferred_attrs.take() else {
                 return;
             };
-            req
+            (req, s.dir.clone(), s.entry.name.clone())
         };
-        // as any setattr: a newer open state of the file (opened since the close retired
-        // this one) takes the change, or its commit would carry the entry without it
-        // (boxed: a truncate's setattr_from closes a handle, which may come back here)
-        let r = Box::pin(self.setattr_from(of.ino, req, self.open_file(of.ino))).await;
+        let r = if self.inodes.path(of.ino).is_some() {
+            // as any setattr: a newer open state of the file (opened since the close retired
+            // this one) takes the change, or its commit would carry the entry without it
+            // (boxed: a truncate's setattr_from closes a handle, which may come back here)
+            Box::pin(self.setattr_from(of.ino, req, self.open_file(of.ino)))
+                .await
+                .map(|_| ())
+        } else {
+            // the kernel forgot the node already: nothing here can open it again
+            self.update_fresh(&dir, &name, |e| {
+                self.apply_setattr(e, &req);
+                Ok(())
+            })
+            .await
+            .map(|_| ())
+        };
         match r {
             Ok(_) => {
                 tracing::warn!(path = %of.path(), "last close failed; its attribute changes were applied on their own")
