@@ -47,6 +47,19 @@ fn referenced(filer: &MockFiler, path: &str) -> usize {
     filer.get(path).map(|e| e.chunks.len()).unwrap_or(0)
 }
 
+/// A chmod to `mode`.
+fn chmod(mode: u32) -> SetAttr {
+    SetAttr {
+        mode: Some(mode),
+        ..Default::default()
+    }
+}
+
+/// The permission bits of `path`'s entry on the filer.
+fn perm_on_filer(filer: &MockFiler, path: &str) -> u32 {
+    filer.get(path).unwrap().attributes.unwrap().file_mode & 0o7777
+}
+
 #[tokio::test]
 async fn an_older_event_does_not_bring_back_a_name_we_renamed() {
     let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
@@ -649,10 +662,7 @@ async fn a_directory_time_write_back_does_not_undo_a_chmod() {
         let fs = fs.clone();
         let ino = d.ino;
         tokio::spawn(async move {
-            let req = SetAttr {
-                mode: Some(0o755),
-                ..Default::default()
-            };
+            let req = chmod(0o755);
             fs.setattr(ino, req).await
         })
     };
@@ -661,7 +671,7 @@ async fn a_directory_time_write_back_does_not_undo_a_chmod() {
     held.release();
     flusher.await.unwrap();
     chmod.await.unwrap().unwrap();
-    let mode = filer.get("/d").unwrap().attributes.unwrap().file_mode & 0o7777;
+    let mode = perm_on_filer(&filer, "/d");
     assert_eq!(mode, 0o755, "the chmod was undone by the time write-back");
 }
 
@@ -756,10 +766,7 @@ async fn attributes_set_on_an_open_file_being_written_go_with_its_commit() {
             gid: Some(5678),
             ..Default::default()
         },
-        SetAttr {
-            mode: Some(0o640),
-            ..Default::default()
-        },
+        chmod(0o640),
     ] {
         fs.setattr(a.ino, req).await.unwrap();
     }
@@ -830,10 +837,7 @@ async fn a_directory_time_write_back_does_not_move_ctime_back() {
         .unwrap();
     fs.release(fh, f.ino).await.unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let req = SetAttr {
-        mode: Some(0o700),
-        ..Default::default()
-    };
+    let req = chmod(0o700);
     fs.setattr(d.ino, req).await.unwrap();
     let before = filer.get("/d").unwrap().attributes.unwrap();
     fs.flush_dir_times().await;
@@ -1309,14 +1313,11 @@ async fn an_open_racing_a_failed_last_close_loads_the_file_again() {
 async fn a_request_holding_a_retired_state_does_not_commit_it() {
     let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
     let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
-    let chmod = SetAttr {
-        mode: Some(0o600),
-        ..Default::default()
-    };
+    let chmod = chmod(0o600);
     fs.setattr_from(ino, chmod, Some(old.clone()))
         .await
         .unwrap();
-    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    let mode = perm_on_filer(&filer, "/f");
     assert_eq!(mode, 0o600, "the chmod stayed in the closed file's state");
     let xattr = |e: &mut pb::Entry| {
         e.extended.insert("user.k".into(), b"v".to_vec());
@@ -1411,10 +1412,7 @@ async fn requests_racing_failed_last_closes_never_commit_deleted_chunks() {
         let (f1, f2, f3, f4) = (fs.clone(), fs.clone(), fs.clone(), fs.clone());
         let close = tokio::spawn(async move { f1.release(fh, ino).await });
         let chmod = tokio::spawn(async move {
-            let req = SetAttr {
-                mode: Some(0o640),
-                ..Default::default()
-            };
+            let req = chmod(0o640);
             f2.setattr(ino, req).await
         });
         let xattr = tokio::spawn(async move { f3.setxattr(ino, "user.r", b"1", 0).await });
@@ -1441,13 +1439,10 @@ async fn a_change_through_a_retired_state_reaches_the_newer_open_state() {
     let (ino, old, _) = close_with_unplaced_data(&fs, &store).await;
     let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
     fs.write(fh, ino, 0, b"newer").await.unwrap();
-    let chmod = SetAttr {
-        mode: Some(0o600),
-        ..Default::default()
-    };
+    let chmod = chmod(0o600);
     fs.setattr_from(ino, chmod, Some(old)).await.unwrap();
     fs.release(fh, ino).await.unwrap();
-    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    let mode = perm_on_filer(&filer, "/f");
     assert_eq!(mode, 0o600, "the newer state's commit undid the chmod");
     all_referenced_chunks_exist(&filer, &store);
 }
@@ -1466,10 +1461,7 @@ async fn a_chmod_during_the_last_close_commit_is_committed_too() {
         tokio::spawn(async move { fs.release(fh, a.ino).await })
     };
     hold.arrived().await;
-    let chmod = SetAttr {
-        mode: Some(0o600),
-        ..Default::default()
-    };
+    let chmod = chmod(0o600);
     fs.setattr(a.ino, chmod).await.unwrap();
     hold.release();
     close.await.unwrap().unwrap();
@@ -1574,17 +1566,14 @@ async fn chmods_during_several_close_commits_all_land() {
             .await
             .expect("the close stopped committing with a change left");
         let next = filer.hold_next_create("/f");
-        let chmod = SetAttr {
-            mode: Some(mode),
-            ..Default::default()
-        };
+        let chmod = chmod(mode);
         fs.setattr(a.ino, chmod).await.unwrap();
         hold.release();
         hold = next;
     }
     hold.release();
     close.await.unwrap().unwrap();
-    let mode = filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777;
+    let mode = perm_on_filer(&filer, "/f");
     assert_eq!(mode, 0o605, "an acknowledged chmod was dropped");
 }
 
@@ -1729,10 +1718,7 @@ async fn a_chmod_that_finds_an_open_retired_under_it_still_changes_the_file() {
 fn spawn_chmod(fs: &Arc<Fs>, ino: u64, mode: u32) -> tokio::task::JoinHandle<super::Result<Attr>> {
     let fs = fs.clone();
     tokio::spawn(async move {
-        let req = SetAttr {
-            mode: Some(mode),
-            ..Default::default()
-        };
+        let req = chmod(mode);
         fs.setattr(ino, req).await
     })
 }
@@ -1747,13 +1733,10 @@ async fn a_chmod_deferred_into_a_failed_last_close_still_lands() {
     fs.write(fh, a.ino, 0, b"committed").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     fs.write(fh, a.ino, 9, b" and more").await.unwrap();
-    let req = SetAttr {
-        mode: Some(0o640),
-        ..Default::default()
-    };
+    let req = chmod(0o640);
     fs.setattr(a.ino, req).await.unwrap();
     assert_ne!(
-        filer.get("/f").unwrap().attributes.unwrap().file_mode & 0o7777,
+        perm_on_filer(&filer, "/f"),
         0o640,
         "the chmod was meant to wait for the file's commit"
     );
@@ -1775,18 +1758,14 @@ async fn a_salvaged_chmod_after_a_clearing_write_keeps_its_set_user_id_bit() {
     let (fs, store, filer) = fs_and_store(Duration::from_millis(1));
     let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
     fs.write(fh, a.ino, 0, b"committed").await.unwrap();
-    let suid = |m| SetAttr {
-        mode: Some(m),
-        ..Default::default()
-    };
-    fs.setattr(a.ino, suid(0o4755)).await.unwrap();
+    fs.setattr(a.ino, chmod(0o4755)).await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     fs.write(fh, a.ino, 9, b" and more").await.unwrap();
     // the write was another user's: the bit is cleared (deferred into the dirty state) ...
     fs.kill_suidgid(a.ino).await.unwrap();
     assert_eq!(fs.getattr(a.ino).await.unwrap().perm, 0o755);
     // ... and set again
-    fs.setattr(a.ino, suid(0o4755)).await.unwrap();
+    fs.setattr(a.ino, chmod(0o4755)).await.unwrap();
     close_failing(&fs, &store, fh, a.ino, 18).await;
     let e = filer.get("/f").unwrap();
     assert_eq!(
@@ -1804,10 +1783,7 @@ async fn a_truncating_create_of_an_existing_file_clears_set_user_id() {
     let (fs, _store, filer) = fs_and_store(Duration::from_millis(1));
     let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
     fs.write(fh, a.ino, 0, b"data").await.unwrap();
-    let suid = SetAttr {
-        mode: Some(0o6777),
-        ..Default::default()
-    };
+    let suid = chmod(0o6777);
     fs.setattr(a.ino, suid).await.unwrap();
     fs.release(fh, a.ino).await.unwrap();
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
@@ -1837,10 +1813,7 @@ async fn a_salvaged_chmod_rides_a_newer_open_states_commit() {
     fs.write(fh, a.ino, 0, b"committed").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     fs.write(fh, a.ino, 9, b" and more").await.unwrap();
-    let req = SetAttr {
-        mode: Some(0o640),
-        ..Default::default()
-    };
+    let req = chmod(0o640);
     fs.setattr(a.ino, req).await.unwrap();
     // the state leaves the open files, retired with its chmod deferred (as a last close
     // whose commit failed for good leaves it, before it salvages the chmod)
