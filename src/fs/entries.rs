@@ -118,12 +118,12 @@ impl Fs {
         // Not the files open here, nor the nodes asked for last time: still in the table,
         // they are in use (an O_PATH fd, a watch, a mount on a file), and asking for the same
         // ones every second would never reach the others.
-        let inos = {
-            let open = self.files.lock();
-            let asked = &pruning.asked;
-            self.inodes
-                .prune_candidates(share, |ino| open.contains_key(&ino) || asked.contains(&ino))
-        };
+        // (copied: the open files are not held up by the scan)
+        let open: std::collections::HashSet<u64> = self.files.lock().keys().copied().collect();
+        let asked = &pruning.asked;
+        let inos = self
+            .inodes
+            .prune_candidates(share, |ino| open.contains(&ino) || asked.contains(&ino));
         if inos.is_empty() {
             pruning.asked.clear();
             return 0;
@@ -416,12 +416,14 @@ impl Fs {
         // The filer has no compare-and-swap: another writer of the entry (another node, or
         // another PV's session on this directory) that read it before this update stores its
         // copy without the record. Read back after each update and write it again.
-        self.expanded.fetch_max(bytes, Ordering::Relaxed);
         // (one more read than updates: the last update is checked too)
         for round in 0..=CAPACITY_ROUNDS {
             // a fresh copy: the update carries every other attribute of the directory as it is
             let mut e = self.filer.lookup_entry(&dir, &name).await?;
             if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
+                // confirmed: kept from now on (see `refresh_capacity`); a failed expansion is
+                // not (the claim may be lowered again, RecoverVolumeExpansionFailure)
+                self.expanded.fetch_max(bytes, Ordering::Relaxed);
                 self.take_capacity(&e);
                 return Ok(());
             }

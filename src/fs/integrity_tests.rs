@@ -1972,4 +1972,9 @@ async fn an_expansion_overwritten_every_time_fails_with_eagain() {
     assert_eq!(err.errno, libc::EAGAIN, "{err:?}");
     assert_eq!(filer.calls("update_entry"), 2 * 5);
     assert_eq!(fs.quota(), 3 << 30);
+    // a failed expansion is not written again by the periodic re-read (kubelet asks again,
+    // or the claim is lowered back)
+    fs.refresh_capacity().await;
+    let e = filer.get("/vol").unwrap();
+    assert_eq!(e.extended.get(CAPACITY_KEY), None, "a failed expansion was recorded");
 }

@@ -239,7 +239,7 @@ impl Fs {
     /// filer's entry on their own. Not for a file that never reached the filer, was unlinked,
     /// or whose name may lead to another file now (moved by another client unseen).
     pub(super) async fn salvage_deferred_attrs(&self, of: &OpenFile) {
-        let (req, dir, name) = {
+        let (req, dir, name, number) = {
             let mut s = of.state.lock();
             if !s.retired || s.unlinked || s.pending_create || s.name_doubt {
                 return;
@@ -247,7 +247,8 @@ impl Fs {
             let Some((req, _)) = s.deferred_attrs.take() else {
                 return;
             };
-            (req, s.dir.clone(), s.entry.name.clone())
+            let number = s.entry.attributes.as_ref().map_or(0, |a| a.inode);
+            (req, s.dir.clone(), s.entry.name.clone(), number)
         };
         let r = if self.inodes.path(of.ino).is_some() {
             // as any setattr: a newer open state of the file (opened since the close retired
@@ -257,8 +258,14 @@ impl Fs {
                 .await
                 .map(|_| ())
         } else {
-            // the kernel forgot the node already: nothing here can open it again
+            // the kernel forgot the node already: nothing here can open it again. Events no
+            // longer reach the retired state, so the name must still hold the same file (the
+            // filer's number), not one made there since the file was moved away.
             self.update_fresh(&dir, &name, |e| {
+                let now = e.attributes.as_ref().map_or(0, |a| a.inode);
+                if number != 0 && now != number {
+                    return Err(errno(libc::ESTALE, "another file at the name now"));
+                }
                 self.apply_setattr(e, &req);
                 Ok(())
             })
