@@ -1976,5 +1976,9 @@ async fn an_expansion_overwritten_every_time_fails_with_eagain() {
     // or the claim is lowered back)
     fs.refresh_capacity().await;
     let e = filer.get("/vol").unwrap();
-    assert_eq!(e.extended.get(CAPACITY_KEY), None, "a failed expansion was recorded");
+    assert_eq!(
+        e.extended.get(CAPACITY_KEY),
+        None,
+        "a failed expansion was recorded"
+    );
 }
