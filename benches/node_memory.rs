@@ -51,27 +51,7 @@ fn write_file(path: &Path, mib: u64) {
 
 fn fill_dir(filer: &str, volume_path: &str, mount_dir: &Path, n: u64) {
     let t0 = Instant::now();
-    match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
-        Some(bin) => {
-            let st = std::process::Command::new(bin)
-                .args([
-                    "fill-dir",
-                    &format!("--filer={filer}"),
-                    &format!("--dir={volume_path}/big"),
-                    &format!("--count={n}"),
-                ])
-                .status()
-                .unwrap();
-            assert!(st.success(), "fill-dir failed");
-        }
-        None => {
-            let d = mount_dir.join("big");
-            std::fs::create_dir_all(&d).unwrap();
-            for i in 0..n {
-                std::fs::File::create(d.join(format!("entry-{i:07}"))).unwrap();
-            }
-        }
-    }
+    common::fill_dir(filer, volume_path, mount_dir, n);
     eprintln!(
         "node_memory: {n} names in {:.0} s",
         t0.elapsed().as_secs_f64()

@@ -1083,28 +1083,9 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
     let t = pod.target.clone();
     let big = t.join("big");
     let filer = weed.filer_addr();
-    let dir = format!("{}/big", pod.vol.volume_id);
+    let volume = pod.vol.volume_id.clone();
     let (held, pinned, bind) = tokio::task::spawn_blocking(move || {
-        match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
-            Some(bin) => {
-                let st = std::process::Command::new(bin)
-                    .args([
-                        "fill-dir",
-                        &format!("--filer={filer}"),
-                        &format!("--dir={dir}"),
-                        &format!("--count={N}"),
-                    ])
-                    .status()
-                    .unwrap();
-                assert!(st.success(), "fill-dir failed");
-            }
-            None => {
-                std::fs::create_dir(&big).unwrap();
-                for i in 0..N {
-                    std::fs::File::create(big.join(format!("entry-{i:07}"))).unwrap();
-                }
-            }
-        }
+        common::fill_dir(&filer, &volume, &t, N);
         std::fs::write(t.join("held"), b"still here").unwrap();
         let held = std::fs::File::open(t.join("held")).unwrap();
         // held by an O_PATH fd only: no open file here, so it is among those asked for

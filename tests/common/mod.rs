@@ -480,3 +480,29 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
+
+/// Makes `<volume_path>/big` with `n` empty files: over gRPC with the test-support binary's
+/// `fill-dir` when this build has it (fast), else through the mount at `mount_dir` (slow).
+pub fn fill_dir(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: u64) {
+    match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
+        Some(bin) => {
+            let st = std::process::Command::new(bin)
+                .args([
+                    "fill-dir",
+                    &format!("--filer={filer}"),
+                    &format!("--dir={volume_path}/big"),
+                    &format!("--count={n}"),
+                ])
+                .status()
+                .unwrap();
+            assert!(st.success(), "fill-dir failed");
+        }
+        None => {
+            let d = mount_dir.join("big");
+            std::fs::create_dir_all(&d).unwrap();
+            for i in 0..n {
+                std::fs::File::create(d.join(format!("entry-{i:07}"))).unwrap();
+            }
+        }
+    }
+}
