@@ -1112,11 +1112,15 @@ impl crate::fs::Notifier for KeptNotifier {
         for batch in inos.chunks(PRUNE_IDS_MAX) {
             match self.keeper.send(&prune_msg(batch)) {
                 Ok(()) => {}
-                Err(Some(e)) => {
-                    // EINVAL: a keeper (or kernel) that does not know the notification
+                Err(Some(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    // a keeper (or kernel) that does not know the notification
                     if !self.no_prune.swap(true, Relaxed) {
                         tracing::warn!(error = %e, "the keeper or the kernel cannot ask the kernel to forget nodes (FUSE_NOTIFY_PRUNE: Linux 6.18+ and a keeper of this version); the inode table is not bounded");
                     }
+                    return false;
+                }
+                Err(Some(e)) => {
+                    tracing::debug!(error = %e, "prune through the keeper failed");
                     return false;
                 }
                 // no keeper connection now: not this round
