@@ -26,6 +26,46 @@ pub(super) struct Pruning {
 /// Updates of the root entry NodeExpandVolume tries before it gives up (each found its
 /// record overwritten by another writer of the entry).
 const CAPACITY_ROUNDS: usize = 5;
+/// The pause after the first rewrite of an overwritten capacity record; it doubles with
+/// each further one in a row, up to [`RERECORD_PAUSE_MAX`].
+const RERECORD_PAUSE: Duration = Duration::from_secs(5);
+const RERECORD_PAUSE_MAX: Duration = Duration::from_secs(600);
+
+/// Rewrites of an overwritten capacity record (see [`Fs::refresh_capacity`]): the count
+/// starts again only after a quiet spell of twice the longest pause, so a writer that
+/// overwrites it now and then cannot keep the pause short.
+#[derive(Debug, Default)]
+pub(super) struct Rerecords {
+    made: u32,
+    last: Option<Instant>,
+}
+
+impl Rerecords {
+    /// Whether a rewrite may be made at `now`; if so, it is counted.
+    fn due(&mut self, now: Instant) -> bool {
+        if let Some(last) = self.last {
+            let since = now.saturating_duration_since(last);
+            if since > 2 * RERECORD_PAUSE_MAX {
+                self.made = 0;
+            } else if since < rerecord_pause(self.made) {
+                return false;
+            }
+        }
+        self.made = self.made.saturating_add(1);
+        self.last = Some(now);
+        true
+    }
+}
+
+/// The pause after `made` rewrites in a row.
+fn rerecord_pause(made: u32) -> Duration {
+    if made == 0 {
+        return Duration::ZERO;
+    }
+    RERECORD_PAUSE
+        .saturating_mul(1 << (made - 1).min(7))
+        .min(RERECORD_PAUSE_MAX)
+}
 
 impl Fs {
     pub fn path_of(&self, ino: u64) -> Result<String> {
@@ -458,8 +498,13 @@ impl Fs {
         // checked it (another writer's copy of the entry read before it; the filer has no
         // compare-and-swap): written again rather than taken, so the size kubelet was told
         // sticks.
+        // A writer that keeps storing an old copy (a node whose cache never learns) would
+        // make that a rewrite every tick: they back off, and the quota stays meanwhile.
         let expanded = self.expanded.load(Ordering::Relaxed);
         if expanded > 0 && self.capacity_on(&e).is_none_or(|c| c != 0 && c < expanded) {
+            if !self.rerecords.lock().due(Instant::now()) {
+                return;
+            }
             tracing::warn!(root = %self.cfg.root, expanded, "the capacity record was overwritten; recording it again");
             if let Err(err) = self.record_capacity(expanded).await {
                 tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
@@ -771,4 +816,32 @@ fn recorded_capacity(e: &pb::Entry, key: &str) -> Option<i64> {
         .get(key)
         .and_then(|v| std::str::from_utf8(v).ok())
         .and_then(|s| s.trim().parse::<i64>().ok())
+}
+
+#[cfg(test)]
+mod rerecord_tests {
+    use super::*;
+
+    #[test]
+    fn rewrites_pause_longer_each_time_and_start_again_after_a_quiet_spell() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut r = Rerecords::default();
+        assert!(r.due(at(0)), "the first rewrite waits for nothing");
+        assert!(!r.due(at(4)));
+        assert!(r.due(at(5)));
+        assert!(!r.due(at(14)), "the second pause is twice the first");
+        assert!(r.due(at(15)));
+        // many more in a row: the pause stops at its longest
+        let mut t = 15;
+        for _ in 0..20 {
+            t += RERECORD_PAUSE_MAX.as_secs();
+            assert!(r.due(at(t)));
+            assert!(!r.due(at(t + 1)));
+        }
+        // after a quiet spell the count starts again
+        t += 2 * RERECORD_PAUSE_MAX.as_secs() + 1;
+        assert!(r.due(at(t)));
+        assert!(r.due(at(t + 5)));
+    }
 }

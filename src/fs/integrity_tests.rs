@@ -1944,6 +1944,35 @@ async fn a_capacity_record_overwritten_after_the_expansion_is_written_again() {
     );
 }
 
+/// A writer that keeps storing an old copy of the root does not get a rewrite of the record
+/// at every re-read: after one, the next waits (and the quota stays meanwhile).
+#[tokio::test]
+async fn a_record_overwritten_again_and_again_is_rewritten_with_pauses() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
+    let before = filer.calls("update_entry");
+    for _ in 0..4 {
+        filer
+            .other_client()
+            .update_entry(pb::UpdateEntryRequest {
+                directory: "/".into(),
+                entry: Some(stale.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.refresh_capacity().await;
+        assert_eq!(fs.quota(), 3 << 30, "the quota fell back to the old record");
+    }
+    // the first re-read's rewrite, and the other client's four (calls are counted for both)
+    assert_eq!(
+        filer.calls("update_entry") - before,
+        1 + 4,
+        "the record was rewritten at every re-read"
+    );
+}
+
 /// The last of the expansion's updates is read back too: one that stuck is a success.
 #[tokio::test]
 async fn an_expansion_whose_last_update_sticks_succeeds() {

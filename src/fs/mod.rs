@@ -338,6 +338,8 @@ pub struct Fs {
     /// The largest capacity NodeExpandVolume recorded through this session (see
     /// [`Fs::refresh_capacity`]).
     expanded: AtomicU64,
+    /// Rewrites of an overwritten capacity record in a row, and when the next may be made.
+    rerecords: Mutex<entries::Rerecords>,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -416,6 +418,7 @@ impl Fs {
             nodes_reported: AtomicU64::new(0),
             pruning: Mutex::new(Default::default()),
             expanded: AtomicU64::new(0),
+            rerecords: Mutex::new(Default::default()),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),
