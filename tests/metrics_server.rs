@@ -1059,16 +1059,23 @@ async fn a_directory_too_large_to_cache_lists_whole_in_pages_on_a_real_mount() {
 /// use stays: a file held open still reads, a directory with a mount on it keeps the mount.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_inode_table_shrinks_to_its_budget_after_a_walk() {
-    inode_table_shrinks_after_a_walk(false).await;
+    inode_table_shrinks_after_a_walk(false, false).await;
 }
 
 /// The same for sessions the fd-keeper holds: the keeper writes the prune.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_kept_sessions_inode_table_shrinks_to_its_budget_after_a_walk() {
-    inode_table_shrinks_after_a_walk(true).await;
+    inode_table_shrinks_after_a_walk(true, false).await;
 }
 
-async fn inode_table_shrinks_after_a_walk(kept: bool) {
+/// A walk of directories only: the directories are what the kernel is asked to forget, and
+/// one held open and one with a mount on it (as a pod's subPath) stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_inode_table_shrinks_to_its_budget_after_a_walk_of_directories() {
+    inode_table_shrinks_after_a_walk(false, true).await;
+}
+
+async fn inode_table_shrinks_after_a_walk(kept: bool, dirs: bool) {
     use std::os::unix::fs::OpenOptionsExt;
     const N: u64 = 20_000;
     if !kernel_at_least(6, 18) {
@@ -1077,15 +1084,22 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
     }
     let (weed, addr, driver, _keeper) = driver_with_budget_and(64, kept).await;
     let c = driver.clients().await;
-    let pod = driver
-        .provision_and_publish(if kept { "pvc-prune-kept" } else { "pvc-prune" }, "pod-a")
-        .await;
+    let name = match (kept, dirs) {
+        (true, _) => "pvc-prune-kept",
+        (false, true) => "pvc-prune-dirs",
+        (false, false) => "pvc-prune",
+    };
+    let pod = driver.provision_and_publish(name, "pod-a").await;
     let t = pod.target.clone();
     let big = t.join("big");
     let filer = weed.filer_addr();
     let volume = pod.vol.volume_id.clone();
-    let (held, pinned, bind) = tokio::task::spawn_blocking(move || {
-        common::fill_dir(&filer, &volume, &t, N);
+    let (held, pinned, bind, held_dir, sub) = tokio::task::spawn_blocking(move || {
+        if dirs {
+            common::fill_dir_with_dirs(&filer, &volume, &t, N);
+        } else {
+            common::fill_dir(&filer, &volume, &t, N);
+        }
         std::fs::write(t.join("held"), b"still here").unwrap();
         let held = std::fs::File::open(t.join("held")).unwrap();
         // held by an O_PATH fd only: no open file here, so it is among those asked for
@@ -1095,19 +1109,35 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
             .custom_flags(libc::O_PATH)
             .open(t.join("pinned"))
             .unwrap();
-        // a mount on a directory of the volume (as a pod's subPath is)
-        std::fs::create_dir(t.join("sub")).unwrap();
+        // a mount on a directory of the volume (as a pod's subPath is): among the walked
+        // directories when they are what is walked
+        let mut names: Vec<_> = std::fs::read_dir(&big)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        names.sort();
+        let (sub, held_dir) = if dirs {
+            (
+                names[1].clone(),
+                Some(std::fs::File::open(&names[2]).unwrap()),
+            )
+        } else {
+            std::fs::create_dir(t.join("sub")).unwrap();
+            (t.join("sub"), None)
+        };
         let bind = tempfile::tempdir().unwrap();
+        std::fs::write(bind.path().join("inside"), b"bound").unwrap();
         let st = std::process::Command::new("mount")
             .args(["--bind"])
             .arg(bind.path())
-            .arg(t.join("sub"))
+            .arg(&sub)
             .status()
             .unwrap();
         assert!(st.success(), "bind mount");
         let out = std::process::Command::new("find")
             .arg(&big)
-            .args(["-type", "f", "-printf", "%s\n"]) // a stat of each
+            .args(["-mindepth", "1", "-type", if dirs { "d" } else { "f" }])
+            .args(["-printf", "%s\n"]) // a stat of each
             .output()
             .unwrap();
         assert!(out.status.success());
@@ -1116,11 +1146,10 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
             N,
             "names found"
         );
-        (held, pinned, bind)
+        (held, pinned, bind, held_dir, sub)
     })
     .await
     .unwrap();
-    let sub = pod.target.join("sub");
     let limit_nodes = (4u64 << 20) / 320;
     let mut nodes = f64::MAX;
     let mut m = String::new();
@@ -1138,7 +1167,7 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
         let _ = std::process::Command::new("umount").arg(&sub).status();
     };
     if nodes > limit_nodes as f64 {
-        drop((held, pinned));
+        drop((held, pinned, held_dir));
         unmount_sub();
         pod.unpublish_and_unstage(&c).await;
         panic!("{nodes} nodes after 30 s, limit {limit_nodes}");
@@ -1153,22 +1182,35 @@ async fn inode_table_shrinks_after_a_walk(kept: bool) {
         .unwrap()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(sub.to_str().unwrap()));
+    let through_mount = std::fs::read_to_string(sub.join("inside"));
     let mut s = String::new();
     use std::io::Read as _;
     let read = { held }.read_to_string(&mut s).map(|_| s);
     // (fstat of an O_PATH fd asks the daemon for the node's attributes)
     let pinned_len = pinned.metadata().map(|m| m.len());
+    let held_dir_is_dir = held_dir.as_ref().map(|d| d.metadata().map(|m| m.is_dir()));
     unmount_sub();
-    drop((bind, pinned));
+    drop((bind, pinned, held_dir));
     assert!(mounted, "the mount on a directory of the volume went away");
+    assert_eq!(through_mount.unwrap(), "bound", "the mounted directory");
     assert_eq!(read.unwrap(), "still here", "the file held open");
     assert_eq!(pinned_len.unwrap(), 6, "the file held by an O_PATH fd");
+    if let Some(r) = held_dir_is_dir {
+        assert!(r.unwrap(), "the directory held open");
+    }
     // every name is still there, and looks up again (stat of each)
     let big = pod.target.join("big");
     let n = tokio::task::spawn_blocking(move || {
         std::fs::read_dir(&big)
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().metadata().unwrap().len() == 0)
+            .filter(|e| {
+                let m = e.as_ref().unwrap().metadata().unwrap();
+                if dirs {
+                    m.is_dir()
+                } else {
+                    m.len() == 0
+                }
+            })
             .count()
     })
     .await

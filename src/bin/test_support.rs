@@ -4,7 +4,7 @@
 //!
 //! - `memfs`: a trivial in-memory FUSE filesystem with the same takeover machinery as the
 //!   product (the takeover tests, and the benchmark ceiling);
-//! - `fill-dir`: creates many empty files in one filer directory over gRPC (the big-directory
+//! - `fill-dir`: creates many empty files (or directories) in one filer directory over gRPC (the big-directory
 //!   benchmarks: a million names in minutes, where creating them through a mount takes long);
 //! - `--fakeStager=DIR`: the driver stages volumes as bind mounts of scratch directories under
 //!   DIR instead of FUSE sessions (CSI tests that need mounts surviving the process, or
@@ -94,6 +94,9 @@ struct FillDirArgs {
     /// Creates in flight at once
     #[arg(long, default_value_t = 64)]
     parallel: usize,
+    /// Makes empty directories instead of files
+    #[arg(long)]
+    dirs: bool,
 }
 
 fn fill_dir(a: FillDirArgs) -> anyhow::Result<()> {
@@ -101,8 +104,14 @@ fn fill_dir(a: FillDirArgs) -> anyhow::Result<()> {
     use seaweedfs_csi_driver::filer::grpc::FilerClientOptions;
     use seaweedfs_csi_driver::filer::hub::FilerHub;
     use seaweedfs_csi_driver::filer::FilerApi;
+    use seaweedfs_csi_driver::fs::attr::{to_go_mode, Kind};
     use seaweedfs_csi_driver::pb::filer as pb;
 
+    let (kind, perm) = if a.dirs {
+        (Kind::Dir, 0o755)
+    } else {
+        (Kind::File, 0o644)
+    };
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let shared = FilerHub::global()
@@ -122,8 +131,9 @@ fn fill_dir(a: FillDirArgs) -> anyhow::Result<()> {
                 directory: a.dir.clone(),
                 entry: Some(pb::Entry {
                     name: format!("{}{i:0width$}", a.prefix),
+                    is_directory: a.dirs,
                     attributes: Some(pb::FuseAttributes {
-                        file_mode: 0o644,
+                        file_mode: to_go_mode(kind, perm),
                         mtime: now,
                         crtime: now,
                         ..Default::default()

@@ -113,3 +113,67 @@ async fn no_budget_means_no_waiting() {
     assert_eq!(budget.dirty(), 0);
     assert_eq!(budget.waits.load(Ordering::Relaxed), 0);
 }
+
+/// A kernel (or keeper) that takes the first `take` ids of a prune and fails the rest.
+struct PartialPrune {
+    take: usize,
+    asked: parking_lot::Mutex<Vec<Vec<u64>>>,
+}
+
+impl super::Notifier for PartialPrune {
+    fn inval_entry(&self, _parent: u64, _name: &str) {}
+    fn inval_inode(&self, _ino: u64) {}
+    fn inval_attr(&self, _ino: u64) {}
+    fn prune(&self, inos: &[u64]) -> usize {
+        self.asked.lock().push(inos.to_vec());
+        inos.len().min(self.take)
+    }
+    fn can_prune(&self) -> bool {
+        true
+    }
+}
+
+/// Past its part of the budget the inode table asks for the excess; of a prune that fails
+/// part-way only what was sent counts, the rest waits for the pause, and nodes the kernel
+/// does not hold (remembered without a lookup) are never asked for.
+#[test]
+fn a_prune_that_fails_part_way_counts_what_was_sent() {
+    let budget = MemoryBudget::new(64 * MIB);
+    let (fs, _) = fs_with(&budget);
+    let limit = budget.inode_limit() / crate::budget::NODE_BYTES;
+    let n = limit + 1000;
+    for i in 0..n {
+        let kind = super::attr::Kind::File;
+        fs.inodes.remember(1000 + i, &format!("/f{i}"), kind, true);
+    }
+    // known, but held by no lookup of the kernel
+    for i in 0..100 {
+        fs.inodes.remember(
+            900_000 + i,
+            &format!("/unheld{i}"),
+            super::attr::Kind::File,
+            false,
+        );
+    }
+    let nt = Arc::new(PartialPrune {
+        take: 128,
+        asked: Default::default(),
+    });
+    fs.set_notifier(nt.clone());
+    assert_eq!(fs.prune_nodes(), 128, "what was sent");
+    assert_eq!(budget.nodes_pruned.load(Ordering::Relaxed), 128);
+    let asked = nt.asked.lock().clone();
+    assert_eq!(asked.len(), 1);
+    assert!(
+        asked[0].len() > 128,
+        "the excess was asked for: {}",
+        asked[0].len()
+    );
+    assert!(
+        asked[0].iter().all(|ino| *ino < 900_000),
+        "a node the kernel does not hold was asked for"
+    );
+    // a failure pauses the scan
+    assert_eq!(fs.prune_nodes(), 0);
+    assert_eq!(nt.asked.lock().len(), 1);
+}

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 /// After a prune the kernel or keeper refused, no candidates are looked for until then.
 const PRUNE_PAUSE: Duration = Duration::from_secs(60);
+/// Nodes asked for in one round at most (the ids asked are kept until the next).
+const PRUNE_ROUND_MAX: usize = 65_536;
 
 /// What [`Fs::prune_nodes`] remembers between rounds.
 #[derive(Default)]
@@ -41,19 +43,23 @@ pub(super) struct Rerecords {
 }
 
 impl Rerecords {
-    /// Whether a rewrite may be made at `now`; if so, it is counted.
+    /// Whether a rewrite may be made at `now`.
     fn due(&mut self, now: Instant) -> bool {
-        if let Some(last) = self.last {
-            let since = now.saturating_duration_since(last);
-            if since > 2 * RERECORD_PAUSE_MAX {
-                self.made = 0;
-            } else if since < rerecord_pause(self.made) {
-                return false;
-            }
+        let Some(last) = self.last else {
+            return true;
+        };
+        let since = now.saturating_duration_since(last);
+        if since > 2 * RERECORD_PAUSE_MAX {
+            self.made = 0;
         }
+        since >= rerecord_pause(self.made)
+    }
+
+    /// A rewrite was made at `now` (one the filer answered: a filer that does not answer
+    /// lengthens no pause).
+    fn made(&mut self, now: Instant) {
         self.made = self.made.saturating_add(1);
         self.last = Some(now);
-        true
     }
 }
 
@@ -151,6 +157,10 @@ impl Fs {
         let Some(nt) = self.notifier.read().clone() else {
             return 0;
         };
+        if !nt.can_prune() {
+            return 0;
+        }
+        let share = share.min(PRUNE_ROUND_MAX);
         let mut pruning = self.pruning.lock();
         if pruning.paused_until.is_some_and(|t| Instant::now() < t) {
             return 0;
@@ -168,19 +178,22 @@ impl Fs {
             pruning.asked.clear();
             return 0;
         }
-        if !nt.prune(&inos) {
+        let sent = nt.prune(&inos);
+        if sent < inos.len() {
             // refused (an older kernel or keeper) or no keeper connection now: the scan is
             // not repeated every second
             pruning.paused_until = Some(Instant::now() + PRUNE_PAUSE);
+        }
+        if sent == 0 {
             return 0;
         }
-        pruning.asked = inos.iter().copied().collect();
+        pruning.asked = inos[..sent].iter().copied().collect();
         self.cfg
             .budget
             .nodes_pruned
-            .fetch_add(inos.len() as u64, Ordering::Relaxed);
-        tracing::debug!(root = %self.cfg.root, nodes = now, asked = inos.len(), "asked the kernel to forget nodes");
-        inos.len()
+            .fetch_add(sent as u64, Ordering::Relaxed);
+        tracing::debug!(root = %self.cfg.root, nodes = now, asked = sent, "asked the kernel to forget nodes");
+        sent
     }
 
     /// This session's nodes leave the node-wide count (its session ends; idempotent).
@@ -390,13 +403,21 @@ impl Fs {
     /// Applies the capacity recorded on the root entry (see [`Self::capacity_on`]) as the
     /// quota, when this volume takes its quota from the filer. No readable record keeps the
     /// current quota (volume context, NodeExpandVolume).
+    ///
+    /// Records only grow (an expansion kubelet confirmed is never taken back), so once one
+    /// was taken, a smaller one found later is another writer's stale copy of the entry: the
+    /// quota stays (also when this check races an expansion here).
     fn take_capacity(&self, root: &pb::Entry) {
         if !self.cfg.quota_from_filer {
             return;
         }
-        let Some(bytes) = self.capacity_on(root) else {
+        let Some(mut bytes) = self.capacity_on(root) else {
             return;
         };
+        if bytes != 0 {
+            let floor = self.capacity_floor.fetch_max(bytes, Ordering::Relaxed);
+            bytes = bytes.max(floor);
+        }
         if bytes != self.quota() {
             tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
             self.set_quota(bytes);
@@ -506,8 +527,17 @@ impl Fs {
                 return;
             }
             tracing::warn!(root = %self.cfg.root, expanded, "the capacity record was overwritten; recording it again");
-            if let Err(err) = self.record_capacity(expanded).await {
-                tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
+            match self.record_capacity(expanded).await {
+                // written, or overwritten every time: the pause grows
+                Ok(()) => self.rerecords.lock().made(Instant::now()),
+                Err(err) if err.errno == libc::EAGAIN => {
+                    self.rerecords.lock().made(Instant::now());
+                    tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
+                }
+                // the filer did not answer: tried again at the next re-read
+                Err(err) => {
+                    tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed")
+                }
             }
             return;
         }
@@ -828,20 +858,29 @@ mod rerecord_tests {
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut r = Rerecords::default();
         assert!(r.due(at(0)), "the first rewrite waits for nothing");
+        r.made(at(0));
         assert!(!r.due(at(4)));
+        assert!(
+            r.due(at(5)),
+            "not made (the filer did not answer): due again"
+        );
         assert!(r.due(at(5)));
+        r.made(at(5));
         assert!(!r.due(at(14)), "the second pause is twice the first");
         assert!(r.due(at(15)));
+        r.made(at(15));
         // many more in a row: the pause stops at its longest
         let mut t = 15;
         for _ in 0..20 {
             t += RERECORD_PAUSE_MAX.as_secs();
             assert!(r.due(at(t)));
+            r.made(at(t));
             assert!(!r.due(at(t + 1)));
         }
         // after a quiet spell the count starts again
         t += 2 * RERECORD_PAUSE_MAX.as_secs() + 1;
         assert!(r.due(at(t)));
+        r.made(at(t));
         assert!(r.due(at(t + 5)));
     }
 }

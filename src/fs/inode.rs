@@ -630,14 +630,15 @@ impl InodeTable {
 
     /// Up to `n` nodes for the kernel to forget (see [`crate::fs::Fs::prune_nodes`]): files
     /// first, then directories, deepest first (a directory's dentry goes only after its
-    /// children's). Never the root, nor a file `in_use` says is (asking for it would be
-    /// wasted, and the same ones would be asked for again and again).
+    /// children's). Never the root, nor a file `in_use` says is, nor one the kernel does not
+    /// hold (asking for those would be wasted, and the same ones would be asked for again
+    /// and again).
     pub fn prune_candidates(&self, n: usize, in_use: impl Fn(u64) -> bool) -> Vec<u64> {
         let g = self.inner.read();
         let mut out: Vec<u64> = g
             .by_ino
             .values()
-            .filter(|r| !r.is_dir && !in_use(r.ino))
+            .filter(|r| !r.is_dir && r.nlookup > 0 && !in_use(r.ino))
             .map(|r| r.ino)
             .take(n)
             .collect();
@@ -646,7 +647,7 @@ impl InodeTable {
             let mut dirs: Vec<(usize, u64)> = g
                 .by_ino
                 .values()
-                .filter(|r| r.is_dir && r.ino != ROOT_INO && !in_use(r.ino))
+                .filter(|r| r.is_dir && r.ino != ROOT_INO && r.nlookup > 0 && !in_use(r.ino))
                 .map(|r| (r.path.matches('/').count(), r.ino))
                 .collect();
             drop(g);

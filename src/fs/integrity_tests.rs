@@ -1862,10 +1862,41 @@ async fn volume_on_vol() -> (Arc<Fs>, Arc<MockFiler>) {
         })
         .await
         .unwrap();
+    (vol_session(cfg, filer.clone()), filer)
+}
+
+fn vol_session(cfg: FsConfig, filer: Arc<MockFiler>) -> Arc<Fs> {
     let store = Arc::new(MockChunkStore::new());
-    let fs = Fs::new(cfg, filer.clone(), store, ChunkCache::new(1 << 20));
+    let fs = Fs::new(cfg, filer, store, ChunkCache::new(1 << 20));
     fs.set_quota(1 << 30);
-    (fs, filer)
+    fs
+}
+
+/// Another session of the volume (another node) took the expanded record; a stale copy of
+/// the root with a smaller one (its writer read the entry before the expansion) does not
+/// lower its quota: records only grow.
+#[tokio::test]
+async fn a_smaller_record_found_later_does_not_lower_the_quota() {
+    let (fs, filer) = volume_on_vol().await;
+    let mut stale = filer.get("/vol").unwrap();
+    stale
+        .extended
+        .insert(CAPACITY_KEY.into(), (2u64 << 30).to_string().into_bytes());
+    let other = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
+    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
+    other.refresh_capacity().await;
+    assert_eq!(other.quota(), 3 << 30, "the other node took the expansion");
+    filer
+        .other_client()
+        .update_entry(pb::UpdateEntryRequest {
+            directory: "/".into(),
+            entry: Some(stale),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    other.refresh_capacity().await;
+    assert_eq!(other.quota(), 3 << 30, "a stale record lowered the quota");
 }
 
 /// Another writer of "/vol" that read it before `expand` recorded the capacity stores that

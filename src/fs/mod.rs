@@ -110,8 +110,13 @@ pub trait Notifier: Send + Sync {
     fn inval_attr(&self, ino: u64);
     /// Asks the kernel to forget the nodes `inos` where nothing uses them (FUSE_NOTIFY_PRUNE):
     /// it drops their unused dentries, and each node whose inode goes with them comes back
-    /// as a FORGET. Takes no directory lock. False when the kernel (or this notifier) cannot.
-    fn prune(&self, _inos: &[u64]) -> bool {
+    /// as a FORGET. Takes no directory lock. Returns how many of `inos` (a prefix) were
+    /// asked for: fewer when the kernel (or this notifier) cannot, or failed part-way.
+    fn prune(&self, _inos: &[u64]) -> usize {
+        0
+    }
+    /// Whether [`Self::prune`] may be asked at all (not refused for good).
+    fn can_prune(&self) -> bool {
         false
     }
 }
@@ -155,10 +160,14 @@ impl StoppableNotifier {
         self.pass(|n| n.inval_attr(ino));
     }
 
-    pub fn prune(&self, inos: &[u64]) -> bool {
-        let mut done = false;
+    pub fn prune(&self, inos: &[u64]) -> usize {
+        let mut done = 0;
         self.pass(|n| done = n.prune(inos));
         done
+    }
+
+    pub fn can_prune(&self) -> bool {
+        self.inner.can_prune()
     }
 
     async fn stop(&self, limit: Duration) -> bool {
@@ -340,6 +349,8 @@ pub struct Fs {
     expanded: AtomicU64,
     /// Rewrites of an overwritten capacity record in a row, and when the next may be made.
     rerecords: Mutex<entries::Rerecords>,
+    /// The largest capacity record taken (see [`Fs::take_capacity`]).
+    capacity_floor: AtomicU64,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -419,6 +430,7 @@ impl Fs {
             pruning: Mutex::new(Default::default()),
             expanded: AtomicU64::new(0),
             rerecords: Mutex::new(Default::default()),
+            capacity_floor: AtomicU64::new(0),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),

@@ -1010,32 +1010,36 @@ impl crate::fs::Notifier for KernelNotifier {
         // a negative offset: the kernel drops the attributes and leaves the pages
         let _ = self.notifier.inval_inode(INodeNo(ino), -1, 0);
     }
-    fn prune(&self, inos: &[u64]) -> bool {
+    fn prune(&self, inos: &[u64]) -> usize {
         use std::sync::atomic::Ordering::Relaxed;
         let Some(fd) = self.raw.as_ref() else {
-            return false;
+            return 0;
         };
         if self.no_prune.load(Relaxed) {
-            return false;
+            return 0;
         }
         use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
+        let mut sent = 0;
         for batch in inos.chunks(PRUNE_IDS_MAX) {
             match nix::unistd::write(fd, &prune_msg(batch)) {
-                Ok(_) => {}
+                Ok(_) => sent += batch.len(),
                 // the kernel has no such notification
                 Err(e @ (nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS)) => {
                     if !self.no_prune.swap(true, Relaxed) {
                         tracing::warn!(error = %e, "the kernel cannot be asked to forget nodes (FUSE_NOTIFY_PRUNE, Linux 6.18+); the inode table is not bounded");
                     }
-                    return false;
+                    break;
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "prune notification failed");
-                    return false;
+                    break;
                 }
             }
         }
-        true
+        sent
+    }
+    fn can_prune(&self) -> bool {
+        self.raw.is_some() && !self.no_prune.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -1100,34 +1104,38 @@ impl crate::fs::Notifier for KeptNotifier {
         use crate::keeper::notify::inval_inode_msg;
         self.pass(Ok(inval_inode_msg(ino, -1, 0)), |d| d.inval_attr(ino));
     }
-    fn prune(&self, inos: &[u64]) -> bool {
+    fn prune(&self, inos: &[u64]) -> usize {
         use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
         use std::sync::atomic::Ordering::Relaxed;
         // Through the keeper like the invalidations, never written here: an inode evicted by
         // the prune waits for its locked pages, which a read in flight to us may hold, and a
         // thread of ours waiting there would keep a killed plugin from exiting.
         if self.no_prune.load(Relaxed) {
-            return false;
+            return 0;
         }
+        let mut sent = 0;
         for batch in inos.chunks(PRUNE_IDS_MAX) {
             match self.keeper.send(&prune_msg(batch)) {
-                Ok(()) => {}
+                Ok(()) => sent += batch.len(),
                 Err(Some(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
                     // a keeper (or kernel) that does not know the notification
                     if !self.no_prune.swap(true, Relaxed) {
                         tracing::warn!(error = %e, "the keeper or the kernel cannot ask the kernel to forget nodes (FUSE_NOTIFY_PRUNE: Linux 6.18+ and a keeper of this version); the inode table is not bounded");
                     }
-                    return false;
+                    break;
                 }
                 Err(Some(e)) => {
                     tracing::debug!(error = %e, "prune through the keeper failed");
-                    return false;
+                    break;
                 }
                 // no keeper connection now: not this round
-                Err(None) => return false,
+                Err(None) => break,
             }
         }
-        true
+        sent
+    }
+    fn can_prune(&self) -> bool {
+        !self.no_prune.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -238,11 +238,20 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
             tick.tick().await;
             f.flush_dir_times().await;
             f.cache.expire_arrived();
-            let p = f.clone();
-            let _ = tokio::task::spawn_blocking(move || p.prune_nodes()).await;
             if n % 10 == 0 {
                 f.sweep_caches();
             }
+        }
+    });
+    // apart: a prune waiting in the kernel (or for the keeper) holds up no other chore
+    let f = fs.clone();
+    let pruner = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let p = f.clone();
+            let _ = tokio::task::spawn_blocking(move || p.prune_nodes()).await;
         }
     });
     let f = fs.clone();
@@ -260,7 +269,7 @@ pub fn spawn_background(fs: &Arc<Fs>, session: &SessionFiler) -> Vec<tokio::task
     });
     let f = fs.clone();
     let pressure = tokio::spawn(async move { f.relieve_memory_pressure().await });
-    vec![events, flusher, health, pressure]
+    vec![events, flusher, pruner, health, pressure]
 }
 
 /// Checks that `dir` can be mounted on: exists (or is created), is a directory, is empty
@@ -474,6 +483,10 @@ impl MountedVolume {
             Serving::Plain(bg) => Some(bg),
             Serving::Kept(k) => k.bg.as_ref(),
         };
+        // A kept session whose keeper cannot write for it does not prune: written here, an
+        // eviction waiting in the kernel would keep a killed plugin from exiting, and with
+        // it the fd its successor needs.
+        let raw = raw.filter(|_| matches!(serving, Serving::Plain(_)) || kept.is_some());
         if let Some(bg) = bg {
             let direct = super::adapter::KernelNotifier::new(bg.notifier(), raw);
             match kept {

@@ -484,6 +484,15 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
 /// Makes `<volume_path>/big` with `n` empty files: over gRPC with the test-support binary's
 /// `fill-dir` when this build has it (fast), else through the mount at `mount_dir` (slow).
 pub fn fill_dir(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: u64) {
+    fill_big(filer, volume_path, mount_dir, n, false)
+}
+
+/// [`fill_dir`] with `n` empty directories instead of files.
+pub fn fill_dir_with_dirs(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: u64) {
+    fill_big(filer, volume_path, mount_dir, n, true)
+}
+
+fn fill_big(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: u64, dirs: bool) {
     match option_env!("CARGO_BIN_EXE_seaweedfs-csi-test-support") {
         Some(bin) => {
             let st = std::process::Command::new(bin)
@@ -493,6 +502,7 @@ pub fn fill_dir(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: 
                     &format!("--dir={volume_path}/big"),
                     &format!("--count={n}"),
                 ])
+                .args(dirs.then_some("--dirs"))
                 .status()
                 .unwrap();
             assert!(st.success(), "fill-dir failed");
@@ -501,7 +511,12 @@ pub fn fill_dir(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: 
             let d = mount_dir.join("big");
             std::fs::create_dir_all(&d).unwrap();
             for i in 0..n {
-                std::fs::File::create(d.join(format!("entry-{i:07}"))).unwrap();
+                let p = d.join(format!("entry-{i:07}"));
+                if dirs {
+                    std::fs::create_dir(p).unwrap();
+                } else {
+                    std::fs::File::create(p).unwrap();
+                }
             }
         }
     }
