@@ -1835,6 +1835,56 @@ async fn a_salvaged_chmod_rides_a_newer_open_states_commit() {
     assert_eq!(e.chunks.len(), 2, "the newer write was committed: {e:?}");
 }
 
+/// A file whose last close failed with a chmod deferred, its node already forgotten by the
+/// kernel (nothing here can open it again); `replace`: another client made a new file at
+/// its name meanwhile. Returns the mode on the filer after the salvage.
+async fn salvage_of_a_forgotten_node(replace: bool) -> u32 {
+    let (fs, _store, filer) = fs_and_store(Duration::from_millis(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"committed").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 9, b" and more").await.unwrap();
+    fs.setattr(a.ino, chmod(0o640)).await.unwrap();
+    let old = fs.open_file(a.ino).unwrap();
+    fs.files.lock().remove(&a.ino);
+    old.state.lock().retired = true;
+    fs.inodes.forget(a.ino, u64::MAX);
+    if replace {
+        let mut other = filer.get("/f").unwrap();
+        let attrs = other.attributes.as_mut().unwrap();
+        attrs.inode += 1000;
+        attrs.file_mode = 0o600;
+        other.chunks.clear();
+        filer
+            .other_client()
+            .update_entry(pb::UpdateEntryRequest {
+                directory: "/".into(),
+                entry: Some(other),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    fs.salvage_deferred_attrs(&old).await;
+    perm_on_filer(&filer, "/f")
+}
+
+/// The kernel forgot the node: the salvaged chmod reaches the filer by the file's name.
+#[tokio::test]
+async fn a_salvaged_chmod_of_a_forgotten_node_reaches_the_filer() {
+    assert_eq!(salvage_of_a_forgotten_node(false).await, 0o640);
+}
+
+/// ... but never lands on another file made at that name since.
+#[tokio::test]
+async fn a_salvaged_chmod_never_lands_on_another_file_at_the_name() {
+    assert_eq!(
+        salvage_of_a_forgotten_node(true).await,
+        0o600,
+        "the salvage changed another file"
+    );
+}
+
 /// A session of volume "pv1" on the filer directory "/vol", which another client made.
 async fn volume_on_vol() -> (Arc<Fs>, Arc<MockFiler>) {
     let cfg = FsConfig::from_mount_options(&MountOptions {
