@@ -177,3 +177,21 @@ fn a_prune_that_fails_part_way_counts_what_was_sent() {
     assert_eq!(fs.prune_nodes(), 0);
     assert_eq!(nt.asked.lock().len(), 1);
 }
+
+/// A round that runs after the session left the budget (its blocking task outlives the
+/// session's tasks) does not count the session's nodes in again.
+#[test]
+fn a_session_that_left_the_budget_is_not_counted_again() {
+    let budget = MemoryBudget::new(64 * MIB);
+    let (fs, _) = fs_with(&budget);
+    for i in 0..10 {
+        fs.inodes
+            .remember(1000 + i, &format!("/f{i}"), super::attr::Kind::File, true);
+    }
+    fs.prune_nodes();
+    assert_eq!(budget.nodes(), 11, "the root and ten files");
+    fs.leave_budget();
+    assert_eq!(budget.nodes(), 0);
+    fs.prune_nodes();
+    assert_eq!(budget.nodes(), 0, "counted in again after it left");
+}

@@ -55,8 +55,7 @@ impl Rerecords {
         since >= rerecord_pause(self.made)
     }
 
-    /// A rewrite was made at `now` (one the filer answered: a filer that does not answer
-    /// lengthens no pause).
+    /// A rewrite was begun at `now`.
     fn made(&mut self, now: Instant) {
         self.made = self.made.saturating_add(1);
         self.last = Some(now);
@@ -145,8 +144,14 @@ impl Fs {
     pub fn prune_nodes(&self) -> usize {
         use crate::budget::NODE_BYTES;
         let now = self.inodes.len() as u64;
-        let before = self.nodes_reported.swap(now, Ordering::Relaxed);
-        self.cfg.budget.nodes_changed(before, now);
+        {
+            let left = self.left_budget.lock();
+            if *left {
+                return 0;
+            }
+            let before = self.nodes_reported.swap(now, Ordering::Relaxed);
+            self.cfg.budget.nodes_changed(before, now);
+        }
         let limit = self.cfg.budget.inode_limit() / NODE_BYTES;
         let total = self.cfg.budget.nodes();
         if total <= limit || now <= 1 {
@@ -178,7 +183,7 @@ impl Fs {
             pruning.asked.clear();
             return 0;
         }
-        let sent = nt.prune(&inos);
+        let sent = nt.prune(&inos).min(inos.len());
         if sent < inos.len() {
             // refused (an older kernel or keeper) or no keeper connection now: the scan is
             // not repeated every second
@@ -198,6 +203,10 @@ impl Fs {
 
     /// This session's nodes leave the node-wide count (its session ends; idempotent).
     pub fn leave_budget(&self) {
+        // under the lock: a round already started (its blocking task outlives the session's
+        // tasks) cannot count the nodes in again after this
+        let mut left = self.left_budget.lock();
+        *left = true;
         let n = self.nodes_reported.swap(0, Ordering::Relaxed);
         self.cfg.budget.nodes_changed(n, 0);
     }
@@ -404,9 +413,11 @@ impl Fs {
     /// quota, when this volume takes its quota from the filer. No readable record keeps the
     /// current quota (volume context, NodeExpandVolume).
     ///
-    /// Records only grow (an expansion kubelet confirmed is never taken back), so once one
-    /// was taken, a smaller one found later is another writer's stale copy of the entry: the
-    /// quota stays (also when this check races an expansion here).
+    /// The volume's own record (NodeExpandVolume's) only grows: an expansion kubelet was
+    /// told of is never taken back. So once one was taken, a smaller one (or none) found
+    /// later is another writer's stale copy of the entry, and the quota stays at least
+    /// there; the controller's record may be lowered (a failed expansion given up). Computed
+    /// and set under one lock, so a re-read racing an expansion here cannot undo it.
     fn take_capacity(&self, root: &pb::Entry) {
         if !self.cfg.quota_from_filer {
             return;
@@ -414,9 +425,19 @@ impl Fs {
         let Some(mut bytes) = self.capacity_on(root) else {
             return;
         };
-        if bytes != 0 {
-            let floor = self.capacity_floor.fetch_max(bytes, Ordering::Relaxed);
-            bytes = bytes.max(floor);
+        let mut floor = self.capacity_floor.lock();
+        if bytes == 0 {
+            // no quota, by hand: what was recorded before no longer counts
+            *floor = 0;
+        } else {
+            let own = self
+                .cfg
+                .capacity_key
+                .as_deref()
+                .and_then(|k| recorded_capacity(root, k))
+                .map_or(0, |v| v.max(0) as u64);
+            *floor = (*floor).max(own);
+            bytes = bytes.max(*floor);
         }
         if bytes != self.quota() {
             tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
@@ -523,21 +544,18 @@ impl Fs {
         // make that a rewrite every tick: they back off, and the quota stays meanwhile.
         let expanded = self.expanded.load(Ordering::Relaxed);
         if expanded > 0 && self.capacity_on(&e).is_none_or(|c| c != 0 && c < expanded) {
-            if !self.rerecords.lock().due(Instant::now()) {
-                return;
+            // counted before it runs: one cut short (the caller's timeout) counts too
+            {
+                let mut r = self.rerecords.lock();
+                let now = Instant::now();
+                if !r.due(now) {
+                    return;
+                }
+                r.made(now);
             }
             tracing::warn!(root = %self.cfg.root, expanded, "the capacity record was overwritten; recording it again");
-            match self.record_capacity(expanded).await {
-                // written, or overwritten every time: the pause grows
-                Ok(()) => self.rerecords.lock().made(Instant::now()),
-                Err(err) if err.errno == libc::EAGAIN => {
-                    self.rerecords.lock().made(Instant::now());
-                    tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
-                }
-                // the filer did not answer: tried again at the next re-read
-                Err(err) => {
-                    tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed")
-                }
+            if let Err(err) = self.record_capacity(expanded).await {
+                tracing::warn!(root = %self.cfg.root, error = %err, "recording the capacity again failed");
             }
             return;
         }
@@ -860,10 +878,6 @@ mod rerecord_tests {
         assert!(r.due(at(0)), "the first rewrite waits for nothing");
         r.made(at(0));
         assert!(!r.due(at(4)));
-        assert!(
-            r.due(at(5)),
-            "not made (the filer did not answer): due again"
-        );
         assert!(r.due(at(5)));
         r.made(at(5));
         assert!(!r.due(at(14)), "the second pause is twice the first");

@@ -2054,6 +2054,36 @@ async fn a_record_overwritten_again_and_again_is_rewritten_with_pauses() {
     );
 }
 
+/// The controller's record may be lowered (a failed expansion given up, the claim set back):
+/// a session that took the larger one takes the smaller one too.
+#[tokio::test]
+async fn a_lowered_controller_record_is_taken() {
+    let (fs, filer) = volume_on_vol().await;
+    let set_shared = |bytes: u64| {
+        let filer = filer.clone();
+        async move {
+            let mut e = filer.get("/vol").unwrap();
+            e.extended
+                .insert(super::CAPACITY_XATTR.into(), bytes.to_string().into_bytes());
+            filer
+                .other_client()
+                .update_entry(pb::UpdateEntryRequest {
+                    directory: "/".into(),
+                    entry: Some(e),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+    };
+    set_shared(100 << 30).await;
+    fs.refresh_capacity().await;
+    assert_eq!(fs.quota(), 100 << 30);
+    set_shared(20 << 30).await;
+    fs.refresh_capacity().await;
+    assert_eq!(fs.quota(), 20 << 30, "the lowered record was not taken");
+}
+
 /// The last of the expansion's updates is read back too: one that stuck is a success.
 #[tokio::test]
 async fn an_expansion_whose_last_update_sticks_succeeds() {

@@ -344,13 +344,16 @@ pub struct Fs {
     /// Nodes of the inode table last counted into the budget (see [`Fs::prune_nodes`]).
     nodes_reported: AtomicU64,
     pruning: Mutex<entries::Pruning>,
+    /// The session's nodes left the node-wide count (see [`Fs::leave_budget`]).
+    left_budget: Mutex<bool>,
     /// The largest capacity NodeExpandVolume recorded through this session (see
     /// [`Fs::refresh_capacity`]).
     expanded: AtomicU64,
     /// Rewrites of an overwritten capacity record in a row, and when the next may be made.
     rerecords: Mutex<entries::Rerecords>,
-    /// The largest capacity record taken (see [`Fs::take_capacity`]).
-    capacity_floor: AtomicU64,
+    /// The largest of this volume's own capacity records taken (see
+    /// [`Fs::take_capacity`]); the quota is computed and set under it.
+    capacity_floor: Mutex<u64>,
     /// Deletes of orphaned chunks in flight (an unmount or a handover waits for them).
     deletes: Arc<write::BackgroundDeletes>,
     healthy: AtomicBool,
@@ -428,9 +431,10 @@ impl Fs {
             notifier: parking_lot::RwLock::new(None),
             nodes_reported: AtomicU64::new(0),
             pruning: Mutex::new(Default::default()),
+            left_budget: Mutex::new(false),
             expanded: AtomicU64::new(0),
             rerecords: Mutex::new(Default::default()),
-            capacity_floor: AtomicU64::new(0),
+            capacity_floor: Mutex::new(0),
             deletes: Default::default(),
             healthy: AtomicBool::new(true),
             posix_acl: AtomicBool::new(false),
