@@ -294,8 +294,31 @@ impl Stager for FuseStager {
             .ok_or_else(|| StageError::NotStaged(volume_id.to_string()))?;
         // on the filer too, for every node and every later stage; failing, the expansion is
         // reported failed and kubelet asks again
-        fs.expand(bytes).await.map_err(|e| {
-            StageError::Unavailable(format!("recording the new capacity on the filer: {e}"))
-        })
+        fs.expand(bytes).await.map_err(expand_error)
+    }
+}
+
+/// A failed expansion as kubelet should see it: retried while the filer may take it, not
+/// found when the volume's directory is gone, refused when it is no directory.
+fn expand_error(e: crate::fs::FsError) -> StageError {
+    let msg = format!("recording the new capacity on the filer: {e}");
+    match e.errno {
+        libc::ENOENT => StageError::NotFound(msg),
+        libc::ENOTDIR => StageError::InvalidOptions(msg),
+        _ => StageError::Unavailable(msg),
+    }
+}
+
+#[cfg(test)]
+mod expand_error_tests {
+    use super::*;
+
+    #[test]
+    fn a_gone_directory_is_not_found_and_a_busy_filer_is_unavailable() {
+        let of = |errno| expand_error(crate::fs::FsError::new(errno, "x"));
+        assert!(matches!(of(libc::ENOENT), StageError::NotFound(_)));
+        assert!(matches!(of(libc::ENOTDIR), StageError::InvalidOptions(_)));
+        assert!(matches!(of(libc::EAGAIN), StageError::Unavailable(_)));
+        assert!(matches!(of(libc::EIO), StageError::Unavailable(_)));
     }
 }
