@@ -276,6 +276,86 @@ fn truncate_open_trunc_fallocate_and_chown_clear_setuid() {
     assert_eq!(bits(), 0o6777, "root's O_TRUNC write");
 }
 
+/// An `O_RDONLY|O_TRUNC` open truncates the file, on the filer too, as on a local
+/// filesystem; of a file being executed it fails with ETXTBSY and changes nothing, not even
+/// the kernel's idea of its size (pages of it mapped before stay readable: the process
+/// running it would otherwise die of SIGBUS).
+#[test]
+fn a_read_only_truncating_open() {
+    let w = shared_server();
+    let root = unique_path("rotrunc");
+    let m = mount_ours(&w, &root, &[]);
+    let p = m.join("plain");
+    fs::write(&p, b"hello").unwrap();
+    drop(
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_TRUNC)
+            .open(&p)
+            .unwrap(),
+    );
+    assert_eq!(fs::metadata(&p).unwrap().len(), 0);
+    assert_eq!(w.filer_get(&format!("{root}/plain")).unwrap(), b"");
+
+    let sleep = ["/usr/bin/sleep", "/bin/sleep"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("sleep");
+    let original = fs::read(sleep).unwrap();
+    let exe = m.join("sleeper");
+    fs::write(&exe, &original).unwrap();
+    fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
+    let mut child = std::process::Command::new(&exe).arg("60").spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let f = File::open(&exe).unwrap();
+    let len = original.len();
+    // SAFETY: a read-only shared mapping of an open file, unmapped below
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    let last = len - 1;
+    // SAFETY: within the mapping
+    let byte = unsafe { std::ptr::read_volatile((map as *const u8).add(last)) };
+    assert_eq!(byte, original[last]);
+    let r = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_TRUNC)
+        .open(&exe);
+    // the mapping read again in a child: a SIGBUS there must not end this test's process
+    // SAFETY: the child only reads memory and exits
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let again = unsafe { std::ptr::read_volatile((map as *const u8).add(last)) };
+        unsafe { libc::_exit(if again == byte { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: our own child
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    let alive = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    unsafe { libc::munmap(map, len) };
+    assert_eq!(
+        r.map(|_| ()).unwrap_err().raw_os_error(),
+        Some(libc::ETXTBSY)
+    );
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the mapped file was cut short (wait status {status:#x})"
+    );
+    assert!(alive, "the process running the file died");
+    assert_eq!(fs::metadata(&exe).unwrap().len() as usize, len);
+    assert_eq!(w.filer_get(&format!("{root}/sleeper")).unwrap(), original);
+}
+
 #[test]
 fn directories() {
     let w = shared_server();

@@ -219,7 +219,11 @@ impl Filesystem for FuseAdapter {
         let wanted = InitFlags::FUSE_DO_READDIRPLUS
             | InitFlags::FUSE_READDIRPLUS_AUTO
             | InitFlags::FUSE_PARALLEL_DIROPS
-            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            // not FUSE_ATOMIC_O_TRUNC: with it the kernel truncates its view of the file
+            // when our open succeeds, before its own ETXTBSY check, so an O_RDONLY|O_TRUNC
+            // open of a file being executed cut it short under the process (SIGBUS), and
+            // a read-only one we do not truncate left the kernel's size at 0. Without it the
+            // kernel checks first and truncates with a SETATTR.
             | InitFlags::FUSE_CACHE_SYMLINKS
             | InitFlags::FUSE_EXPLICIT_INVAL_DATA
             // The kernel caches and enforces POSIX ACLs; DONT_MASK hands us the umask so that
