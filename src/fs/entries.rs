@@ -502,7 +502,10 @@ impl Fs {
         for round in 0..=CAPACITY_ROUNDS {
             // a fresh copy: the update carries every other attribute of the directory as it is
             let mut e = self.filer.lookup_entry(&dir, &name).await?;
-            if self.capacity_on(&e).is_some_and(|c| c == 0 || c >= bytes) {
+            // The volume's own record, even where the controller's already says as much:
+            // only the own record is a floor no stale copy can lower (see `take_capacity`).
+            let own = recorded_capacity(&e, key).map_or(0, |v| v.max(0) as u64);
+            if own >= bytes || self.capacity_on(&e) == Some(0) {
                 // confirmed: kept from now on (see `refresh_capacity`); a failed expansion is
                 // not (the claim may be lowered again, RecoverVolumeExpansionFailure)
                 self.expanded.fetch_max(bytes, Ordering::Relaxed);

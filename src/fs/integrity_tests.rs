@@ -2054,6 +2054,56 @@ async fn a_record_overwritten_again_and_again_is_rewritten_with_pauses() {
     );
 }
 
+/// The usual expansion of a provisioned volume: the controller records the size first, then
+/// NodeExpandVolume records the volume's own, so that a stale copy of the root with an
+/// older controller record does not lower the quota of the other nodes.
+#[tokio::test]
+async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
+    let (fs, filer) = volume_on_vol().await;
+    let stale = filer.get("/vol").unwrap();
+    let mut e = stale.clone();
+    e.extended.insert(
+        super::CAPACITY_XATTR.into(),
+        (3u64 << 30).to_string().into_bytes(),
+    );
+    let update = |e: pb::Entry| {
+        let filer = filer.clone();
+        async move {
+            filer
+                .other_client()
+                .update_entry(pb::UpdateEntryRequest {
+                    directory: "/".into(),
+                    entry: Some(e),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+        }
+    };
+    update(e).await;
+    let other = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
+    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
+    assert_eq!(
+        filer
+            .get("/vol")
+            .unwrap()
+            .extended
+            .get(CAPACITY_KEY)
+            .map(|v| v.as_slice()),
+        Some(b"3221225472".as_slice()),
+        "the volume's own record"
+    );
+    other.refresh_capacity().await;
+    assert_eq!(other.quota(), 3 << 30);
+    update(stale).await;
+    other.refresh_capacity().await;
+    assert_eq!(
+        other.quota(),
+        3 << 30,
+        "a stale copy lowered another node's quota"
+    );
+}
+
 /// The controller's record may be lowered (a failed expansion given up, the claim set back):
 /// a session that took the larger one takes the smaller one too.
 #[tokio::test]
