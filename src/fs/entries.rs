@@ -430,12 +430,12 @@ impl Fs {
             // no quota, by hand: what was recorded before no longer counts
             *floor = 0;
         } else {
-            let own = self
-                .cfg
-                .capacity_key
-                .as_deref()
-                .and_then(|k| recorded_capacity(root, k))
-                .map_or(0, |v| v.max(0) as u64);
+            // (with no key of its own, the shared record is no floor: the controller may
+            // lower it)
+            let own = match self.cfg.capacity_key {
+                Some(_) => self.own_capacity(root),
+                None => 0,
+            };
             *floor = (*floor).max(own);
             bytes = bytes.max(*floor);
         }
@@ -443,6 +443,17 @@ impl Fs {
             tracing::info!(root = %self.cfg.root, from = self.quota(), to = bytes, "quota changed on the filer");
             self.set_quota(bytes);
         }
+    }
+
+    /// The volume's own capacity record on the root entry (NodeExpandVolume's; the shared
+    /// one when the volume has no key of its own), 0 when there is none.
+    fn own_capacity(&self, root: &pb::Entry) -> u64 {
+        let key = self
+            .cfg
+            .capacity_key
+            .as_deref()
+            .unwrap_or(super::CAPACITY_XATTR);
+        recorded_capacity(root, key).map_or(0, |v| v.max(0) as u64)
     }
 
     /// The capacity the root entry's records give this volume: the controller's
@@ -504,8 +515,7 @@ impl Fs {
             let mut e = self.filer.lookup_entry(&dir, &name).await?;
             // The volume's own record, even where the controller's already says as much:
             // only the own record is a floor no stale copy can lower (see `take_capacity`).
-            let own = recorded_capacity(&e, key).map_or(0, |v| v.max(0) as u64);
-            if own >= bytes || self.capacity_on(&e) == Some(0) {
+            if self.own_capacity(&e) >= bytes || self.capacity_on(&e) == Some(0) {
                 // confirmed: kept from now on (see `refresh_capacity`); a failed expansion is
                 // not (the claim may be lowered again, RecoverVolumeExpansionFailure)
                 self.expanded.fetch_max(bytes, Ordering::Relaxed);
@@ -546,7 +556,7 @@ impl Fs {
         // A writer that keeps storing an old copy (a node whose cache never learns) would
         // make that a rewrite every tick: they back off, and the quota stays meanwhile.
         let expanded = self.expanded.load(Ordering::Relaxed);
-        if expanded > 0 && self.capacity_on(&e).is_none_or(|c| c != 0 && c < expanded) {
+        if expanded > 0 && self.capacity_on(&e) != Some(0) && self.own_capacity(&e) < expanded {
             // counted before it runs: one cut short (the caller's timeout) counts too
             {
                 let mut r = self.rerecords.lock();

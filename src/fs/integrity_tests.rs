@@ -2095,6 +2095,23 @@ async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
     );
     other.refresh_capacity().await;
     assert_eq!(other.quota(), 3 << 30);
+    // a stale copy with the controller's record but not ours: the expanding session
+    // writes its own again at the re-read
+    let mut with_controllers = filer.get("/vol").unwrap();
+    with_controllers.extended.remove(CAPACITY_KEY);
+    update(with_controllers).await;
+    fs.refresh_capacity().await;
+    let own = filer
+        .get("/vol")
+        .unwrap()
+        .extended
+        .get(CAPACITY_KEY)
+        .cloned();
+    assert_eq!(
+        own.as_deref(),
+        Some(b"3221225472".as_slice()),
+        "the volume's own record was not written again"
+    );
     update(stale).await;
     other.refresh_capacity().await;
     assert_eq!(
