@@ -1078,7 +1078,7 @@ async fn the_inode_table_shrinks_to_its_budget_after_a_walk_of_directories() {
 async fn inode_table_shrinks_after_a_walk(kept: bool, dirs: bool) {
     use std::os::unix::fs::OpenOptionsExt;
     const N: u64 = 20_000;
-    if !kernel_at_least(6, 18) {
+    if !common::kernel_at_least(6, 18) {
         eprintln!("SKIPPED: FUSE_NOTIFY_PRUNE needs Linux 6.18+");
         return;
     }
@@ -1217,13 +1217,4 @@ async fn inode_table_shrinks_after_a_walk(kept: bool, dirs: bool) {
     .unwrap();
     assert_eq!(n as u64, N);
     pod.unpublish_and_unstage(&c).await;
-}
-
-fn kernel_at_least(major: u32, minor: u32) -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut parts = release
-        .trim()
-        .split(['.', '-'])
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (major, minor)
 }

@@ -521,3 +521,14 @@ fn fill_big(filer: &str, volume_path: &str, mount_dir: &std::path::Path, n: u64,
         }
     }
 }
+
+/// Whether the running kernel is at least `major.minor`.
+#[allow(dead_code)]
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (major, minor)
+}

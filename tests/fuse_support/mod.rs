@@ -172,6 +172,18 @@ pub fn mount_dir(tag: &str) -> (tempfile::TempDir, PathBuf) {
 
 /// Spawns our `mount` command with `args` (plus `--dir`) and waits for the mount.
 pub fn spawn_ours(filer: &str, filer_path: &str, dir: &Path, extra: &[&str]) -> MountGuard {
+    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
+    spawn_ours_logging(filer, filer_path, dir, extra, &level)
+}
+
+/// [`spawn_ours`] with the mount process's `RUST_LOG`.
+pub fn spawn_ours_logging(
+    filer: &str,
+    filer_path: &str,
+    dir: &Path,
+    extra: &[&str],
+    rust_log: &str,
+) -> MountGuard {
     let log = dir
         .parent()
         .unwrap_or(Path::new("/tmp"))
@@ -183,10 +195,7 @@ pub fn spawn_ours(filer: &str, filer_path: &str, dir: &Path, extra: &[&str]) -> 
         .arg(format!("--filer.path={filer_path}"))
         .arg(format!("--dir={}", dir.display()))
         .args(extra)
-        .env(
-            "RUST_LOG",
-            std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into()),
-        )
+        .env("RUST_LOG", rust_log)
         .stdin(Stdio::null())
         .stdout(f.try_clone().unwrap())
         .stderr(f)
@@ -204,8 +213,19 @@ pub fn spawn_ours(filer: &str, filer_path: &str, dir: &Path, extra: &[&str]) -> 
 
 /// Our mount of `filer_path` on a fresh directory.
 pub fn mount_ours(w: &WeedServer, filer_path: &str, extra: &[&str]) -> MountGuard {
+    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
+    mount_ours_logging(w, filer_path, extra, &level)
+}
+
+/// [`mount_ours`] with the mount process's `RUST_LOG`.
+pub fn mount_ours_logging(
+    w: &WeedServer,
+    filer_path: &str,
+    extra: &[&str],
+    rust_log: &str,
+) -> MountGuard {
     let (tmp, dir) = mount_dir("ours");
-    let mut g = spawn_ours(&w.filer_addr(), filer_path, &dir, extra);
+    let mut g = spawn_ours_logging(&w.filer_addr(), filer_path, &dir, extra, rust_log);
     g._tmp = Some(tmp);
     g
 }
