@@ -1855,15 +1855,7 @@ async fn salvage_of_a_forgotten_node(replace: bool) -> u32 {
         attrs.inode += 1000;
         attrs.file_mode = 0o600;
         other.chunks.clear();
-        filer
-            .other_client()
-            .update_entry(pb::UpdateEntryRequest {
-                directory: "/".into(),
-                entry: Some(other),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        store_root(&filer, other).await;
     }
     fs.salvage_deferred_attrs(&old).await;
     perm_on_filer(&filer, "/f")
@@ -1883,6 +1875,19 @@ async fn a_salvaged_chmod_never_lands_on_another_file_at_the_name() {
         0o600,
         "the salvage changed another file"
     );
+}
+
+/// Another writer of the volume root (another node, the controller) stores its copy `e`.
+async fn store_root(filer: &MockFiler, e: pb::Entry) {
+    filer
+        .other_client()
+        .update_entry(pb::UpdateEntryRequest {
+            directory: "/".into(),
+            entry: Some(e),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
 }
 
 /// A session of volume "pv1" on the filer directory "/vol", which another client made.
@@ -1936,15 +1941,7 @@ async fn a_smaller_record_found_later_does_not_lower_the_quota() {
     assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
     other.refresh_capacity().await;
     assert_eq!(other.quota(), 3 << 30, "the other node took the expansion");
-    filer
-        .other_client()
-        .update_entry(pb::UpdateEntryRequest {
-            directory: "/".into(),
-            entry: Some(stale),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    store_root(&filer, stale).await;
     other.refresh_capacity().await;
     assert_eq!(other.quota(), 3 << 30, "a stale record lowered the quota");
 }
@@ -2006,15 +2003,7 @@ async fn a_capacity_record_overwritten_after_the_expansion_is_written_again() {
     let (fs, filer) = volume_on_vol().await;
     let stale = filer.get("/vol").unwrap();
     assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
-    filer
-        .other_client()
-        .update_entry(pb::UpdateEntryRequest {
-            directory: "/".into(),
-            entry: Some(stale),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    store_root(&filer, stale).await;
     fs.refresh_capacity().await;
     assert_eq!(fs.quota(), 3 << 30, "the quota fell back to the old record");
     let e = filer.get("/vol").unwrap();
@@ -2066,21 +2055,7 @@ async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
         super::CAPACITY_XATTR.into(),
         (3u64 << 30).to_string().into_bytes(),
     );
-    let update = |e: pb::Entry| {
-        let filer = filer.clone();
-        async move {
-            filer
-                .other_client()
-                .update_entry(pb::UpdateEntryRequest {
-                    directory: "/".into(),
-                    entry: Some(e),
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-        }
-    };
-    update(e).await;
+    store_root(&filer, e).await;
     let other = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
     assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
     assert_eq!(
@@ -2099,7 +2074,7 @@ async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
     // writes its own again at the re-read
     let mut with_controllers = filer.get("/vol").unwrap();
     with_controllers.extended.remove(CAPACITY_KEY);
-    update(with_controllers).await;
+    store_root(&filer, with_controllers).await;
     fs.refresh_capacity().await;
     let own = filer
         .get("/vol")
@@ -2112,7 +2087,7 @@ async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
         Some(b"3221225472".as_slice()),
         "the volume's own record was not written again"
     );
-    update(stale).await;
+    store_root(&filer, stale).await;
     other.refresh_capacity().await;
     assert_eq!(
         other.quota(),
@@ -2132,15 +2107,7 @@ async fn a_lowered_controller_record_is_taken() {
             let mut e = filer.get("/vol").unwrap();
             e.extended
                 .insert(super::CAPACITY_XATTR.into(), bytes.to_string().into_bytes());
-            filer
-                .other_client()
-                .update_entry(pb::UpdateEntryRequest {
-                    directory: "/".into(),
-                    entry: Some(e),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
+            store_root(&filer, e).await;
         }
     };
     set_shared(100 << 30).await;
