@@ -274,15 +274,7 @@ async fn a_newer_update_reaches_an_open_file_we_committed_lately() {
     theirs.chunks.clear();
     theirs.content = b"theirs!".to_vec();
     theirs.attributes.as_mut().unwrap().file_size = 7;
-    filer
-        .other_client()
-        .update_entry(pb::UpdateEntryRequest {
-            directory: "/".into(),
-            entry: Some(theirs.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    store_root(&filer, theirs.clone()).await;
     fs.apply_event(&event(Some(ours), Some(theirs)));
     settle().await;
     assert_eq!(&fs.read(fh, a.ino, 0, 16).await.unwrap()[..], b"theirs!");
@@ -1877,7 +1869,8 @@ async fn a_salvaged_chmod_never_lands_on_another_file_at_the_name() {
     );
 }
 
-/// Another writer of the volume root (another node, the controller) stores its copy `e`.
+/// Another client stores its copy `e` of an entry in the filer's root directory (the volume
+/// root of [`volume_on_vol`], or a file of [`fs_and_store`]'s).
 async fn store_root(filer: &MockFiler, e: pb::Entry) {
     filer
         .other_client()
@@ -2023,15 +2016,7 @@ async fn a_record_overwritten_again_and_again_is_rewritten_with_pauses() {
     assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
     let before = filer.calls("update_entry");
     for _ in 0..4 {
-        filer
-            .other_client()
-            .update_entry(pb::UpdateEntryRequest {
-                directory: "/".into(),
-                entry: Some(stale.clone()),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        store_root(&filer, stale.clone()).await;
         fs.refresh_capacity().await;
         assert_eq!(fs.quota(), 3 << 30, "the quota fell back to the old record");
     }
