@@ -687,8 +687,13 @@ fn random_operations_match_the_model_while_the_kernel_forgets_nodes() {
     let seed = seed_from_env("MODEL_SEED", 20261205);
     let ops = env_u64("MODEL_PRUNE_OPS", 150);
     let budget: &[&str] = &["--memoryBudgetMB=64"];
-    let log = "info,seaweedfs_csi_driver::fs::entries=debug";
-    let mut wd = World::new_logging("prune", &[budget, budget], seed, log);
+    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
+    let log = format!("{level},seaweedfs_csi_driver::fs::entries=debug");
+    let mut wd = World::new_logging("prune", &[budget, budget], seed, &log);
+    debug_assert!(
+        !NAMES.contains(&"big"),
+        "the load directory is not in the model"
+    );
     wd.ignore = Some("big".into());
     common::fill_dir(
         &wd.w.filer_addr(),
@@ -696,7 +701,15 @@ fn random_operations_match_the_model_while_the_kernel_forgets_nodes() {
         wd.nodes[0].guard.path(),
         16_000,
     );
+    /// Stops the walker also when the test panics (the mounts go, it would spin on).
+    struct StopOnDrop(Arc<AtomicBool>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(stop.clone());
     let walker = {
         let stop = stop.clone();
         let dirs: Vec<_> = wd.nodes.iter().map(|n| n.guard.join("big")).collect();

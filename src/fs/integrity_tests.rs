@@ -2035,49 +2035,59 @@ async fn a_record_overwritten_again_and_again_is_rewritten_with_pauses() {
 async fn an_expansion_the_controller_recorded_first_keeps_its_own_record() {
     let (fs, filer) = volume_on_vol().await;
     let stale = filer.get("/vol").unwrap();
-    let mut e = stale.clone();
-    e.extended.insert(
-        super::CAPACITY_XATTR.into(),
-        (3u64 << 30).to_string().into_bytes(),
-    );
-    store_root(&filer, e).await;
-    let other = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
-    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
-    assert_eq!(
+    let with_shared = |gib: u64| {
+        let mut e = stale.clone();
+        e.extended.insert(
+            super::CAPACITY_XATTR.into(),
+            (gib << 30).to_string().into_bytes(),
+        );
+        e
+    };
+    let own_record = || {
         filer
             .get("/vol")
             .unwrap()
             .extended
             .get(CAPACITY_KEY)
-            .map(|v| v.as_slice()),
+            .cloned()
+    };
+    store_root(&filer, with_shared(3)).await;
+    assert_eq!(fs.expand(3 << 30).await.unwrap(), 3 << 30);
+    assert_eq!(
+        own_record().as_deref(),
         Some(b"3221225472".as_slice()),
         "the volume's own record"
     );
-    other.refresh_capacity().await;
-    assert_eq!(other.quota(), 3 << 30);
-    // a stale copy with the controller's record but not ours: the expanding session
-    // writes its own again at the re-read
-    let mut with_controllers = filer.get("/vol").unwrap();
-    with_controllers.extended.remove(CAPACITY_KEY);
-    store_root(&filer, with_controllers).await;
-    fs.refresh_capacity().await;
-    let own = filer
-        .get("/vol")
-        .unwrap()
-        .extended
-        .get(CAPACITY_KEY)
-        .cloned();
+    // another node took it; then an older copy lands: the controller's record from before
+    // the expansion, ours gone
+    let b = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
+    b.refresh_capacity().await;
+    assert_eq!(b.quota(), 3 << 30);
+    store_root(&filer, with_shared(1)).await;
+    b.refresh_capacity().await;
     assert_eq!(
-        own.as_deref(),
+        b.quota(),
+        3 << 30,
+        "a stale copy lowered another node's quota"
+    );
+    // a copy with the controller's current record but not ours: the expanding session
+    // writes its own again at the re-read, so a node that never saw it gets the floor too
+    store_root(&filer, with_shared(3)).await;
+    fs.refresh_capacity().await;
+    assert_eq!(
+        own_record().as_deref(),
         Some(b"3221225472".as_slice()),
         "the volume's own record was not written again"
     );
-    store_root(&filer, stale).await;
-    other.refresh_capacity().await;
+    let c = vol_session(fs.cfg.clone(), Arc::new(filer.other_client()));
+    c.refresh_capacity().await;
+    assert_eq!(c.quota(), 3 << 30);
+    store_root(&filer, with_shared(1)).await;
+    c.refresh_capacity().await;
     assert_eq!(
-        other.quota(),
+        c.quota(),
         3 << 30,
-        "a stale copy lowered another node's quota"
+        "a stale copy lowered a later node's quota"
     );
 }
 
