@@ -43,22 +43,21 @@ pub(super) struct Rerecords {
 }
 
 impl Rerecords {
-    /// Whether a rewrite may be made at `now`.
-    fn due(&mut self, now: Instant) -> bool {
-        let Some(last) = self.last else {
-            return true;
-        };
-        let since = now.saturating_duration_since(last);
-        if since > 2 * RERECORD_PAUSE_MAX {
-            self.made = 0;
+    /// Whether a rewrite may begin at `now`; if so, it is counted (before it runs: one cut
+    /// short by the caller's timeout counts too).
+    fn begin(&mut self, now: Instant) -> bool {
+        if let Some(last) = self.last {
+            let since = now.saturating_duration_since(last);
+            if since > 2 * RERECORD_PAUSE_MAX {
+                self.made = 0;
+            }
+            if since < rerecord_pause(self.made) {
+                return false;
+            }
         }
-        since >= rerecord_pause(self.made)
-    }
-
-    /// A rewrite was begun at `now`.
-    fn made(&mut self, now: Instant) {
         self.made = self.made.saturating_add(1);
         self.last = Some(now);
+        true
     }
 }
 
@@ -448,12 +447,15 @@ impl Fs {
     /// The volume's own capacity record on the root entry (NodeExpandVolume's; the shared
     /// one when the volume has no key of its own), 0 when there is none.
     fn own_capacity(&self, root: &pb::Entry) -> u64 {
-        let key = self
-            .cfg
+        recorded_capacity(root, self.own_capacity_key()).map_or(0, |v| v.max(0) as u64)
+    }
+
+    /// The key of the volume's own capacity record (see [`Self::own_capacity`]).
+    fn own_capacity_key(&self) -> &str {
+        self.cfg
             .capacity_key
             .as_deref()
-            .unwrap_or(super::CAPACITY_XATTR);
-        recorded_capacity(root, key).map_or(0, |v| v.max(0) as u64)
+            .unwrap_or(super::CAPACITY_XATTR)
     }
 
     /// The capacity the root entry's records give this volume: the controller's
@@ -498,11 +500,7 @@ impl Fs {
 
     async fn record_capacity(&self, bytes: u64) -> Result<()> {
         let (dir, name) = split(&self.cfg.root);
-        let key = self
-            .cfg
-            .capacity_key
-            .as_deref()
-            .unwrap_or(super::CAPACITY_XATTR);
+        let key = self.own_capacity_key();
         // in turn with this node's other cycles of the entry (the directory time write-back
         // would store a copy read before this change, without the record)
         let _turn = self.entry_lock(&dir, &name).lock().await;
@@ -557,14 +555,8 @@ impl Fs {
         // make that a rewrite every tick: they back off, and the quota stays meanwhile.
         let expanded = self.expanded.load(Ordering::Relaxed);
         if expanded > 0 && self.capacity_on(&e) != Some(0) && self.own_capacity(&e) < expanded {
-            // counted before it runs: one cut short (the caller's timeout) counts too
-            {
-                let mut r = self.rerecords.lock();
-                let now = Instant::now();
-                if !r.due(now) {
-                    return;
-                }
-                r.made(now);
+            if !self.rerecords.lock().begin(Instant::now()) {
+                return;
             }
             tracing::warn!(root = %self.cfg.root, expanded, "the capacity record was overwritten; recording it again");
             if let Err(err) = self.record_capacity(expanded).await {
@@ -888,26 +880,21 @@ mod rerecord_tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut r = Rerecords::default();
-        assert!(r.due(at(0)), "the first rewrite waits for nothing");
-        r.made(at(0));
-        assert!(!r.due(at(4)));
-        assert!(r.due(at(5)));
-        r.made(at(5));
-        assert!(!r.due(at(14)), "the second pause is twice the first");
-        assert!(r.due(at(15)));
-        r.made(at(15));
+        assert!(r.begin(at(0)), "the first rewrite waits for nothing");
+        assert!(!r.begin(at(4)));
+        assert!(r.begin(at(5)));
+        assert!(!r.begin(at(14)), "the second pause is twice the first");
+        assert!(r.begin(at(15)));
         // many more in a row: the pause stops at its longest
         let mut t = 15;
         for _ in 0..20 {
             t += RERECORD_PAUSE_MAX.as_secs();
-            assert!(r.due(at(t)));
-            r.made(at(t));
-            assert!(!r.due(at(t + 1)));
+            assert!(r.begin(at(t)));
+            assert!(!r.begin(at(t + 1)));
         }
         // after a quiet spell the count starts again
         t += 2 * RERECORD_PAUSE_MAX.as_secs() + 1;
-        assert!(r.due(at(t)));
-        r.made(at(t));
-        assert!(r.due(at(t + 5)));
+        assert!(r.begin(at(t)));
+        assert!(r.begin(at(t + 5)));
     }
 }

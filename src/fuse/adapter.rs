@@ -1022,25 +1022,20 @@ impl crate::fs::Notifier for KernelNotifier {
         if self.no_prune.load(Relaxed) {
             return 0;
         }
-        use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
-        let mut sent = 0;
-        for batch in inos.chunks(PRUNE_IDS_MAX) {
-            match nix::unistd::write(fd, &prune_msg(batch)) {
-                Ok(_) => sent += batch.len(),
-                // the kernel has no such notification
-                Err(e @ (nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS)) => {
-                    if !self.no_prune.swap(true, Relaxed) {
-                        tracing::warn!(error = %e, "the kernel cannot be asked to forget nodes (FUSE_NOTIFY_PRUNE, Linux 6.18+); the inode table is not bounded");
-                    }
-                    break;
+        crate::keeper::notify::prune_in_batches(inos, |msg| match nix::unistd::write(fd, msg) {
+            Ok(_) => true,
+            // the kernel has no such notification
+            Err(e @ (nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS)) => {
+                if !self.no_prune.swap(true, Relaxed) {
+                    tracing::warn!(error = %e, "the kernel cannot be asked to forget nodes (FUSE_NOTIFY_PRUNE, Linux 6.18+); the inode table is not bounded");
                 }
-                Err(e) => {
-                    tracing::debug!(error = %e, "prune notification failed");
-                    break;
-                }
+                false
             }
-        }
-        sent
+            Err(e) => {
+                tracing::debug!(error = %e, "prune notification failed");
+                false
+            }
+        })
     }
     fn can_prune(&self) -> bool {
         self.raw.is_some() && !self.no_prune.load(std::sync::atomic::Ordering::Relaxed)
@@ -1109,7 +1104,6 @@ impl crate::fs::Notifier for KeptNotifier {
         self.pass(Ok(inval_inode_msg(ino, -1, 0)), |d| d.inval_attr(ino));
     }
     fn prune(&self, inos: &[u64]) -> usize {
-        use crate::keeper::notify::{prune_msg, PRUNE_IDS_MAX};
         use std::sync::atomic::Ordering::Relaxed;
         // Through the keeper like the invalidations, never written here: an inode evicted by
         // the prune waits for its locked pages, which a read in flight to us may hold, and a
@@ -1117,26 +1111,22 @@ impl crate::fs::Notifier for KeptNotifier {
         if self.no_prune.load(Relaxed) {
             return 0;
         }
-        let mut sent = 0;
-        for batch in inos.chunks(PRUNE_IDS_MAX) {
-            match self.keeper.send(&prune_msg(batch)) {
-                Ok(()) => sent += batch.len(),
-                Err(Some(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    // a keeper (or kernel) that does not know the notification
-                    if !self.no_prune.swap(true, Relaxed) {
-                        tracing::warn!(error = %e, "the keeper or the kernel cannot ask the kernel to forget nodes (FUSE_NOTIFY_PRUNE: Linux 6.18+ and a keeper of this version); the inode table is not bounded");
-                    }
-                    break;
+        crate::keeper::notify::prune_in_batches(inos, |msg| match self.keeper.send(msg) {
+            Ok(()) => true,
+            Err(Some(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
+                // a keeper (or kernel) that does not know the notification
+                if !self.no_prune.swap(true, Relaxed) {
+                    tracing::warn!(error = %e, "the keeper or the kernel cannot ask the kernel to forget nodes (FUSE_NOTIFY_PRUNE: Linux 6.18+ and a keeper of this version); the inode table is not bounded");
                 }
-                Err(Some(e)) => {
-                    tracing::debug!(error = %e, "prune through the keeper failed");
-                    break;
-                }
-                // no keeper connection now: not this round
-                Err(None) => break,
+                false
             }
-        }
-        sent
+            Err(Some(e)) => {
+                tracing::debug!(error = %e, "prune through the keeper failed");
+                false
+            }
+            // no keeper connection now: not this round
+            Err(None) => false,
+        })
     }
     fn can_prune(&self) -> bool {
         !self.no_prune.load(std::sync::atomic::Ordering::Relaxed)

@@ -78,6 +78,19 @@ pub fn inval_inode_msg(ino: u64, off: i64, len: i64) -> Vec<u8> {
     m
 }
 
+/// Sends `inos` as prune messages of at most [`PRUNE_IDS_MAX`] ids each, in order, until
+/// `send` says one failed; returns how many ids went out (a prefix of `inos`).
+pub fn prune_in_batches(inos: &[u64], mut send: impl FnMut(&[u8]) -> bool) -> usize {
+    let mut sent = 0;
+    for batch in inos.chunks(PRUNE_IDS_MAX) {
+        if !send(&prune_msg(batch)) {
+            break;
+        }
+        sent += batch.len();
+    }
+    sent
+}
+
 /// A FUSE_NOTIFY_PRUNE message (`fuse_out_header`, `fuse_notify_prune_out`: count, padding,
 /// spare; then the node ids): the kernel drops the unused dentries of each node it has, and
 /// an inode whose last one goes comes back as a FORGET. At most [`PRUNE_IDS_MAX`] ids.
