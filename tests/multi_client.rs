@@ -87,8 +87,7 @@ struct World {
 
 impl World {
     fn new(tag: &str, node_args: &[&[&str]], seed: u64) -> Self {
-        let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
-        Self::new_logging(tag, node_args, seed, &level)
+        Self::new_logging(tag, node_args, seed, &test_log_level())
     }
 
     /// [`Self::new`] with the mount processes' `RUST_LOG`.
@@ -687,8 +686,10 @@ fn random_operations_match_the_model_while_the_kernel_forgets_nodes() {
     let seed = seed_from_env("MODEL_SEED", 20261205);
     let ops = env_u64("MODEL_PRUNE_OPS", 150);
     let budget: &[&str] = &["--memoryBudgetMB=64"];
-    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
-    let log = format!("{level},seaweedfs_csi_driver::fs::entries=debug");
+    let log = format!(
+        "{},seaweedfs_csi_driver::fs::entries=debug",
+        test_log_level()
+    );
     let mut wd = World::new_logging("prune", &[budget, budget], seed, &log);
     debug_assert!(
         !NAMES.contains(&"big"),

@@ -172,8 +172,12 @@ pub fn mount_dir(tag: &str) -> (tempfile::TempDir, PathBuf) {
 
 /// Spawns our `mount` command with `args` (plus `--dir`) and waits for the mount.
 pub fn spawn_ours(filer: &str, filer_path: &str, dir: &Path, extra: &[&str]) -> MountGuard {
-    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
-    spawn_ours_logging(filer, filer_path, dir, extra, &level)
+    spawn_ours_logging(filer, filer_path, dir, extra, &test_log_level())
+}
+
+/// The mount processes' `RUST_LOG`: `FUSE_TEST_LOG`, or `info`.
+pub fn test_log_level() -> String {
+    std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into())
 }
 
 /// [`spawn_ours`] with the mount process's `RUST_LOG`.
@@ -213,8 +217,7 @@ pub fn spawn_ours_logging(
 
 /// Our mount of `filer_path` on a fresh directory.
 pub fn mount_ours(w: &WeedServer, filer_path: &str, extra: &[&str]) -> MountGuard {
-    let level = std::env::var("FUSE_TEST_LOG").unwrap_or_else(|_| "info".into());
-    mount_ours_logging(w, filer_path, extra, &level)
+    mount_ours_logging(w, filer_path, extra, &test_log_level())
 }
 
 /// [`mount_ours`] with the mount process's `RUST_LOG`.
