@@ -1767,31 +1767,34 @@ async fn a_salvaged_chmod_after_a_clearing_write_keeps_its_set_user_id_bit() {
     );
 }
 
-/// An O_CREAT|O_TRUNC open of a name the kernel thought absent arrives as a create; when the
-/// file exists (made by another client meanwhile), an unprivileged caller's truncation clears
-/// its set-user/group-ID bits as an O_TRUNC open does.
+/// An O_CREAT open of a name the kernel thought absent arrives as a create. When the file
+/// exists (made by another client meanwhile), the kernel has skipped its permission check,
+/// so the create must not open it: ESTALE sends the kernel back to look the name up, check
+/// the caller and open it the ordinary way. Nothing of the file changes.
 #[tokio::test]
-async fn a_truncating_create_of_an_existing_file_clears_set_user_id() {
+async fn a_create_that_finds_another_clients_file_leaves_it_to_the_kernel() {
     let (fs, _store, filer) = fs_and_store(Duration::from_millis(1));
     let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
     fs.write(fh, a.ino, 0, b"data").await.unwrap();
-    let suid = chmod(0o6777);
-    fs.setattr(a.ino, suid).await.unwrap();
+    fs.setattr(a.ino, chmod(0o4600)).await.unwrap();
     fs.release(fh, a.ino).await.unwrap();
-    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
-    let (b, fh) = fs
-        .create(ROOT_INO, "f", 0o644, 0, flags, 0, 0)
-        .await
-        .unwrap();
-    assert_eq!(b.perm, 0o6777, "root keeps them");
-    fs.release(fh, b.ino).await.unwrap();
-    let (b, fh) = fs
-        .create(ROOT_INO, "f", 0o644, 0, flags, 65534, 65534)
-        .await
-        .unwrap();
-    fs.release(fh, b.ino).await.unwrap();
-    let e = filer.get("/f").unwrap();
-    assert_eq!(e.attributes.unwrap().file_mode & 0o7777, 0o777);
+    let before = filer.get("/f").unwrap();
+    for (flags, want) in [
+        (libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, libc::ESTALE),
+        (libc::O_RDONLY | libc::O_CREAT, libc::ESTALE),
+        (libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, libc::EEXIST),
+    ] {
+        let err = fs
+            .create(ROOT_INO, "f", 0o666, 0, flags, 65534, 65534)
+            .await
+            .expect_err("a create of an existing name opened it");
+        assert_eq!(err.errno, want, "flags {flags:#o}: {err}");
+    }
+    assert!(fs.open_file(a.ino).is_none(), "a create left the file open");
+    let after = filer.get("/f").unwrap();
+    assert_eq!(after.attributes, before.attributes);
+    assert_eq!(after.chunks, before.chunks);
+    assert_eq!(after.content, before.content);
 }
 
 /// The salvage of a failed last close's deferred chmod goes to a newer open state of the

@@ -259,22 +259,20 @@ impl Fs {
         self.check_new_name(name)?;
         let dir = self.parent_dir(parent).await?;
         match self.entry_at(&dir, name).await {
-            Ok(e) => {
-                if flags & libc::O_EXCL != 0 {
-                    return Err(errno(libc::EEXIST, format!("{dir}/{name} exists")));
-                }
-                let path = join(&dir, name);
-                let a = self.remember_asking(&path, &e, true).await;
-                let fh = self.open(a.ino, flags).await?;
-                // an existing file truncated by an unprivileged caller loses its
-                // set-user/group-ID bits, as with an O_TRUNC open (see `SetAttr::kill_suidgid`)
-                if flags & libc::O_TRUNC != 0 && uid != 0 {
-                    if let Err(err) = self.kill_suidgid(a.ino).await {
-                        let _ = self.release(fh, a.ino).await;
-                        return Err(err);
-                    }
-                }
-                return Ok((self.getattr(a.ino).await?, fh));
+            Ok(_) if flags & libc::O_EXCL != 0 => {
+                return Err(errno(libc::EEXIST, format!("{dir}/{name} exists")));
+            }
+            // Another client made the name between the kernel's lookup and this create. The
+            // kernel skips its permission check for a file it asked us to create, and we
+            // cannot make it ourselves (a request carries no supplementary groups), so the
+            // file is not opened here: ESTALE makes the kernel walk the path once more,
+            // find the file, check the caller against its mode and open (and truncate) it
+            // the ordinary way.
+            Ok(_) => {
+                return Err(errno(
+                    libc::ESTALE,
+                    format!("{dir}/{name} was created by another client; the kernel looks again"),
+                ));
             }
             Err(e) if e.errno == libc::ENOENT => {}
             Err(e) => return Err(e),
