@@ -95,6 +95,30 @@ fn stale_setxattr_keeps_another_nodes_write() {
     });
 }
 
+/// chown and a POSIX ACL (an xattr that also sets the mode) from the stale node.
+#[test]
+fn stale_chown_and_acl_keep_another_nodes_write() {
+    stale_node_metadata_change("stale-acl", |p, i| {
+        let id = 1000 + i as u32;
+        let c = cpath(p);
+        check(unsafe { libc::chown(c.as_ptr(), id, id) }).unwrap();
+        // user::rw- user:<id>:r-- group::r-- mask::r-- other::---
+        let mut acl = 2u32.to_le_bytes().to_vec();
+        for (tag, perm, who) in [
+            (1u16, 6u16, u32::MAX),
+            (2, 4, id),
+            (4, 4, u32::MAX),
+            (0x10, 4, u32::MAX),
+            (0x20, 0, u32::MAX),
+        ] {
+            acl.extend_from_slice(&tag.to_le_bytes());
+            acl.extend_from_slice(&perm.to_le_bytes());
+            acl.extend_from_slice(&who.to_le_bytes());
+        }
+        setxattr(p, "system.posix_acl_access", &acl, 0).unwrap();
+    });
+}
+
 #[test]
 fn stale_rename_keeps_another_nodes_write() {
     stale_node_metadata_change("stale-rename", |p, _| {

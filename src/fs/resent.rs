@@ -5,9 +5,11 @@
 //! run's success. A wrong guess (someone else made the same change meanwhile) still leaves
 //! exactly the state the caller asked for.
 //!
-//! create(2) needs nothing: its entry reaches the filer only at the first flush, which cannot
-//! have happened before the create was answered. Data writes are idempotent (same offset, same
-//! bytes).
+//! A file's create(2) reaches the filer at its first flush, which can come before the create
+//! is answered only when a hand-over flushed everything after its wait for running requests
+//! timed out: run again, the create finds its file, which a create answers with ESTALE (see
+//! `Fs::create`); for a resent create, a regular file owned by the caller is opened instead.
+//! Data writes are idempotent (same offset, same bytes).
 
 use super::attr::{Attr, Kind};
 use super::{Fs, Result};
@@ -37,6 +39,34 @@ impl Fs {
                     "resent create found its entry: applied before the takeover"
                 );
                 Ok(a)
+            }
+            _ => Err(e),
+        }
+    }
+
+    /// create(2): ESTALE (the name exists) for a regular file the caller owns is the first
+    /// run's result: open that file, as the first run did.
+    pub async fn settle_resent_open_create(
+        &self,
+        resent: bool,
+        parent: u64,
+        name: &str,
+        flags: i32,
+        uid: u32,
+        r: Result<(Attr, u64)>,
+    ) -> Result<(Attr, u64)> {
+        let e = match r {
+            Err(e) if resent && e.errno == libc::ESTALE => e,
+            r => return r,
+        };
+        match self.lookup(parent, name).await {
+            Ok(a) if a.kind == Kind::File && a.uid == uid => {
+                tracing::info!(
+                    name,
+                    "resent create found its file: applied before the takeover"
+                );
+                let fh = self.open(a.ino, flags & !libc::O_TRUNC).await?;
+                Ok((a, fh))
             }
             _ => Err(e),
         }
@@ -100,6 +130,40 @@ mod tests {
             Arc::new(MockChunkStore::new()),
             ChunkCache::new(1 << 20),
         )
+    }
+
+    /// A create resent after a hand-over that flushed it finds its own file and opens it;
+    /// a file of another owner at the name stays ESTALE (the kernel then checks the caller).
+    #[tokio::test]
+    async fn a_resent_create_opens_the_file_its_first_run_made() {
+        let fs = fs();
+        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o444, 0, flags, 1000, 1000)
+            .await
+            .unwrap();
+        fs.write(fh, a.ino, 0, b"kept").await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        let again = fs.create(ROOT_INO, "f", 0o444, 0, flags, 1000, 1000).await;
+        assert_eq!(again.as_ref().unwrap_err().errno, libc::ESTALE);
+        let (b, fh) = fs
+            .settle_resent_open_create(true, ROOT_INO, "f", flags, 1000, again)
+            .await
+            .unwrap();
+        assert_eq!(b.ino, a.ino);
+        assert_eq!(b.size, 4, "a resent create truncated the file");
+        fs.release(fh, b.ino).await.unwrap();
+        for (resent, uid) in [(false, 1000), (true, 1001)] {
+            let r = fs.create(ROOT_INO, "f", 0o444, 0, flags, uid, uid).await;
+            let r = fs
+                .settle_resent_open_create(resent, ROOT_INO, "f", flags, uid, r)
+                .await;
+            assert_eq!(
+                r.unwrap_err().errno,
+                libc::ESTALE,
+                "resent {resent} uid {uid}"
+            );
+        }
     }
 
     #[tokio::test]

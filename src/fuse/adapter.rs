@@ -829,13 +829,17 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         let name = name_of(name);
-        let (uid, gid) = (req.uid(), req.gid());
+        let (uid, gid, resent) = (req.uid(), req.gid(), resent(req));
         run!(
             self,
             "create",
             reply,
             |fs| async {
-                fs.create(parent.0, &name?, mode, umask, flags, uid, gid)
+                let name = name?;
+                let r = fs
+                    .create(parent.0, &name, mode, umask, flags, uid, gid)
+                    .await;
+                fs.settle_resent_open_create(resent, parent.0, &name, flags, uid, r)
                     .await
             }
             .await,
