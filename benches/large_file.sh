@@ -13,7 +13,8 @@
 # at 1 MiB is 8192 chunks, below the production 10000, so set it to see manifests folded).
 # WRITER=weed writes the file through `weed mount` instead (same chunk size, its -chunkSizeLimitMB),
 # the reference for how much of a falling rate is the cluster's (volume server, disk) and not
-# the client's. Needs about SIZE_GIB + 2 GiB free under TMPDIR (default /tmp).
+# the client's. WRITER=bench writes as many bytes with `weed benchmark` (no FUSE, no filer):
+# the cluster's own curve. Needs about SIZE_GIB + 2 GiB free under TMPDIR (default /tmp).
 # VOLUME_TMPFS=1 puts the volume server's data on a tmpfs (SIZE_GIB + 2 GiB of RAM) so the
 # disk's own slowdown (page-cache writeback after a few GiB) does not hide the client's.
 set -euo pipefail
@@ -109,6 +110,30 @@ weed mount -filer="127.0.0.1:$FPORT" -filer.path=/bench -dir="$WORK/weed" \
 PIDS+=($!)
 for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
 mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
+
+if [ "$WRITER" = bench ]; then
+  # The cluster's own curve: SIZE_GIB GiB as CHUNK_MB MiB objects straight to the volume
+  # server (`weed benchmark`, 8 at a time, no filer, no FUSE), one GiB per run, with the
+  # server's CPU per GiB. A rate that falls here as it falls under a FUSE writer is the
+  # cluster's, not the client's.
+  n=$((1024 / CHUNK_MB))
+  first=""
+  for g in $(seq 1 "$SIZE_GIB"); do
+    s0=$(awk '{print $14 + $15}' "/proc/${PIDS[0]}/stat")
+    out=$(cd "$WORK" && weed benchmark -master="127.0.0.1:$MPORT" -c=8 -n="$n" \
+      -size=$((CHUNK_MB << 20)) -writeOnly -list="$WORK/bench-$g.list" 2>&1) || {
+      echo "$out" | tail -20; exit 1; }
+    s1=$(awk '{print $14 + $15}' "/proc/${PIDS[0]}/stat")
+    rate=$(echo "$out" | sed -n 's/.*Transfer rate: *\([0-9.]*\) \[Kbytes\/sec\].*/\1/p' | head -1)
+    failed=$(echo "$out" | sed -n 's/.*Failed requests: *\([0-9]*\).*/\1/p' | head -1)
+    [ -n "$rate" ] && [ "${failed:-0}" = 0 ] || { echo "$out" | tail -20; exit 1; }
+    mib=$(python3 -c "print(f'{$rate / 1024:.0f}')")
+    [ -n "$first" ] || first=$mib
+    echo "GiB $g: $mib MiB/s, server CPU $(python3 -c "print(f'{($s1 - $s0) / $(getconf CLK_TCK):.1f}')") s"
+  done
+  echo "first GiB $first MiB/s, last GiB $mib MiB/s, last/first $(python3 -c "print(f'{$mib / $first:.2f}')")"
+  exit 0
+fi
 
 echo "writing $SIZE_GIB GiB through $WRITER mount (${CHUNK_MB} MiB chunks) ..."
 if [ "$WRITER" = weed ]; then CLIENT_PID=${PIDS[2]}; else CLIENT_PID=${PIDS[1]}; fi
