@@ -915,6 +915,39 @@ mod tests {
         OpenFile::new(5, "/d".into(), e, cs, 4)
     }
 
+    /// Writes into a slot at random offsets (appends, gaps, overwrites, writes that run
+    /// past the end) hold exactly the bytes a plain buffer would, with zeros in the gaps.
+    #[test]
+    fn slot_writes_match_a_plain_buffer() {
+        let budget = MemoryBudget::new(u64::MAX);
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        for round in 0..200 {
+            let mut slot = Slot::default();
+            let mut model: Vec<u8> = Vec::new();
+            for i in 0..20 {
+                let at = next(4096) as usize;
+                let len = if next(4) == 0 {
+                    65536
+                } else {
+                    1 + next(300) as usize
+                };
+                let buf: Vec<u8> = (0..len).map(|k| (round + i + k) as u8 | 1).collect();
+                slot.write(at, &buf, 1 << 20, &budget);
+                if model.len() < at + len {
+                    model.resize(at + len, 0);
+                }
+                model[at..at + len].copy_from_slice(&buf);
+                assert_eq!(slot.data, model, "round {round}, write {i} at {at}+{len}");
+            }
+        }
+    }
+
     #[tokio::test]
     async fn truncate_waits_for_a_run_in_flight_past_the_new_size() {
         let f = Arc::new(file(4));
