@@ -97,20 +97,6 @@ for _ in $(seq 1 180); do
 done
 curl -sf "http://127.0.0.1:$FPORT/" >/dev/null || { tail -50 "$WORK/server.log"; exit 1; }
 
-EXTRA=()
-[ -n "${MANIFEST_BATCH:-}" ] && EXTRA+=("--manifestBatch=$MANIFEST_BATCH")
-RUST_LOG=warn "$BIN" mount --filer="127.0.0.1:$FPORT" --filer.path=/bench --dir="$WORK/ours" \
-  --chunkSizeLimitMB="$CHUNK_MB" "${EXTRA[@]}" >"$WORK/ours.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 60); do mountpoint -q "$WORK/ours" && break; sleep 0.5; done
-mountpoint -q "$WORK/ours" || { cat "$WORK/ours.log"; exit 1; }
-
-weed mount -filer="127.0.0.1:$FPORT" -filer.path=/bench -dir="$WORK/weed" \
-  -cacheDir="$WORK/weedcache" -cacheCapacityMB=0 -chunkSizeLimitMB="$CHUNK_MB" >"$WORK/weed.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
-mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
-
 if [ "$WRITER" = bench ]; then
   # The cluster's own curve: SIZE_GIB GiB as CHUNK_MB MiB objects straight to the volume
   # server (`weed benchmark`, 8 at a time, no filer, no FUSE), one GiB per run, with the
@@ -126,14 +112,28 @@ if [ "$WRITER" = bench ]; then
     s1=$(awk '{print $14 + $15}' "/proc/${PIDS[0]}/stat")
     rate=$(echo "$out" | sed -n 's/.*Transfer rate: *\([0-9.]*\) \[Kbytes\/sec\].*/\1/p' | head -1)
     failed=$(echo "$out" | sed -n 's/.*Failed requests: *\([0-9]*\).*/\1/p' | head -1)
-    [ -n "$rate" ] && [ "${failed:-0}" = 0 ] || { echo "$out" | tail -20; exit 1; }
-    mib=$(python3 -c "print(f'{$rate / 1024:.0f}')")
+    [ -n "$rate" ] && [ "$failed" = 0 ] || { echo "$out" | tail -20; exit 1; }
+    mib=$(python3 -c "print(f'{max($rate / 1024, 1):.0f}')")
     [ -n "$first" ] || first=$mib
     echo "GiB $g: $mib MiB/s, server CPU $(python3 -c "print(f'{($s1 - $s0) / $(getconf CLK_TCK):.1f}')") s"
   done
   echo "first GiB $first MiB/s, last GiB $mib MiB/s, last/first $(python3 -c "print(f'{$mib / $first:.2f}')")"
   exit 0
 fi
+
+EXTRA=()
+[ -n "${MANIFEST_BATCH:-}" ] && EXTRA+=("--manifestBatch=$MANIFEST_BATCH")
+RUST_LOG=warn "$BIN" mount --filer="127.0.0.1:$FPORT" --filer.path=/bench --dir="$WORK/ours" \
+  --chunkSizeLimitMB="$CHUNK_MB" "${EXTRA[@]}" >"$WORK/ours.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 60); do mountpoint -q "$WORK/ours" && break; sleep 0.5; done
+mountpoint -q "$WORK/ours" || { cat "$WORK/ours.log"; exit 1; }
+
+weed mount -filer="127.0.0.1:$FPORT" -filer.path=/bench -dir="$WORK/weed" \
+  -cacheDir="$WORK/weedcache" -cacheCapacityMB=0 -chunkSizeLimitMB="$CHUNK_MB" >"$WORK/weed.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 60); do mountpoint -q "$WORK/weed" && break; sleep 0.5; done
+mountpoint -q "$WORK/weed" || { cat "$WORK/weed.log"; exit 1; }
 
 echo "writing $SIZE_GIB GiB through $WRITER mount (${CHUNK_MB} MiB chunks) ..."
 if [ "$WRITER" = weed ]; then CLIENT_PID=${PIDS[2]}; else CLIENT_PID=${PIDS[1]}; fi

@@ -916,7 +916,8 @@ mod tests {
     }
 
     /// Writes into a slot at random offsets (appends, gaps, overwrites, writes that run
-    /// past the end) hold exactly the bytes a plain buffer would, with zeros in the gaps.
+    /// past the end) hold exactly the bytes a plain buffer would, with zeros in the gaps, and
+    /// the slot's ranges are exactly the runs of written bytes (what a seal uploads).
     #[test]
     fn slot_writes_match_a_plain_buffer() {
         let budget = MemoryBudget::new(u64::MAX);
@@ -930,6 +931,7 @@ mod tests {
         for round in 0..200 {
             let mut slot = Slot::default();
             let mut model: Vec<u8> = Vec::new();
+            let mut written: Vec<bool> = Vec::new();
             for i in 0..20 {
                 let at = next(4096) as usize;
                 let len = if next(4) == 0 {
@@ -944,6 +946,24 @@ mod tests {
                 }
                 model[at..at + len].copy_from_slice(&buf);
                 assert_eq!(slot.data, model, "round {round}, write {i} at {at}+{len}");
+                written.resize(model.len(), false);
+                written[at..at + len].fill(true);
+                // the ranges: exactly the maximal runs of written bytes
+                let mut runs = Vec::new();
+                let mut k = 0;
+                while k < written.len() {
+                    if written[k] {
+                        let s = k;
+                        while k < written.len() && written[k] {
+                            k += 1;
+                        }
+                        runs.push((s, k));
+                    } else {
+                        k += 1;
+                    }
+                }
+                assert_eq!(slot.ranges, runs, "round {round}, write {i} at {at}+{len}");
+                assert_eq!(slot.written(), written.iter().filter(|w| **w).count());
             }
         }
     }

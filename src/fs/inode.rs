@@ -218,6 +218,12 @@ impl InodeTable {
         self.inner.read().by_ino.get(&ino).map(|n| n.path.clone())
     }
 
+    /// The kernel's lookup count of a node as kept here (0 when unknown).
+    #[cfg(test)]
+    pub fn nlookup_of(&self, ino: u64) -> u64 {
+        self.inner.read().by_ino.get(&ino).map_or(0, |n| n.nlookup)
+    }
+
     pub fn ino_of(&self, path: &str) -> Option<u64> {
         self.inner.read().by_path.get(path).copied()
     }

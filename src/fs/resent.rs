@@ -40,12 +40,18 @@ impl Fs {
                 );
                 Ok(a)
             }
-            _ => Err(e),
+            Ok(a) => {
+                // the lookup counted a reference the kernel never receives
+                self.forget(a.ino, 1);
+                Err(e)
+            }
+            Err(_) => Err(e),
         }
     }
 
-    /// create(2): ESTALE (the name exists) for a regular file the caller owns is the first
-    /// run's result: open that file, as the first run did.
+    /// create(2): ESTALE (the name exists) for an empty regular file the caller owns is the
+    /// first run's result: open that file, as the first run did. A file with bytes in it is
+    /// not: the create was never answered, so nothing can have written through it.
     pub async fn settle_resent_open_create(
         &self,
         resent: bool,
@@ -60,15 +66,25 @@ impl Fs {
             r => return r,
         };
         match self.lookup(parent, name).await {
-            Ok(a) if a.kind == Kind::File && a.uid == uid => {
+            Ok(a) if a.kind == Kind::File && a.uid == uid && a.size == 0 => {
                 tracing::info!(
                     name,
                     "resent create found its file: applied before the takeover"
                 );
-                let fh = self.open(a.ino, flags & !libc::O_TRUNC).await?;
-                Ok((a, fh))
+                match self.open(a.ino, flags & !libc::O_TRUNC).await {
+                    Ok(fh) => Ok((a, fh)),
+                    Err(err) => {
+                        self.forget(a.ino, 1);
+                        Err(err)
+                    }
+                }
             }
-            _ => Err(e),
+            Ok(a) => {
+                // the lookup counted a reference the kernel never receives
+                self.forget(a.ino, 1);
+                Err(e)
+            }
+            Err(_) => Err(e),
         }
     }
 
@@ -142,8 +158,30 @@ mod tests {
             .create(ROOT_INO, "f", 0o444, 0, flags, 1000, 1000)
             .await
             .unwrap();
-        fs.write(fh, a.ino, 0, b"kept").await.unwrap();
         fs.release(fh, a.ino).await.unwrap();
+        let counted = fs.inodes.nlookup_of(a.ino);
+        let refused = |resent: bool, uid: u32| {
+            let fs = fs.clone();
+            async move {
+                let r = fs.create(ROOT_INO, "f", 0o444, 0, flags, uid, uid).await;
+                let r = fs
+                    .settle_resent_open_create(resent, ROOT_INO, "f", flags, uid, r)
+                    .await;
+                assert_eq!(
+                    r.unwrap_err().errno,
+                    libc::ESTALE,
+                    "resent {resent} uid {uid}"
+                );
+            }
+        };
+        // not resent, or another owner's file: the kernel looks again and checks the caller
+        refused(false, 1000).await;
+        refused(true, 1001).await;
+        assert_eq!(
+            fs.inodes.nlookup_of(a.ino),
+            counted,
+            "a refusal kept a lookup"
+        );
         let again = fs.create(ROOT_INO, "f", 0o444, 0, flags, 1000, 1000).await;
         assert_eq!(again.as_ref().unwrap_err().errno, libc::ESTALE);
         let (b, fh) = fs
@@ -151,19 +189,15 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(b.ino, a.ino);
-        assert_eq!(b.size, 4, "a resent create truncated the file");
+        assert_eq!(
+            fs.inodes.nlookup_of(a.ino),
+            counted + 1,
+            "the reply's entry"
+        );
+        fs.write(fh, b.ino, 0, b"data").await.unwrap();
         fs.release(fh, b.ino).await.unwrap();
-        for (resent, uid) in [(false, 1000), (true, 1001)] {
-            let r = fs.create(ROOT_INO, "f", 0o444, 0, flags, uid, uid).await;
-            let r = fs
-                .settle_resent_open_create(resent, ROOT_INO, "f", flags, uid, r)
-                .await;
-            assert_eq!(
-                r.unwrap_err().errno,
-                libc::ESTALE,
-                "resent {resent} uid {uid}"
-            );
-        }
+        // written since: not a file an unanswered create made
+        refused(true, 1000).await;
     }
 
     #[tokio::test]
