@@ -8,7 +8,8 @@
 //! A file's create(2) reaches the filer at its first flush, which can come before the create
 //! is answered only when a hand-over flushed everything after its wait for running requests
 //! timed out: run again, the create finds its file, which a create answers with ESTALE (see
-//! `Fs::create`); for a resent create, a regular file owned by the caller is opened instead.
+//! `Fs::create`); for a resent create, an empty regular file owned by the caller is opened
+//! instead.
 //! Data writes are idempotent (same offset, same bytes).
 
 use super::attr::{Attr, Kind};
