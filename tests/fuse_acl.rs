@@ -21,17 +21,6 @@ const OTHER: u16 = 0x20;
 const NOBODY: u32 = 65534;
 const STRANGER: u32 = 65533;
 
-/// The xattr form: version 2, then {tag, perm, id} little-endian.
-fn acl(entries: &[(u16, u16, u32)]) -> Vec<u8> {
-    let mut b = 2u32.to_le_bytes().to_vec();
-    for &(tag, perm, id) in entries {
-        b.extend_from_slice(&tag.to_le_bytes());
-        b.extend_from_slice(&perm.to_le_bytes());
-        b.extend_from_slice(&id.to_le_bytes());
-    }
-    b
-}
-
 fn entries(b: &[u8]) -> Vec<(u16, u16, u32)> {
     assert_eq!(&b[..4], &[2, 0, 0, 0]);
     b[4..]

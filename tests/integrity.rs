@@ -103,19 +103,14 @@ fn stale_chown_and_acl_keep_another_nodes_write() {
         let c = cpath(p);
         check(unsafe { libc::chown(c.as_ptr(), id, id) }).unwrap();
         // user::rw- user:<id>:r-- group::r-- mask::r-- other::---
-        let mut acl = 2u32.to_le_bytes().to_vec();
-        for (tag, perm, who) in [
-            (1u16, 6u16, u32::MAX),
+        let a = acl(&[
+            (1, 6, u32::MAX),
             (2, 4, id),
             (4, 4, u32::MAX),
             (0x10, 4, u32::MAX),
             (0x20, 0, u32::MAX),
-        ] {
-            acl.extend_from_slice(&tag.to_le_bytes());
-            acl.extend_from_slice(&perm.to_le_bytes());
-            acl.extend_from_slice(&who.to_le_bytes());
-        }
-        setxattr(p, "system.posix_acl_access", &acl, 0).unwrap();
+        ]);
+        setxattr(p, "system.posix_acl_access", &a, 0).unwrap();
     });
 }
 

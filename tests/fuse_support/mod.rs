@@ -423,3 +423,14 @@ pub fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
     buf.truncate(got as usize);
     Ok(buf)
 }
+
+/// A POSIX ACL in its xattr form: version 2, then {tag, perm, id} little-endian.
+pub fn acl(entries: &[(u16, u16, u32)]) -> Vec<u8> {
+    let mut b = 2u32.to_le_bytes().to_vec();
+    for &(tag, perm, id) in entries {
+        b.extend_from_slice(&tag.to_le_bytes());
+        b.extend_from_slice(&perm.to_le_bytes());
+        b.extend_from_slice(&id.to_le_bytes());
+    }
+    b
+}
