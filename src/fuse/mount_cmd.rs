@@ -70,8 +70,8 @@ pub struct MountArgs {
     /// Quota in MiB (0 = none)
     #[arg(long = "collectionQuotaMB", default_value_t = 0)]
     pub collection_quota_mb: u64,
-    /// FUSE worker threads
-    #[arg(long = "fuse.threads", default_value_t = 4)]
+    /// FUSE worker threads (default: one per CPU, at most 4)
+    #[arg(long = "fuse.threads", default_value_t = crate::config::default_fuse_threads())]
     pub fuse_threads: usize,
     /// Data chunks per manifest chunk. Tests lower it to reach manifests with few chunks.
     #[arg(long = "manifestBatch", hide = true, default_value_t = crate::chunks::MANIFEST_BATCH)]

@@ -843,6 +843,7 @@ impl ChunkStore for VolumeClient {
         let gz = maybe_gzip(&data, mime);
         let is_compressed = gz.is_some();
         let md5;
+        let mut first_assign = None;
         let (payload, part, cipher_key) = if opts.cipher {
             // encrypt(gzip?(data)); no name, mime, encoding or MD5: the server sees ciphertext only.
             let key = cipher::gen_key();
@@ -862,7 +863,13 @@ impl ChunkStore for VolumeClient {
                 key,
             )
         } else {
-            md5 = B64.encode(md5x::digest(data.clone(), opts.may_wait).await);
+            // the first assign runs while the chunk is hashed: an fsync waits for both
+            let (digest, assigned) = tokio::join!(
+                md5x::digest(data.clone(), opts.may_wait),
+                self.assign(opts, clear_len)
+            );
+            first_assign = Some(assigned);
+            md5 = B64.encode(digest);
             let payload = match gz {
                 Some(z) => Bytes::from(z),
                 None => data.clone(),
@@ -880,7 +887,11 @@ impl ChunkStore for VolumeClient {
         let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
-            let (err, retryable) = match self.assign(opts, clear_len).await {
+            let assigned = match first_assign.take() {
+                Some(a) => a,
+                None => self.assign(opts, clear_len).await,
+            };
+            let (err, retryable) = match assigned {
                 Err(e) => e,
                 Ok((assign, pool)) => {
                     let fid = FileId::parse(&assign.file_id).map_err(|_| {
