@@ -143,7 +143,17 @@ impl StoppableNotifier {
     fn pass(&self, f: impl FnOnce(&dyn Notifier)) {
         self.running.fetch_add(1, Ordering::SeqCst);
         if !self.stopped.load(Ordering::SeqCst) {
-            f(self.inner.as_ref());
+            let call = || f(self.inner.as_ref());
+            // The kernel may hold an invalidation until a request of ours is answered (an
+            // entry's waits for the directory lock a lookup holds): a runtime worker waiting
+            // here hands its tasks to another thread first, or a runtime of one worker (a
+            // 1-CPU pod) would wait for itself.
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(call)
+                }
+                _ => call(),
+            }
         }
         self.running.fetch_sub(1, Ordering::SeqCst);
     }
@@ -579,6 +589,42 @@ mod notifier_tests {
         fn inval_attr(&self, ino: u64) {
             self.calls.lock().push(format!("attr {ino}"));
         }
+    }
+
+    /// Waits in `inval_entry` for a task of the runtime, as the kernel waits for a lookup
+    /// whose answer a runtime task sends.
+    struct WaitsForTask {
+        rt: tokio::runtime::Handle,
+    }
+
+    impl Notifier for WaitsForTask {
+        fn inval_entry(&self, _parent: u64, name: &str) {
+            let (tx, rx) = std::sync::mpsc::channel();
+            self.rt.spawn(async move {
+                let _ = tx.send(());
+            });
+            if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                panic!("{name}: the task the kernel waits for never ran");
+            }
+        }
+        fn inval_inode(&self, _ino: u64) {}
+        fn inval_attr(&self, _ino: u64) {}
+    }
+
+    #[test]
+    fn an_invalidation_waiting_for_a_task_does_not_stall_a_one_worker_runtime() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let n = Arc::new(StoppableNotifier::new(Arc::new(WaitsForTask {
+            rt: rt.handle().clone(),
+        })));
+        // from a task on the only worker, as the events task calls it
+        let done =
+            rt.block_on(async move { tokio::spawn(async move { n.inval_entry(1, "a") }).await });
+        assert!(done.is_ok(), "the invalidation stalled the runtime");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
