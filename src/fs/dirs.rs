@@ -568,10 +568,7 @@ impl Fs {
         if changed.is_empty() && !names_went {
             return;
         }
-        let (Some(nt), Ok(rt)) = (
-            self.notifier.read().clone(),
-            tokio::runtime::Handle::try_current(),
-        ) else {
+        let (Some(nt), Ok(rt)) = (self.notifier(), tokio::runtime::Handle::try_current()) else {
             return;
         };
         let fs = self.clone();

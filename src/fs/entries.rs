@@ -158,7 +158,7 @@ impl Fs {
         }
         let excess = total - (limit - limit / 8);
         let share = (u128::from(excess) * u128::from(now) / u128::from(total)) as usize;
-        let Some(nt) = self.notifier.read().clone() else {
+        let Some(nt) = self.notifier() else {
             return 0;
         };
         if !nt.can_prune() {

@@ -138,9 +138,7 @@ impl Fs {
         for (d, name) in touched {
             if self.changed_here_lately(d, name) {
                 self.meta.invalidate_dir(d, false);
-                if let (Some(nt), Some(pino)) =
-                    (self.notifier.read().clone(), self.inodes.ino_of(d))
-                {
+                if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(d)) {
                     nt.inval_entry(pino, name);
                 }
             }
@@ -280,7 +278,7 @@ impl Fs {
                     pauses = crate::retry::STORAGE.pauses();
                     if replaced {
                         self.bump_content_gen(of.ino);
-                        if let Some(nt) = self.notifier.read().clone() {
+                        if let Some(nt) = self.notifier() {
                             nt.inval_inode(of.ino);
                         }
                     }
@@ -335,7 +333,7 @@ impl Fs {
             return doubtful;
         };
         let dir = ev.directory.as_str();
-        let notifier = self.notifier.read().clone();
+        let notifier = self.notifier();
         if let Some(old) = &n.old_entry {
             let renamed_or_deleted = n
                 .new_entry
@@ -536,7 +534,7 @@ impl Fs {
     /// caches, and its change in the gap would otherwise stay unseen until it is closed).
     pub fn resync(self: &Arc<Self>) {
         self.meta.invalidate_all();
-        if let Some(nt) = self.notifier.read().clone() {
+        if let Some(nt) = self.notifier() {
             for rec in self.inodes.snapshot() {
                 nt.inval_inode(rec.ino);
             }
@@ -579,7 +577,7 @@ impl Fs {
             // a listing being handed out may hold the name
             self.note_name_gone();
         }
-        let notifier = self.notifier.read().clone();
+        let notifier = self.notifier();
         // (inode, whether the event says it is gone from the filer: believed only once the
         // filer no longer has it under its name here). Only the event's own file: what holds
         // the name here now may be another file, and "not under its name" may mean renamed

@@ -74,9 +74,7 @@ impl Fs {
             Err(e) if e.errno == libc::ENOENT => {
                 self.meta.remove(&dir, &name);
                 self.note_name_gone();
-                if let (Some(nt), Some(pino)) =
-                    (self.notifier.read().clone(), self.inodes.ino_of(&dir))
-                {
+                if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir)) {
                     nt.inval_entry(pino, &name);
                 }
                 Err(errno(

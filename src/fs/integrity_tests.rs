@@ -2154,3 +2154,70 @@ async fn an_expansion_overwritten_every_time_fails_with_eagain() {
         "a failed expansion was recorded"
     );
 }
+
+/// Holds `inval_entry` until released, as the kernel holds an entry's invalidation while a
+/// lookup in its directory waits for an answer of ours.
+struct HeldEntry {
+    entered: std::sync::mpsc::SyncSender<()>,
+    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl super::Notifier for HeldEntry {
+    fn inval_entry(&self, _parent: u64, _name: &str) {
+        let _ = self.entered.try_send(());
+        let _ = self
+            .release
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(10));
+    }
+    fn inval_inode(&self, _ino: u64) {}
+    fn inval_attr(&self, _ino: u64) {}
+}
+
+/// An invalidation the kernel holds must not hold the notifier's lock too: the session's
+/// end (`drop_notifier`) would wait for it, on a runtime worker another request needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidation_the_kernel_holds_leaves_the_notifier_free() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
+    fs.write(fh, a.ino, 0, b"old").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    // deleted by another client; its event has not arrived here
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "f".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (entered_tx, entered) = std::sync::mpsc::sync_channel(8);
+    let (release, release_rx) = std::sync::mpsc::channel();
+    fs.set_notifier(Arc::new(HeldEntry {
+        entered: entered_tx,
+        release: std::sync::Mutex::new(release_rx),
+    }));
+    // a second writer's open re-reads the entry, finds it gone and invalidates the name
+    let f = fs.clone();
+    let opener = tokio::spawn(async move { f.open(a.ino, libc::O_WRONLY).await });
+    entered
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the open invalidated the name");
+    let f = fs.clone();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f.drop_notifier();
+        let _ = done_tx.send(());
+    });
+    let free = done.recv_timeout(Duration::from_secs(2)).is_ok();
+    let _ = release.send(());
+    let opened = opener.await.unwrap();
+    assert!(
+        free,
+        "drop_notifier waited for an invalidation the kernel held"
+    );
+    assert_eq!(opened.unwrap_err().errno, libc::ESTALE);
+    let _ = fs.release(fh, a.ino).await;
+}

@@ -140,39 +140,42 @@ impl StoppableNotifier {
 
     /// Runs `f` unless stopped. Counted first, checked second: `stop` sets the flag first
     /// and then waits for the count, so a call either sees the flag or is waited for.
-    fn pass(&self, f: impl FnOnce(&dyn Notifier)) {
+    /// `waits`: the kernel may hold the call until a request of ours is answered (an entry's
+    /// invalidation waits for the directory lock a lookup holds, a page's for the page).
+    fn pass(&self, waits: bool, f: impl FnOnce(&dyn Notifier)) {
         self.running.fetch_add(1, Ordering::SeqCst);
         if !self.stopped.load(Ordering::SeqCst) {
             let call = || f(self.inner.as_ref());
-            // The kernel may hold an invalidation until a request of ours is answered (an
-            // entry's waits for the directory lock a lookup holds): a runtime worker waiting
-            // here hands its tasks to another thread first, or a runtime of one worker (a
-            // 1-CPU pod) would wait for itself.
-            match tokio::runtime::Handle::try_current() {
-                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                    tokio::task::block_in_place(call)
-                }
-                _ => call(),
+            // a runtime worker that may wait hands its tasks to another thread first, or a
+            // runtime of one worker (a 1-CPU pod) would wait for itself
+            let worker = waits
+                && tokio::runtime::Handle::try_current().is_ok_and(|h| {
+                    h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+                });
+            if worker {
+                tokio::task::block_in_place(call)
+            } else {
+                call()
             }
         }
         self.running.fetch_sub(1, Ordering::SeqCst);
     }
 
     pub fn inval_entry(&self, parent: u64, name: &str) {
-        self.pass(|n| n.inval_entry(parent, name));
+        self.pass(true, |n| n.inval_entry(parent, name));
     }
 
     pub fn inval_inode(&self, ino: u64) {
-        self.pass(|n| n.inval_inode(ino));
+        self.pass(true, |n| n.inval_inode(ino));
     }
 
     pub fn inval_attr(&self, ino: u64) {
-        self.pass(|n| n.inval_attr(ino));
+        self.pass(false, |n| n.inval_attr(ino));
     }
 
     pub fn prune(&self, inos: &[u64]) -> usize {
         let mut done = 0;
-        self.pass(|n| done = n.prune(inos));
+        self.pass(true, |n| done = n.prune(inos));
         done
     }
 
@@ -460,6 +463,13 @@ impl Fs {
         *self.notifier.write() = Some(Arc::new(StoppableNotifier::new(n)));
     }
 
+    /// The kernel notifier, if any. Its lock is released before the call returns: a guard
+    /// held across an invalidation (a temporary in an `if let`) would keep `drop_notifier`
+    /// waiting for as long as the kernel holds that invalidation.
+    pub(crate) fn notifier(&self) -> Option<Arc<StoppableNotifier>> {
+        self.notifier.read().clone()
+    }
+
     /// Stops kernel invalidations and lets go of the notifier (once calls in progress end).
     pub fn drop_notifier(&self) {
         if let Some(n) = self.notifier.write().take() {
@@ -479,7 +489,7 @@ impl Fs {
     /// unanswered may hold, and would keep this process from exiting (and the next one from
     /// taking the session over).
     pub async fn stop_notifying(&self, limit: Duration) -> bool {
-        let n = self.notifier.read().clone();
+        let n = self.notifier();
         match n {
             Some(n) => n.stop(limit).await,
             None => true,

@@ -375,7 +375,7 @@ impl Fs {
         self.name_removed(&dir, name, &e, false);
         self.touch_dir(&dir);
         if !e.hard_link_id.is_empty() {
-            if let Some(n) = self.notifier.read().clone() {
+            if let Some(n) = self.notifier() {
                 n.inval_inode(ino);
             }
         }
@@ -803,7 +803,7 @@ impl Fs {
             }
         }
         self.touch_dir(&ndir);
-        if let Some(n) = self.notifier.read().clone() {
+        if let Some(n) = self.notifier() {
             n.inval_inode(ino);
         }
         let npath = join(&ndir, newname);
