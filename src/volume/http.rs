@@ -842,6 +842,8 @@ impl ChunkStore for VolumeClient {
         let mime = detect_mime(&data);
         let gz = maybe_gzip(&data, mime);
         let is_compressed = gz.is_some();
+        // the retry budget counts from here: the first assign runs beside the hash below
+        let start = Instant::now();
         let md5;
         let mut first_assign = None;
         let (payload, part, cipher_key) = if opts.cipher {
@@ -884,7 +886,6 @@ impl ChunkStore for VolumeClient {
         };
         let boundary = format!("{:032x}", rand::random::<u128>());
 
-        let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
             let assigned = match first_assign.take() {
