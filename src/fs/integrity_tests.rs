@@ -174,6 +174,12 @@ pub(super) fn event(
 
 /// Deletes "/f" as another client would, and applies its event here.
 async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
+    let e = delete_f_on_filer(filer).await;
+    fs.apply_event(&event(Some(e), None));
+}
+
+/// Another client deletes "/f"; its event has not arrived here. Returns the entry it had.
+async fn delete_f_on_filer(filer: &MockFiler) -> pb::Entry {
     let e = filer.get("/f").unwrap();
     filer
         .other_client()
@@ -184,7 +190,7 @@ async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
         })
         .await
         .unwrap();
-    fs.apply_event(&event(Some(e), None));
+    e
 }
 
 #[tokio::test]
@@ -2183,16 +2189,7 @@ async fn an_invalidation_the_kernel_holds_leaves_the_notifier_free() {
     let (a, fh) = create_f(&fs, libc::O_WRONLY).await;
     fs.write(fh, a.ino, 0, b"old").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
-    // deleted by another client; its event has not arrived here
-    filer
-        .other_client()
-        .delete_entry(pb::DeleteEntryRequest {
-            directory: "/".into(),
-            name: "f".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    delete_f_on_filer(&filer).await;
     let (entered_tx, entered) = std::sync::mpsc::sync_channel(8);
     let (release, release_rx) = std::sync::mpsc::channel();
     fs.set_notifier(Arc::new(HeldEntry {
