@@ -2161,26 +2161,6 @@ async fn an_expansion_overwritten_every_time_fails_with_eagain() {
     );
 }
 
-/// Holds `inval_entry` until released, as the kernel holds an entry's invalidation while a
-/// lookup in its directory waits for an answer of ours.
-struct HeldEntry {
-    entered: std::sync::mpsc::SyncSender<()>,
-    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
-}
-
-impl super::Notifier for HeldEntry {
-    fn inval_entry(&self, _parent: u64, _name: &str) {
-        let _ = self.entered.try_send(());
-        let _ = self
-            .release
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(10));
-    }
-    fn inval_inode(&self, _ino: u64) {}
-    fn inval_attr(&self, _ino: u64) {}
-}
-
 /// An invalidation the kernel holds must not hold the notifier's lock too: the session's
 /// end (`drop_notifier`) would wait for it, on a runtime worker another request needs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2190,18 +2170,12 @@ async fn an_invalidation_the_kernel_holds_leaves_the_notifier_free() {
     fs.write(fh, a.ino, 0, b"old").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     delete_f_on_filer(&filer).await;
-    let (entered_tx, entered) = std::sync::mpsc::sync_channel(8);
-    let (release, release_rx) = std::sync::mpsc::channel();
-    fs.set_notifier(Arc::new(HeldEntry {
-        entered: entered_tx,
-        release: std::sync::Mutex::new(release_rx),
-    }));
+    let (kernel, release) = super::notifier_tests::Blocking::new();
+    fs.set_notifier(kernel.clone());
     // a second writer's open re-reads the entry, finds it gone and invalidates the name
     let f = fs.clone();
     let opener = tokio::spawn(async move { f.open(a.ino, libc::O_WRONLY).await });
-    entered
-        .recv_timeout(Duration::from_secs(5))
-        .expect("the open invalidated the name");
+    assert!(kernel.wait_for_a_call(), "the open invalidated the name");
     let f = fs.clone();
     let (done_tx, done) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -573,13 +573,37 @@ pub(crate) fn entry_with_name(e: &pb::Entry, name: &str) -> pb::Entry {
 }
 
 #[cfg(test)]
-mod notifier_tests {
+pub(super) mod notifier_tests {
     use super::*;
 
     /// Records calls; the first one blocks until released (a kernel waiting for a lock).
-    struct Blocking {
-        calls: Mutex<Vec<String>>,
+    pub(in crate::fs) struct Blocking {
+        pub(in crate::fs) calls: Mutex<Vec<String>>,
         release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Blocking {
+        /// The notifier and what releases its first call.
+        pub(in crate::fs) fn new() -> (Arc<Self>, std::sync::mpsc::Sender<()>) {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let b = Blocking {
+                calls: Mutex::new(Vec::new()),
+                release: std::sync::Mutex::new(rx),
+            };
+            (Arc::new(b), tx)
+        }
+
+        /// Waits (up to 5 s) until a call has come.
+        pub(in crate::fs) fn wait_for_a_call(&self) -> bool {
+            let until = std::time::Instant::now() + Duration::from_secs(5);
+            while self.calls.lock().is_empty() {
+                if std::time::Instant::now() > until {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            true
+        }
     }
 
     impl Notifier for Blocking {
@@ -639,17 +663,11 @@ mod notifier_tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stopping_waits_for_running_invalidations_and_passes_no_more() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let inner = Arc::new(Blocking {
-            calls: Mutex::new(Vec::new()),
-            release: std::sync::Mutex::new(rx),
-        });
+        let (inner, tx) = Blocking::new();
         let n = Arc::new(StoppableNotifier::new(inner.clone()));
         let busy = n.clone();
         let blocked = std::thread::spawn(move || busy.inval_entry(1, "a"));
-        while inner.calls.lock().is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        assert!(inner.wait_for_a_call());
         // one call is in the kernel: stopping waits for it
         assert!(!n.stop(Duration::from_millis(100)).await);
         n.inval_entry(1, "b");
