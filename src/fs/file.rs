@@ -14,6 +14,7 @@ use super::attr::entry_size;
 use crate::budget::{Charge, MemoryBudget};
 use crate::chunks;
 use crate::pb::filer as pb;
+use crate::volume::md5stream::Stream as Md5Stream;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashSet};
@@ -49,11 +50,35 @@ pub struct Slot {
     pub ranges: Vec<(usize, usize)>,
     /// `data`'s memory, held against the node's budget.
     charge: Option<Charge>,
+    /// The MD5 of the slot's one range (starting at `.0`), hashed as it was appended: kept
+    /// only while every write to the slot extends that range at its end.
+    md5: Option<(usize, Md5Stream)>,
 }
 
 impl Slot {
-    fn write(&mut self, at: usize, buf: &[u8], slot_size: usize, budget: &Arc<MemoryBudget>) {
+    /// `stream`: hash appends as they come (the file fsyncs often).
+    fn write(
+        &mut self,
+        at: usize,
+        buf: &[u8],
+        slot_size: usize,
+        budget: &Arc<MemoryBudget>,
+        stream: bool,
+    ) {
         let end = at + buf.len();
+        let appends = match (&self.md5, self.ranges.as_slice()) {
+            (Some((start, _)), [(s, e)]) => start == s && *e == at,
+            _ => false,
+        };
+        if stream && self.ranges.is_empty() {
+            self.md5 = Some((at, Md5Stream::new()));
+        } else if !(stream && appends) {
+            // an overwrite, a gap or a write before the range: hashed again when uploaded
+            self.md5 = None;
+        }
+        if let Some((_, md5)) = &self.md5 {
+            md5.push(buf);
+        }
         if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
             // a large writer fills the slot: allocate it once instead of growing it
             self.data.reserve_exact(slot_size.max(end));
@@ -73,6 +98,7 @@ impl Slot {
     }
 
     fn truncate(&mut self, len: usize) {
+        self.md5 = None;
         self.data.truncate(len);
         self.ranges.retain_mut(|r| {
             r.1 = r.1.min(len);
@@ -119,6 +145,8 @@ pub struct SealedRun {
     pub offset: u64,
     pub data: Bytes,
     pub ts: i64,
+    /// `data`'s MD5, hashed while it was written (see [`Slot`]).
+    pub md5: Option<Md5Stream>,
 }
 
 pub struct FileState {
@@ -176,6 +204,9 @@ pub struct FileState {
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
     /// that fails for good still applies them to the filer's entry (they were answered).
     pub deferred_attrs: Option<(super::setattr::SetAttr, u64)>,
+    /// The file was fsynced with data to upload: its appends are hashed as they come, and
+    /// its uploads take reserved file ids (an fsync waits for both).
+    pub syncs: bool,
 }
 
 /// See [`FileState::resync`].
@@ -351,6 +382,7 @@ impl OpenFile {
                 resync: Resync::default(),
                 name_doubt: false,
                 deferred_attrs: None,
+                syncs: false,
             }),
             uploads_done: Notify::new(),
             commit: tokio::sync::Mutex::new(()),
@@ -489,6 +521,7 @@ impl OpenFile {
                     offset: i.offset,
                     data: i.data.clone(),
                     ts: i.ts,
+                    md5: None,
                 }
             })
             .collect()
@@ -859,16 +892,20 @@ pub fn cut_start(chunks: &[pb::FileChunk], size: u64) -> Option<u64> {
 }
 
 fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8], budget: &Arc<MemoryBudget>) {
+    let stream = s.syncs;
     let mut pos = 0usize;
     while pos < buf.len() {
         let off = offset + pos as u64;
         let k = off / cs;
         let in_slot = (off % cs) as usize;
         let n = ((cs as usize) - in_slot).min(buf.len() - pos);
-        s.slots
-            .entry(k)
-            .or_default()
-            .write(in_slot, &buf[pos..pos + n], cs as usize, budget);
+        s.slots.entry(k).or_default().write(
+            in_slot,
+            &buf[pos..pos + n],
+            cs as usize,
+            budget,
+            stream,
+        );
         pos += n;
     }
 }
@@ -879,6 +916,11 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
     };
     let data = Bytes::from(sl.data);
     let charge = sl.charge.map(Arc::new);
+    // the stream hashed exactly the one range if it began where the range begins
+    let mut md5 = match (sl.md5, sl.ranges.as_slice()) {
+        (Some((start, m)), [(a, b)]) if start == *a && m.pushed() == (b - a) as u64 => Some(m),
+        _ => None,
+    };
     let mut out = Vec::new();
     for (a, b) in sl.ranges {
         let id = s.next_id;
@@ -888,6 +930,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
             offset: k * cs + a as u64,
             data: data.slice(a..b),
             ts: s.next_run_ts(),
+            md5: md5.take(),
         };
         s.inflight.push(Inflight {
             id,
@@ -940,7 +983,7 @@ mod tests {
                     1 + next(300) as usize
                 };
                 let buf: Vec<u8> = (0..len).map(|k| (round + i + k) as u8 | 1).collect();
-                slot.write(at, &buf, 1 << 20, &budget);
+                slot.write(at, &buf, 1 << 20, &budget, false);
                 if model.len() < at + len {
                     model.resize(at + len, 0);
                 }

@@ -543,6 +543,8 @@ impl Fs {
             path: path.to_string(),
             cipher: self.cfg.cipher,
             may_wait: None,
+            md5: None,
+            syncs: false,
         }
     }
 }

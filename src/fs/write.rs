@@ -91,6 +91,7 @@ impl Fs {
         awaited: bool,
     ) {
         let path = of.path();
+        let syncs = of.state.lock().syncs;
         let sealed_at = crate::volume::md5x::generation();
         for run in runs {
             let permit = match self.upload_sem.clone().try_acquire_owned() {
@@ -112,6 +113,8 @@ impl Fs {
             let store = self.store.clone();
             let mut opts = self.upload_options(&path);
             opts.may_wait = (!awaited).then_some(sealed_at);
+            opts.md5 = run.md5;
+            opts.syncs = syncs;
             let of = of.clone();
             let stats_bytes = run.data.len() as u64;
             self.stats.uploads.fetch_add(1, Ordering::Relaxed);
@@ -348,6 +351,23 @@ impl Fs {
     pub async fn flush(&self, fh: u64, ino: u64) -> Result<()> {
         let h = self.handle(fh, ino).await?;
         self.verifier.check(fh)?;
+        self.flush_file(&h.file).await
+    }
+
+    /// A flush that also marks a file fsynced with data to upload as one that fsyncs often
+    /// (see [`FileState::syncs`]): its next fsyncs find their chunks hashed and a file id
+    /// at hand. Encrypted chunks carry no MD5, so there is nothing to hash ahead for them.
+    ///
+    /// [`FileState::syncs`]: super::file::FileState::syncs
+    pub async fn fsync(&self, fh: u64, ino: u64) -> Result<()> {
+        let h = self.handle(fh, ino).await?;
+        self.verifier.check(fh)?;
+        {
+            let mut s = h.file.state.lock();
+            if !s.slots.is_empty() && !self.cfg.cipher {
+                s.syncs = true;
+            }
+        }
         self.flush_file(&h.file).await
     }
 
@@ -617,5 +637,141 @@ mod manifest_tests {
         let got = fs.read(fh, a.ino, 0, 1 << 20).await.unwrap();
         assert_eq!(&got[..], &want[..]);
         fs.release(fh, a.ino).await.unwrap();
+    }
+}
+
+#[cfg(test)]
+mod stream_md5_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::inode::ROOT_INO;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+
+    const CS: usize = 64 << 10;
+
+    fn fs() -> (Arc<Fs>, Arc<MockChunkStore>) {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+        cfg.chunk_size = CS;
+        let store = Arc::new(MockChunkStore::new());
+        let fs = Fs::new(
+            cfg,
+            Arc::new(MockFiler::new()),
+            store.clone(),
+            ChunkCache::new(1 << 20),
+        );
+        (fs, store)
+    }
+
+    fn bytes(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    }
+
+    /// Appends after an fsync are hashed as they come and their uploads use that digest; an
+    /// overwrite, a write before the range or a truncate inside it makes the upload hash
+    /// the bytes itself. The mock store refuses a digest that is not the data's, as a
+    /// volume server does, so a stale one fails the fsync.
+    #[tokio::test]
+    async fn appends_after_an_fsync_are_hashed_as_written_and_only_then() {
+        let (fs, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "log", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let mut model = Vec::new();
+        let append = |fs: Arc<Fs>, model: &mut Vec<u8>, n: usize, seed: u8| {
+            let d = bytes(n, seed);
+            let at = model.len() as u64;
+            model.extend_from_slice(&d);
+            async move { fs.write(fh, a.ino, at, &d).await.unwrap() }
+        };
+        append(fs.clone(), &mut model, 5000, 1).await;
+        fs.fsync(fh, a.ino).await.unwrap();
+        assert_eq!(
+            store.streamed_md5_count(),
+            0,
+            "the first fsync had nothing hashed"
+        );
+
+        // appends only, across a chunk boundary: every upload of this fsync was hashed ahead
+        for i in 0..20 {
+            append(fs.clone(), &mut model, 4096 + i * 7, i as u8).await;
+        }
+        let before = store.upload_count();
+        fs.fsync(fh, a.ino).await.unwrap();
+        let uploads = store.upload_count() - before;
+        assert!(uploads >= 2, "{uploads}");
+        assert_eq!(store.streamed_md5_count(), uploads);
+
+        // an overwrite inside the appended range: the stream no longer matches
+        let streamed = store.streamed_md5_count();
+        append(fs.clone(), &mut model, 3000, 9).await;
+        let at = model.len() - 2000;
+        let patch = bytes(100, 77);
+        model[at..at + 100].copy_from_slice(&patch);
+        fs.write(fh, a.ino, at as u64, &patch).await.unwrap();
+        append(fs.clone(), &mut model, 500, 10).await;
+        fs.fsync(fh, a.ino).await.unwrap();
+        assert_eq!(store.streamed_md5_count(), streamed);
+
+        // a write just before the range joins it at the front: not hashed ahead either
+        let base = model.len();
+        model.resize(base + 10, 0);
+        append(fs.clone(), &mut model, 1000, 11).await;
+        let front = bytes(10, 12);
+        fs.write(fh, a.ino, base as u64, &front).await.unwrap();
+        model[base..base + 10].copy_from_slice(&front);
+        fs.fsync(fh, a.ino).await.unwrap();
+        assert_eq!(store.streamed_md5_count(), streamed);
+
+        // a truncate into the appended range (the mock refuses a digest of bytes cut off)
+        append(fs.clone(), &mut model, 3000, 14).await;
+        let cut = model.len() - 1000;
+        model.truncate(cut);
+        fs.setattr(
+            a.ino,
+            crate::fs::SetAttr {
+                size: Some(cut as u64),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        append(fs.clone(), &mut model, 700, 15).await;
+        fs.fsync(fh, a.ino).await.unwrap();
+
+        // plain appends again: hashed ahead again
+        let streamed = store.streamed_md5_count();
+        append(fs.clone(), &mut model, 2000, 16).await;
+        fs.fsync(fh, a.ino).await.unwrap();
+        assert_eq!(store.streamed_md5_count(), streamed + 1);
+
+        let got = fs.read(fh, a.ino, 0, 1 << 20).await.unwrap();
+        assert_eq!(got.len(), model.len());
+        assert!(got[..] == model[..], "content differs from the model");
+        fs.release(fh, a.ino).await.unwrap();
+    }
+
+    /// A file that never fsyncs hashes nothing ahead (its full chunks are hashed in SIMD
+    /// lanes with others, which costs less CPU).
+    #[tokio::test]
+    async fn files_that_do_not_fsync_hash_nothing_ahead() {
+        let (fs, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let d = bytes(3 * CS + 100, 5);
+        fs.write(fh, a.ino, 0, &d).await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.write(fh, a.ino, d.len() as u64, &d[..1000])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.release(fh, a.ino).await.unwrap();
+        assert!(store.upload_count() >= 4);
+        assert_eq!(store.streamed_md5_count(), 0);
     }
 }

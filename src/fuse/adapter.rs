@@ -614,7 +614,7 @@ impl Filesystem for FuseAdapter {
             self,
             "fsync",
             reply,
-            |fs| fs.flush(fh.0, ino.0).await,
+            |fs| fs.fsync(fh.0, ino.0).await,
             |_v| reply.ok()
         );
     }

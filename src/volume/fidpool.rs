@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 /// Ids reserved per assign.
 pub const BATCH: i32 = 16;
+/// Uploads of files that fsync often take reserved ids up to this size: their fsyncs wait
+/// for the upload, and an assign was ~15 % of such an fsync.
+pub const MAX_SYNC_POOLED_SIZE: u64 = 8 << 20;
 /// Reserved ids older than this are not handed out.
 pub const FRESH_FOR: Duration = Duration::from_secs(2);
 /// Uploads larger than this assign alone (the assign is a small part of their time).

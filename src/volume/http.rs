@@ -512,10 +512,11 @@ impl VolumeClient {
     /// Uploads that may share an assign with others of `opts`'s directory, unless a path
     /// rule of the filer tells files of that directory apart or the rules are unknown.
     async fn pool_key(&self, opts: &UploadOptions, size: u64) -> Option<PoolKey> {
-        // large chunks gain little, and 16 of them on one volume would not spread
-        if size > fidpool::MAX_POOLED_SIZE
-            || self.no_pool.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        // large chunks gain little, and 16 of them on one volume would not spread; but an
+        // fsync of a file that fsyncs often waits for its assign
+        let pooled = size <= fidpool::MAX_POOLED_SIZE
+            || (opts.syncs && size <= fidpool::MAX_SYNC_POOLED_SIZE);
+        if !pooled || self.no_pool.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }
         let (dir, _) = opts.path.rsplit_once('/')?;
@@ -866,10 +867,17 @@ impl ChunkStore for VolumeClient {
             )
         } else {
             // the first assign runs while the chunk is hashed: an fsync waits for both
-            let (digest, assigned) = tokio::join!(
-                md5x::digest(data.clone(), opts.may_wait),
-                self.assign(opts, clear_len)
-            );
+            let hash = async {
+                let streamed = match &opts.md5 {
+                    Some(s) => s.digest(clear_len).await,
+                    None => None,
+                };
+                match streamed {
+                    Some(d) => d,
+                    None => md5x::digest(data.clone(), opts.may_wait).await,
+                }
+            };
+            let (digest, assigned) = tokio::join!(hash, self.assign(opts, clear_len));
             first_assign = Some(assigned);
             md5 = B64.encode(digest);
             let payload = match gz {

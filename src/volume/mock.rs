@@ -24,6 +24,7 @@ pub struct MockChunkStore {
     fail_uploads: AtomicU32,
     fail_reads: AtomicU32,
     panic_uploads: AtomicU32,
+    streamed: AtomicU64,
     delete_delay: Mutex<std::time::Duration>,
 }
 
@@ -105,6 +106,11 @@ impl MockChunkStore {
         self.fail_reads.store(n, Ordering::SeqCst);
     }
 
+    /// Uploads whose MD5 came from the bytes hashed as they were written.
+    pub fn streamed_md5_count(&self) -> u64 {
+        self.streamed.load(Ordering::Relaxed)
+    }
+
     pub fn upload_count(&self) -> u64 {
         self.uploads.load(Ordering::Relaxed)
     }
@@ -140,8 +146,22 @@ impl MockChunkStore {
 
 #[async_trait]
 impl ChunkStore for MockChunkStore {
-    async fn upload(&self, data: Bytes, _opts: &UploadOptions) -> Result<pb::FileChunk> {
+    async fn upload(&self, data: Bytes, opts: &UploadOptions) -> Result<pb::FileChunk> {
         self.uploads.fetch_add(1, Ordering::Relaxed);
+        // a digest hashed as the bytes were written must be theirs: a volume server refuses
+        // a Content-MD5 that does not match what it received
+        if let Some(streamed) = &opts.md5 {
+            if let Some(d) = streamed.digest(data.len() as u64).await {
+                use md5::Digest;
+                if d != <[u8; 16]>::from(md5::Md5::digest(&data)) {
+                    return Err(VolumeError::Upload {
+                        fid: String::new(),
+                        msg: "Content-MD5 did not match the data".into(),
+                    });
+                }
+                self.streamed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         if take_fault(&self.panic_uploads) {
             panic!("injected upload panic");
         }

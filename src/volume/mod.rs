@@ -12,6 +12,7 @@ pub mod fidpool;
 pub mod http;
 pub mod jwt;
 pub mod location;
+pub mod md5stream;
 pub mod md5x;
 pub mod mock;
 
@@ -75,6 +76,12 @@ pub struct UploadOptions {
     /// chunk written in passing, not one a flush sealed), so the store may hold it for a few
     /// milliseconds to hash it with others, unless `expedite` is called after that.
     pub may_wait: Option<u64>,
+    /// The chunk's bytes hashed as they were written (a file that fsyncs often); its digest
+    /// saves the upload hashing them, when it covers them all.
+    pub md5: Option<md5stream::Stream>,
+    /// The file fsyncs often, so a flush waits for this upload: a file id reserved earlier
+    /// for its directory saves it the assign (see `fidpool`).
+    pub syncs: bool,
 }
 
 /// Chunk storage as the filesystem sees it.
