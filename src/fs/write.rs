@@ -726,6 +726,19 @@ mod stream_md5_tests {
         fs.fsync(fh, a.ino).await.unwrap();
         assert_eq!(store.streamed_md5_count(), streamed);
 
+        // a gap filled later: one range of as many bytes as were written, but not in the
+        // order they were written (a digest of them in that order would be refused)
+        let base = model.len();
+        append(fs.clone(), &mut model, 1000, 13).await;
+        model.resize(base + 1020, 0);
+        for at in [base + 1010, base + 1000] {
+            let d = bytes(10, at as u8);
+            fs.write(fh, a.ino, at as u64, &d).await.unwrap();
+            model[at..at + 10].copy_from_slice(&d);
+        }
+        fs.fsync(fh, a.ino).await.unwrap();
+        assert_eq!(store.streamed_md5_count(), streamed);
+
         // a truncate into the appended range (the mock refuses a digest of bytes cut off)
         append(fs.clone(), &mut model, 3000, 14).await;
         let cut = model.len() - 1000;
