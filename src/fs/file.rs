@@ -52,7 +52,22 @@ pub struct Slot {
     charge: Option<Charge>,
     /// The MD5 of the slot's one range (starting at `.0`), hashed as it was appended: kept
     /// only while every write to the slot extends that range at its end.
-    md5: Option<(usize, Md5Stream)>,
+    md5: Option<HashedAhead>,
+}
+
+/// A slot's stream of hashed appends. Dropped without being sealed (an overwrite, a
+/// truncate, the slot dropped), its pieces not hashed yet are dropped too.
+struct HashedAhead {
+    start: usize,
+    stream: Option<Md5Stream>,
+}
+
+impl Drop for HashedAhead {
+    fn drop(&mut self) {
+        if let Some(s) = self.stream.take() {
+            s.abandon();
+        }
+    }
 }
 
 impl Slot {
@@ -67,16 +82,19 @@ impl Slot {
     ) {
         let end = at + buf.len();
         let appends = match (&self.md5, self.ranges.as_slice()) {
-            (Some((start, _)), [(s, e)]) => start == s && *e == at,
+            (Some(h), [(s, e)]) => h.start == *s && *e == at,
             _ => false,
         };
         if stream && self.ranges.is_empty() {
-            self.md5 = Some((at, Md5Stream::new()));
+            self.md5 = Some(HashedAhead {
+                start: at,
+                stream: Some(Md5Stream::new()),
+            });
         } else if !(stream && appends) {
             // an overwrite, a gap or a write before the range: hashed again when uploaded
             self.md5 = None;
         }
-        if let Some((_, md5)) = &self.md5 {
+        if let Some(md5) = self.md5.as_ref().and_then(|h| h.stream.as_ref()) {
             md5.push(buf);
         }
         if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
@@ -209,6 +227,10 @@ pub struct FileState {
     pub syncs: bool,
 }
 
+/// Chunks' worth a file that fsyncs may write between two commits and still count as one
+/// that fsyncs often; past it (a bulk load after one fsync) it uploads like any other file.
+pub const SYNC_SPAN_CHUNKS: u64 = 4;
+
 /// See [`FileState::resync`].
 #[derive(Debug, Default)]
 pub struct Resync {
@@ -272,6 +294,11 @@ impl FileState {
     /// Nothing here differs from what the filer has: no dirty bytes, no uploads in flight, no
     /// pending commit. Only then may the entry be replaced by a newer one from the filer, and
     /// only then is a metadata change applied to the filer's entry rather than ours.
+    /// Fsynced with data to upload, and not written much since its last commit.
+    pub fn syncs_often(&self, chunk_size: u64) -> bool {
+        self.syncs && self.uncommitted <= SYNC_SPAN_CHUNKS * chunk_size
+    }
+
     pub fn is_clean(&self) -> bool {
         !self.meta_dirty && self.slots.is_empty() && self.inflight.is_empty()
     }
@@ -892,7 +919,7 @@ pub fn cut_start(chunks: &[pb::FileChunk], size: u64) -> Option<u64> {
 }
 
 fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8], budget: &Arc<MemoryBudget>) {
-    let stream = s.syncs;
+    let stream = s.syncs_often(cs);
     let mut pos = 0usize;
     while pos < buf.len() {
         let off = offset + pos as u64;
@@ -918,7 +945,9 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
     let charge = sl.charge.map(Arc::new);
     // the stream hashed exactly the one range if it began where the range begins
     let mut md5 = match (sl.md5, sl.ranges.as_slice()) {
-        (Some((start, m)), [(a, b)]) if start == *a && m.pushed() == (b - a) as u64 => Some(m),
+        (Some(mut h), [(a, b)]) if h.start == *a => {
+            h.stream.take().filter(|m| m.pushed() == (b - a) as u64)
+        }
         _ => None,
     };
     let mut out = Vec::new();

@@ -14,9 +14,11 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-/// Bytes copied for hashing and not hashed yet, over all streams. Past it, pieces are refused
-/// (their streams give no digest) instead of piling up behind a slow hashing thread.
-pub const MAX_PENDING: u64 = 64 << 20;
+/// Bytes copied for hashing and not hashed yet, over all streams (~15 ms of hashing). Past
+/// it, pieces are refused (their streams give no digest, so their uploads hash the data
+/// themselves) instead of piling up: an fsync never waits long behind other files' pieces,
+/// and the copies, which the node's memory budget does not see, stay small.
+pub const MAX_PENDING: u64 = 8 << 20;
 
 /// A running MD5 fed with appended pieces (cheap to clone: clones share the stream).
 #[derive(Clone, Default)]
@@ -99,6 +101,11 @@ impl Stream {
         }
     }
 
+    /// Nobody will ask for the digest: pieces not hashed yet are dropped unhashed.
+    pub fn abandon(&self) {
+        self.0.break_off();
+    }
+
     /// Bytes pushed so far.
     pub fn pushed(&self) -> u64 {
         self.0.lock().pushed
@@ -131,6 +138,8 @@ struct Hasher {
     queue: Mutex<VecDeque<Arc<Shared>>>,
     ready: Condvar,
     alive: std::sync::atomic::AtomicBool,
+    /// The stream being hashed now (off the queue), for `Gone`.
+    current: Mutex<Option<Arc<Shared>>>,
 }
 
 static HASHER: OnceLock<Arc<Hasher>> = OnceLock::new();
@@ -141,6 +150,7 @@ fn hasher() -> &'static Arc<Hasher> {
             queue: Mutex::new(VecDeque::new()),
             ready: Condvar::new(),
             alive: true.into(),
+            current: Mutex::new(None),
         });
         let worker = h.clone();
         let started = std::thread::Builder::new()
@@ -185,6 +195,7 @@ impl Hasher {
                     }
                 }
             };
+            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream.clone());
             // every piece the stream has now and any pushed while these are hashed
             loop {
                 let (piece, mut md5) = {
@@ -208,6 +219,7 @@ impl Hasher {
                 PENDING.fetch_sub(piece.len() as u64, Ordering::Relaxed);
                 stream.hashed.notify_waiters();
             }
+            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
     }
 }
@@ -218,11 +230,18 @@ struct Gone<'a>(&'a Hasher);
 
 impl Drop for Gone<'_> {
     fn drop(&mut self) {
-        let waiting: Vec<Arc<Shared>> = {
+        let mut waiting: Vec<Arc<Shared>> = {
             let mut q = self.0.lock();
             self.0.alive.store(false, Ordering::SeqCst);
             q.drain(..).collect()
         };
+        let current = self
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        waiting.extend(current);
         for s in waiting {
             s.break_off();
         }
@@ -240,7 +259,7 @@ mod tests {
 
     #[tokio::test]
     async fn pieces_hash_to_the_digest_of_the_whole() {
-        let d = data(3 << 20);
+        let d = data((1 << 20) + 12_345);
         let s = Stream::new();
         // uneven pieces, some not a multiple of MD5's 64-byte block
         for piece in d.chunks(65_537) {

@@ -25,6 +25,7 @@ pub struct MockChunkStore {
     fail_reads: AtomicU32,
     panic_uploads: AtomicU32,
     streamed: AtomicU64,
+    synced: AtomicU64,
     delete_delay: Mutex<std::time::Duration>,
 }
 
@@ -111,6 +112,11 @@ impl MockChunkStore {
         self.streamed.load(Ordering::Relaxed)
     }
 
+    /// Uploads marked as those of a file that fsyncs often.
+    pub fn synced_upload_count(&self) -> u64 {
+        self.synced.load(Ordering::Relaxed)
+    }
+
     pub fn upload_count(&self) -> u64 {
         self.uploads.load(Ordering::Relaxed)
     }
@@ -148,6 +154,9 @@ impl MockChunkStore {
 impl ChunkStore for MockChunkStore {
     async fn upload(&self, data: Bytes, opts: &UploadOptions) -> Result<pb::FileChunk> {
         self.uploads.fetch_add(1, Ordering::Relaxed);
+        if opts.syncs {
+            self.synced.fetch_add(1, Ordering::Relaxed);
+        }
         // a digest hashed as the bytes were written must be theirs: a volume server refuses
         // a Content-MD5 that does not match what it received
         if let Some(streamed) = &opts.md5 {
