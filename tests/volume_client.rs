@@ -1000,6 +1000,69 @@ async fn files_of_one_directory_share_an_assign() {
         upload_at(&store, &data, 0, now_ns(), &opts).await;
     }
     assert_eq!(fake.assigns.load(Ordering::SeqCst) - before, 2);
+    // ...unless their file fsyncs often: its fsyncs wait for them
+    let before = fake.assigns.load(Ordering::SeqCst);
+    for i in 0..4u64 {
+        let data = random_bytes(400 + i, 1 << 20);
+        let opts = UploadOptions {
+            path: "/synced/log".into(),
+            syncs: true,
+            ..Default::default()
+        };
+        let c = upload_at(&store, &data, 0, now_ns(), &opts).await;
+        assert_eq!(&store.fetch_chunk(&c).await.unwrap()[..], &data[..]);
+    }
+    // 1 when the 4 uploads take under 2 s (reserved ids expire then)
+    let n = fake.assigns.load(Ordering::SeqCst) - before;
+    assert!(
+        (1..=2).contains(&n),
+        "a syncing file's 4 chunks of 1 MiB share an assign ({n})"
+    );
+}
+
+/// A digest hashed while the bytes were written is what the upload sends as Content-MD5:
+/// the volume server accepts it for the right bytes and refuses the upload when the bytes
+/// hashed were others of the same length (so it is not recomputed behind our back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_digest_hashed_while_written_is_the_content_md5() {
+    use seaweedfs_csi_driver::volume::md5stream::Stream;
+    let w = WeedServer::start();
+    let filer = connect_filer(&w).await;
+    let store = client(filer.clone(), |o| {
+        o.read_retry = std::time::Duration::from_millis(300)
+    });
+    let data = random_bytes(7, (1 << 20) + 333);
+    let stream = |bytes: &[u8]| {
+        let s = Stream::new();
+        for piece in bytes.chunks(65_536) {
+            s.push(piece);
+        }
+        s
+    };
+    let opts = UploadOptions {
+        path: "/streamed/log".into(),
+        md5: Some(stream(&data)),
+        syncs: true,
+        ..Default::default()
+    };
+    let c = upload_at(&store, &data, 0, now_ns(), &opts).await;
+    assert_eq!(
+        c.e_tag,
+        md5_b64(&data),
+        "the server echoed the streamed digest"
+    );
+    assert_eq!(&store.fetch_chunk(&c).await.unwrap()[..], &data[..]);
+
+    let other = random_bytes(8, data.len());
+    let opts = UploadOptions {
+        md5: Some(stream(&other)),
+        ..opts
+    };
+    let r = store.upload(Bytes::from(data.clone()), &opts).await;
+    assert!(
+        r.is_err(),
+        "bytes other than the hashed ones were accepted: {r:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1215,7 +1278,9 @@ async fn read_fails_over_from_404_replica_and_relooks_once() {
 
     // Every replica 404: one re-lookup, then NotFound once the retry budget is spent.
     let filer = FakeFiler::with_locations(vec![(9, vec![loc(&a.addr, "")])]);
-    let store = client(filer.clone(), |o| o.read_retry = Duration::from_millis(300));
+    let store = client(filer.clone(), |o| {
+        o.read_retry = std::time::Duration::from_millis(300)
+    });
     let e = store.fetch_chunk(&c).await.unwrap_err();
     assert!(matches!(e, VolumeError::NotFound { .. }), "{e:?}");
     assert_eq!(filer.lookups.load(Ordering::SeqCst), 2);
@@ -1368,7 +1433,7 @@ async fn https_settings_are_applied() {
         o.security.https_client_enabled = true;
         o.security.https_insecure_skip_verify = true;
         o.read_timeout = Duration::from_secs(1);
-        o.read_retry = Duration::from_millis(300);
+        o.read_retry = std::time::Duration::from_millis(300);
     });
     let t0 = Instant::now();
     let e = store
