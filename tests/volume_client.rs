@@ -1178,16 +1178,16 @@ async fn upload_retries_same_fid_then_succeeds() {
             s.headers.get("authorization").map(String::as_str),
             Some("Bearer the.write.jwt")
         );
-        assert!(s.headers["content-type"].starts_with("multipart/form-data; boundary="));
-        let body = String::from_utf8_lossy(&s.body);
-        assert!(
-            body.contains("name=\"file\"; filename=\"hello.txt\""),
-            "{body}"
+        // the bytes as the raw body, described by the request's headers
+        assert_eq!(s.body, b"hello");
+        assert!(s.headers["content-type"].starts_with("text/plain"));
+        assert_eq!(
+            s.headers.get("content-disposition").map(String::as_str),
+            Some("attachment; filename=\"hello.txt\"")
         );
-        assert!(body.contains(&format!("Content-MD5: {}", md5_b64(b"hello"))));
-        assert!(body.contains("Content-Type: text/plain"));
+        assert_eq!(s.headers["content-md5"], md5_b64(b"hello"));
         assert!(
-            !body.contains("Content-Encoding"),
+            !s.headers.contains_key("content-encoding"),
             "5 bytes of text do not shrink"
         );
     }
@@ -1236,14 +1236,12 @@ async fn upload_client_errors_are_not_retried() {
         .await
         .unwrap();
     assert!(c.is_compressed && c.cipher_key.len() == 32 && c.e_tag.is_empty());
-    let body = vs2.seen()[0].body.clone();
-    let text = String::from_utf8_lossy(&body);
-    assert!(text.contains("filename=\"\""));
-    assert!(
-        !text.contains("Content-MD5")
-            && !text.contains("Content-Encoding")
-            && !text.contains("Content-Type")
-    );
+    let seen = &vs2.seen()[0];
+    let body = seen.body.clone();
+    for h in ["content-md5", "content-encoding", "content-disposition"] {
+        assert!(!seen.headers.contains_key(h), "{h}: {:?}", seen.headers);
+    }
+    assert_eq!(seen.headers["content-type"], "application/octet-stream");
     assert!(
         !body.windows(20).any(|w| w == &data[..20]),
         "plaintext must not be on the wire"
