@@ -38,8 +38,8 @@ fn pattern(i: usize, off: u64) -> Vec<u8> {
         .collect()
 }
 
-/// 40 files, each written 4 KiB at the ends of 4 chunk-sized slots (each write zero-fills
-/// its slot up to it), kept open: unbounded, they would hold 160 MiB of dirty slots. Under
+/// 40 files, each written 4 KiB at the starts and the ends of 4 chunk-sized slots (so each
+/// slot holds its whole chunk), kept open: unbounded, they would hold 160 MiB of dirty slots. Under
 /// a 128 MiB budget (32 MiB of dirty data) they never hold much more than that, every
 /// write succeeds (writers wait, they do not fail), every byte reaches the filer, and every
 /// charge is given back.
@@ -66,8 +66,10 @@ async fn many_files_written_at_random_stay_within_the_dirty_budget() {
     let mut peak = 0;
     for off in offsets {
         for (i, (ino, fh)) in files.iter().enumerate() {
-            fs.write(*fh, *ino, off, &pattern(i, off)).await.unwrap();
-            peak = peak.max(budget.dirty());
+            for at in [off + 4096 - MIB, off] {
+                fs.write(*fh, *ino, at, &pattern(i, at)).await.unwrap();
+                peak = peak.max(budget.dirty());
+            }
         }
     }
     // one write past the limit can land before the next one waits: a slot at most
@@ -89,16 +91,23 @@ async fn many_files_written_at_random_stay_within_the_dirty_budget() {
         assert_eq!(got.len() as u64, 4 * MIB);
         for off in offsets {
             let at = off as usize;
+            let start = at + 4096 - MIB as usize;
             assert_eq!(&got[at..at + 4096], &pattern(i, off)[..], "f{i} at {off}");
+            assert_eq!(
+                &got[start..start + 4096],
+                &pattern(i, start as u64)[..],
+                "f{i} at {start}"
+            );
             assert!(
-                got[at - 4096..at].iter().all(|&b| b == 0),
-                "f{i} before {off}"
+                got[start + 4096..at].iter().all(|&b| b == 0),
+                "f{i} between {start} and {off}"
             );
         }
     }
 }
 
-/// Without a budget nothing waits and nothing is charged past what is buffered.
+/// Without a budget nothing waits and nothing is charged past what is buffered: a write at
+/// the end of a slot holds its own bytes, not zeros for the part of the slot before it.
 #[tokio::test]
 async fn no_budget_means_no_waiting() {
     let budget = MemoryBudget::new(u64::MAX);
@@ -108,7 +117,11 @@ async fn no_budget_means_no_waiting() {
         .await
         .unwrap();
     fs.write(fh, a.ino, MIB - 4096, &[1u8; 4096]).await.unwrap();
-    assert!(budget.dirty() >= MIB - 4096, "the slot was not charged");
+    let charged = budget.dirty();
+    assert!(
+        (4096..MIB / 4).contains(&charged),
+        "the slot was charged {charged} bytes for 4 KiB"
+    );
     fs.release(fh, a.ino).await.unwrap();
     assert_eq!(budget.dirty(), 0);
     assert_eq!(budget.waits.load(Ordering::Relaxed), 0);

@@ -45,7 +45,10 @@ const LARGE_WRITE: usize = 64 * 1024;
 /// One chunk-sized window of dirty bytes.
 #[derive(Default)]
 pub struct Slot {
-    pub data: Vec<u8>,
+    /// The bytes from slot offset `base` on: a slot first written in its middle (appends
+    /// after an fsync) holds no zeros for the part before, which nobody wrote.
+    data: Vec<u8>,
+    base: usize,
     /// Sorted, non-overlapping, merged written ranges within the slot.
     pub ranges: Vec<(usize, usize)>,
     /// `data`'s memory, held against the node's budget.
@@ -97,14 +100,26 @@ impl Slot {
         if let Some(md5) = self.md5.as_ref().and_then(|h| h.stream.as_ref()) {
             md5.push(buf);
         }
+        if self.ranges.is_empty() {
+            self.data.clear();
+            self.base = at;
+        } else if at < self.base {
+            // a write before the first one: the bytes move up (rare)
+            let mut moved = vec![0u8; self.base - at];
+            moved.extend_from_slice(&self.data);
+            self.data = moved;
+            self.base = at;
+        }
+        let (lo, hi) = (at - self.base, end - self.base);
         if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
             // a large writer fills the slot: allocate it once instead of growing it
-            self.data.reserve_exact(slot_size.max(end));
+            self.data
+                .reserve_exact((slot_size - self.base.min(slot_size)).max(hi));
         }
-        if self.data.len() < end {
-            self.data.resize(end, 0);
+        if self.data.len() < hi {
+            self.data.resize(hi, 0);
         }
-        self.data[at..end].copy_from_slice(buf);
+        self.data[lo..hi].copy_from_slice(buf);
         add_range(&mut self.ranges, at, end);
         self.charge
             .get_or_insert_with(|| budget.charge())
@@ -115,9 +130,19 @@ impl Slot {
         self.ranges.iter().map(|(s, e)| e - s).sum()
     }
 
+    /// The bytes at slot offsets `lo..hi` (within the written ranges).
+    fn bytes(&self, lo: usize, hi: usize) -> &[u8] {
+        &self.data[lo - self.base..hi - self.base]
+    }
+
+    /// One past the last slot offset held.
+    fn end(&self) -> usize {
+        self.base + self.data.len()
+    }
+
     fn truncate(&mut self, len: usize) {
         self.md5 = None;
-        self.data.truncate(len);
+        self.data.truncate(len.saturating_sub(self.base));
         self.ranges.retain_mut(|r| {
             r.1 = r.1.min(len);
             r.0 < r.1
@@ -633,7 +658,7 @@ impl OpenFile {
         s.slots.retain(|k, _| k * cs < size);
         if let Some((k, sl)) = s.slots.iter_mut().next_back() {
             let base = *k * cs;
-            if base + sl.data.len() as u64 > size {
+            if base + sl.end() as u64 > size {
                 sl.truncate((size - base) as usize);
             }
         }
@@ -760,7 +785,7 @@ impl OpenFile {
                 if fs < fe {
                     let lo = (fs - base) as usize;
                     let hi = (fe - base) as usize;
-                    overlays.push((fs, Bytes::copy_from_slice(&sl.data[lo..hi])));
+                    overlays.push((fs, Bytes::copy_from_slice(sl.bytes(lo, hi))));
                 }
             }
         }
@@ -941,6 +966,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
     let Some(sl) = s.slots.remove(&k) else {
         return Vec::new();
     };
+    let slot_base = sl.base;
     let data = Bytes::from(sl.data);
     let charge = sl.charge.map(Arc::new);
     // the stream hashed exactly the one range if it began where the range begins
@@ -957,7 +983,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
         let run = SealedRun {
             id,
             offset: k * cs + a as u64,
-            data: data.slice(a..b),
+            data: data.slice(a - slot_base..b - slot_base),
             ts: s.next_run_ts(),
             md5: md5.take(),
         };
@@ -1017,7 +1043,11 @@ mod tests {
                     model.resize(at + len, 0);
                 }
                 model[at..at + len].copy_from_slice(&buf);
-                assert_eq!(slot.data, model, "round {round}, write {i} at {at}+{len}");
+                assert_eq!(slot.end(), model.len());
+                assert!(
+                    slot.data[..] == model[slot.base..],
+                    "round {round}, write {i} at {at}+{len}"
+                );
                 written.resize(model.len(), false);
                 written[at..at + len].fill(true);
                 // the ranges: exactly the maximal runs of written bytes

@@ -761,16 +761,22 @@ fn raw_upload(url: &str, part: &Part<'_>, data: Bytes) -> RawUpload {
         })
         .collect();
     let mut headers = HeaderMap::new();
+    // without a Content-Type the server would parse the body as a form: never leave it out
+    let octets = reqwest::header::HeaderValue::from_static("application/octet-stream");
+    let content_type = part
+        .mime
+        .and_then(|m| reqwest::header::HeaderValue::from_str(m).ok())
+        .unwrap_or(octets);
+    headers.insert("content-type", content_type);
     let mut set = |name: &'static str, value: &str| {
         // every value is printable ASCII (names sanitized above, base64, URLs we built)
-        if let Ok(v) = reqwest::header::HeaderValue::from_str(value) {
-            headers.insert(name, v);
+        match reqwest::header::HeaderValue::from_str(value) {
+            Ok(v) => {
+                headers.insert(name, v);
+            }
+            Err(_) => debug_assert!(false, "{name}: {value:?} is no header value"),
         }
     };
-    set(
-        "content-type",
-        part.mime.unwrap_or("application/octet-stream"),
-    );
     if !filename.is_empty() {
         set(
             "content-disposition",
@@ -1040,7 +1046,8 @@ mod tests {
         assert_eq!(h("content-encoding").as_deref(), Some("gzip"));
         assert_eq!(h("content-md5").as_deref(), Some("xyz=="));
         assert_eq!(&b.data[..], b"DATA");
-        // a ciphered chunk: no name, type, encoding or digest to give away; never a form
+        // a ciphered chunk: no name, type, encoding or digest of the plaintext (the server
+        // names the needle after its id); never a form
         let plain = Part {
             filename: "",
             mime: None,
