@@ -104,11 +104,14 @@ impl Slot {
             self.data.clear();
             self.base = at;
         } else if at < self.base {
-            // a write before the first one: the bytes move up (rare)
-            let mut moved = vec![0u8; self.base - at];
+            // a write before the first one: the slot takes the plain layout from its start,
+            // once (moving up only as far as each write would copy the bytes again and again
+            // for a writer going backwards)
+            let mut moved = Vec::with_capacity(self.end());
+            moved.resize(self.base, 0);
             moved.extend_from_slice(&self.data);
             self.data = moved;
-            self.base = at;
+            self.base = 0;
         }
         let (lo, hi) = (at - self.base, end - self.base);
         if self.data.capacity() == 0 && buf.len() >= LARGE_WRITE {
@@ -1031,6 +1034,13 @@ mod tests {
             let mut model: Vec<u8> = Vec::new();
             let mut written: Vec<bool> = Vec::new();
             for i in 0..20 {
+                if next(8) == 0 {
+                    // a cut anywhere, also below the first write
+                    let len = next(model.len() as u64 + 1) as usize;
+                    slot.truncate(len);
+                    model.truncate(len);
+                    written.truncate(len);
+                }
                 let at = next(4096) as usize;
                 let len = if next(4) == 0 {
                     65536
@@ -1043,11 +1053,13 @@ mod tests {
                     model.resize(at + len, 0);
                 }
                 model[at..at + len].copy_from_slice(&buf);
-                assert_eq!(slot.end(), model.len());
-                assert!(
-                    slot.data[..] == model[slot.base..],
-                    "round {round}, write {i} at {at}+{len}"
-                );
+                assert!(slot.end() <= model.len() && slot.base <= at);
+                for &(a, b) in &slot.ranges {
+                    assert!(
+                        slot.bytes(a, b) == &model[a..b],
+                        "round {round}, write {i} at {at}+{len}: range {a}..{b}"
+                    );
+                }
                 written.resize(model.len(), false);
                 written[at..at + len].fill(true);
                 // the ranges: exactly the maximal runs of written bytes

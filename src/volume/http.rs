@@ -774,7 +774,7 @@ fn raw_upload(url: &str, part: &Part<'_>, data: Bytes) -> RawUpload {
             Ok(v) => {
                 headers.insert(name, v);
             }
-            Err(_) => debug_assert!(false, "{name}: {value:?} is no header value"),
+            Err(_) => tracing::warn!(name, value, "not a header value; left out of the upload"),
         }
     };
     if !filename.is_empty() {
