@@ -1,4 +1,4 @@
-//! Volume-server HTTP client: assign + multipart upload, ranged/whole chunk reads with replica
+//! Volume-server HTTP client: assign + raw-body upload, ranged/whole chunk reads with replica
 //! failover, gzip, AES-256-GCM, JWT, a volume-location cache and the `volumeServerAccess` modes.
 //!
 //! [`ChunkStore`] is the seam the filesystem uses; [`http::VolumeClient`] is the real client and
