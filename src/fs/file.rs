@@ -53,7 +53,7 @@ pub struct Slot {
     pub ranges: Vec<(usize, usize)>,
     /// `data`'s memory, held against the node's budget.
     charge: Option<Charge>,
-    /// The MD5 of the slot's one range (starting at `.0`), hashed as it was appended: kept
+    /// The MD5 of the slot's one range (from `start`), hashed as it was appended: kept
     /// only while every write to the slot extends that range at its end.
     md5: Option<HashedAhead>,
 }
