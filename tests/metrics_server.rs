@@ -742,8 +742,8 @@ async fn driver_with_budget_and(
 }
 
 /// The driver binary with `--memoryBudgetMB=128` (32 MiB of dirty data node-wide): 40 files
-/// on one staged volume, each written 4 KiB at the ends of 4 chunks and kept open, would hold
-/// 320 MiB of dirty buffers unbounded. Every write succeeds (writers wait, never fail), the
+/// on one staged volume, each written 4 KiB at the starts and the ends of 4 chunks (so each
+/// dirty slot spans its chunk) and kept open, would hold 320 MiB of dirty buffers unbounded. Every write succeeds (writers wait, never fail), the
 /// scrape shows the budget, the limit and writers that waited, every file reads back, and
 /// nothing stays charged once they are closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -754,6 +754,7 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
     let target = pod.target.clone();
     const CHUNK: u64 = 2 << 20;
     let block = |i: u64, k: u64| vec![(i * 4 + k + 1) as u8; 4096];
+    let head = |i: u64, k: u64| vec![(i * 4 + k + 1) as u8 ^ 0x80; 4096];
     let t = target.clone();
     let (files_written, peak) = tokio::task::spawn_blocking(move || {
         use std::os::unix::fs::FileExt;
@@ -763,6 +764,8 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
         let mut peak = 0.0f64;
         for k in 0..4u64 {
             for (i, f) in files.iter().enumerate() {
+                f.write_all_at(&head(i as u64, k), k * CHUNK)
+                    .expect("a write failed instead of waiting");
                 f.write_all_at(&block(i as u64, k), (k + 1) * CHUNK - 4096)
                     .expect("a write failed instead of waiting");
             }
@@ -804,8 +807,13 @@ async fn writers_wait_for_room_in_the_memory_budget_on_a_real_mount() {
             assert_eq!(got.len() as u64, 4 * CHUNK, "f{i}");
             for k in 0..4u64 {
                 let at = ((k + 1) * CHUNK - 4096) as usize;
+                let start = (k * CHUNK) as usize;
                 assert_eq!(&got[at..at + 4096], &block(i, k)[..], "f{i} chunk {k}");
-                assert!(got[at - 4096..at].iter().all(|&b| b == 0), "f{i} chunk {k}");
+                assert_eq!(&got[start..start + 4096], &head(i, k)[..], "f{i} chunk {k}");
+                assert!(
+                    got[start + 4096..at].iter().all(|&b| b == 0),
+                    "f{i} chunk {k}"
+                );
             }
         }
     })
