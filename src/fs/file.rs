@@ -119,10 +119,20 @@ impl Slot {
             self.data
                 .reserve_exact((slot_size - self.base.min(slot_size)).max(hi));
         }
-        if self.data.len() < hi {
-            self.data.resize(hi, 0);
+        // the part past the end is appended, not zero-filled first and then copied over
+        let len = self.data.len();
+        // grown once to the write's end, as resizing to it would (the charge follows capacity)
+        self.data.reserve(hi.saturating_sub(len));
+        if lo >= len {
+            self.data.resize(lo, 0);
+            self.data.extend_from_slice(buf);
+        } else if hi > len {
+            let (over, past) = buf.split_at(len - lo);
+            self.data[lo..].copy_from_slice(over);
+            self.data.extend_from_slice(past);
+        } else {
+            self.data[lo..hi].copy_from_slice(buf);
         }
-        self.data[lo..hi].copy_from_slice(buf);
         add_range(&mut self.ranges, at, end);
         self.charge
             .get_or_insert_with(|| budget.charge())

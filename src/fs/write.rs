@@ -97,9 +97,13 @@ impl Fs {
             let permit = match self.upload_sem.clone().try_acquire_owned() {
                 Ok(p) => Ok(p),
                 Err(_) => {
-                    // every slot is taken: chunks held back for batching must go now, or
-                    // this writer waits out their batching delay for a slot
-                    self.store.expedite();
+                    // every slot is taken. Most are in flight to volume servers: one frees
+                    // soon, and the chunks held back for batching keep filling their lanes
+                    // (a kick per wait hashed a busy writer's chunks one or two at a time).
+                    // Mostly held back: let them go, or this writer waits out their delay.
+                    if self.store.held_back() * 2 >= self.cfg.concurrent_writers {
+                        self.store.expedite();
+                    }
                     self.upload_sem.clone().acquire_owned().await
                 }
             };
@@ -821,5 +825,74 @@ mod stream_md5_tests {
         fs.release(fh, a.ino).await.unwrap();
         assert!(store.upload_count() >= 4);
         assert_eq!(store.streamed_md5_count(), 0);
+    }
+}
+
+#[cfg(test)]
+mod slot_wait_tests {
+    use super::*;
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::inode::ROOT_INO;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+    use std::time::Duration;
+
+    const CS: usize = 64 << 10;
+
+    /// A writer waiting for an upload slot lets chunks held back for batching go only when
+    /// they hold at least half the slots: while most slots are in flight to volume servers,
+    /// one frees soon, and kicking the batch on every wait hashed a busy writer's chunks one
+    /// or two at a time (at a quarter of the lanes' speed).
+    #[tokio::test]
+    async fn a_writer_waiting_for_a_slot_kicks_the_batch_only_when_it_holds_the_slots() {
+        for (held_back, kicks) in [(0, false), (1, false), (2, true), (4, true)] {
+            let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+            cfg.chunk_size = CS;
+            cfg.concurrent_writers = 4;
+            let store = Arc::new(MockChunkStore::new());
+            let fs = Fs::new(
+                cfg,
+                Arc::new(MockFiler::new()),
+                store.clone(),
+                ChunkCache::new(1 << 20),
+            );
+            let (a, fh) = fs
+                .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+                .await
+                .unwrap();
+            store.pause_uploads();
+            store.set_held_back(held_back);
+            let chunk = vec![7u8; CS];
+            // four full chunks take the four slots; their uploads wait in the store
+            for i in 0..4u64 {
+                fs.write(fh, a.ino, i * CS as u64, &chunk).await.unwrap();
+            }
+            assert_eq!(store.expedite_count(), 0, "held back {held_back}");
+            // the fifth chunk's writer finds no slot
+            let writer = {
+                let fs = fs.clone();
+                let chunk = chunk.clone();
+                tokio::spawn(async move {
+                    fs.write(fh, a.ino, 4 * CS as u64, &chunk).await?;
+                    fs.write(fh, a.ino, 5 * CS as u64, &chunk[..1]).await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(
+                !writer.is_finished(),
+                "held back {held_back}: no slot was free"
+            );
+            assert_eq!(
+                store.expedite_count() > 0,
+                kicks,
+                "{held_back} of 4 slots held back for batching"
+            );
+            store.resume_uploads();
+            writer.await.unwrap().unwrap();
+            fs.fsync(fh, a.ino).await.unwrap();
+            assert_eq!(store.upload_count(), 6);
+        }
     }
 }

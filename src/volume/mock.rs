@@ -11,7 +11,7 @@ use bytes::Bytes;
 use md5::{Digest, Md5};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Stores clear bytes; chunks it returns are never compressed or encrypted.
 #[derive(Default)]
@@ -27,6 +27,10 @@ pub struct MockChunkStore {
     streamed: AtomicU64,
     synced: AtomicU64,
     delete_delay: Mutex<std::time::Duration>,
+    uploads_paused: AtomicBool,
+    resumed: tokio::sync::Notify,
+    held_back: AtomicUsize,
+    expedites: AtomicU64,
 }
 
 /// Decrements `n` if positive; true if this call should fail.
@@ -107,6 +111,26 @@ impl MockChunkStore {
         self.fail_reads.store(n, Ordering::SeqCst);
     }
 
+    /// Uploads wait (holding their upload slots) until [`Self::resume_uploads`].
+    pub fn pause_uploads(&self) {
+        self.uploads_paused.store(true, Ordering::SeqCst);
+    }
+
+    pub fn resume_uploads(&self) {
+        self.uploads_paused.store(false, Ordering::SeqCst);
+        self.resumed.notify_waiters();
+    }
+
+    /// What [`ChunkStore::held_back`] reports from now on.
+    pub fn set_held_back(&self, n: usize) {
+        self.held_back.store(n, Ordering::SeqCst);
+    }
+
+    /// Calls of [`ChunkStore::expedite`] so far.
+    pub fn expedite_count(&self) -> u64 {
+        self.expedites.load(Ordering::SeqCst)
+    }
+
     /// Uploads whose MD5 came from the bytes hashed as they were written.
     pub fn streamed_md5_count(&self) -> u64 {
         self.streamed.load(Ordering::Relaxed)
@@ -153,6 +177,14 @@ impl MockChunkStore {
 #[async_trait]
 impl ChunkStore for MockChunkStore {
     async fn upload(&self, data: Bytes, opts: &UploadOptions) -> Result<pb::FileChunk> {
+        loop {
+            // registered before the check, so a resume in between is not missed
+            let resumed = self.resumed.notified();
+            if !self.uploads_paused.load(Ordering::SeqCst) {
+                break;
+            }
+            resumed.await;
+        }
         self.uploads.fetch_add(1, Ordering::Relaxed);
         if opts.syncs {
             self.synced.fetch_add(1, Ordering::Relaxed);
@@ -213,6 +245,14 @@ impl ChunkStore for MockChunkStore {
             self.remove(f);
         }
         Ok(())
+    }
+
+    fn expedite(&self) {
+        self.expedites.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn held_back(&self) -> usize {
+        self.held_back.load(Ordering::SeqCst)
     }
 }
 

@@ -108,4 +108,10 @@ pub trait ChunkStore: Send + Sync + 'static {
     /// Someone is about to wait for the uploads started so far (a flush): stop holding any of
     /// them back for batching.
     fn expedite(&self) {}
+
+    /// Uploads started and held back for batching now (their chunks wait to be hashed with
+    /// others); [`Self::expedite`] would let them go.
+    fn held_back(&self) -> usize {
+        0
+    }
 }
