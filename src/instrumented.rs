@@ -122,8 +122,8 @@ impl ChunkStore for InstrumentedStore {
     fn expedite(&self) {
         self.0.expedite()
     }
-    fn held_back(&self) -> usize {
-        self.0.held_back()
+    fn batch_width(&self) -> usize {
+        self.0.batch_width()
     }
     async fn fetch_chunk(&self, chunk: &pb::FileChunk) -> VolumeResult<Bytes> {
         timed!(volume_request, "read_chunk", self.0.fetch_chunk(chunk))

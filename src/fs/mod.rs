@@ -41,6 +41,7 @@ const ENTRY_LOCK_STRIPES: usize = 256;
 pub use dirs::{DirEntryOut, DirListing};
 pub use setattr::SetAttr;
 pub use space::StatFs;
+pub use write::{WriteTarget, Written};
 
 use crate::budget::MemoryBudget;
 use crate::cache::ChunkCache;

@@ -12,8 +12,31 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A write on its way into an open file: [`Fs::write_target`] found the file (it may wait,
+/// but does not hold the bytes), [`Fs::write_into`] copies the bytes in without waiting.
+pub struct WriteTarget(Arc<OpenFile>);
+
+/// Bytes copied into an open file; [`Fs::write_done`] starts the uploads of the chunks they
+/// filled.
+pub struct Written {
+    of: Arc<OpenFile>,
+    runs: Vec<SealedRun>,
+}
+
 impl Fs {
+    /// Writes `data` at `offset`: [`Self::write_target`], [`Self::write_into`] and
+    /// [`Self::write_done`] in turn. The FUSE adapter calls them one by one, so that a write
+    /// whose first step does not wait copies its bytes straight from the kernel's buffer.
     pub async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
+        let target = self.write_target(fh, ino, data.len()).await?;
+        let written = self.write_into(target, ino, offset, data);
+        self.write_done(written).await;
+        Ok(data.len() as u32)
+    }
+
+    /// The open file a write of `len` bytes goes into, once the quota allows them and the
+    /// node's dirty budget has room (the waits a write may have).
+    pub async fn write_target(&self, fh: u64, ino: u64, len: usize) -> Result<WriteTarget> {
         self.check_writable()?;
         let h = self.handle(fh, ino).await?;
         self.verifier.check(fh)?;
@@ -28,9 +51,9 @@ impl Fs {
         let quota = self.quota();
         if quota > 0 {
             let pending: u64 = of.state.lock().uncommitted;
-            if self.used_bytes.load(Ordering::Relaxed) + pending + data.len() as u64 > quota {
+            if self.used_bytes.load(Ordering::Relaxed) + pending + len as u64 > quota {
                 self.refresh_usage().await;
-                if self.used_bytes.load(Ordering::Relaxed) + pending + data.len() as u64 > quota {
+                if self.used_bytes.load(Ordering::Relaxed) + pending + len as u64 > quota {
                     return Err(errno(libc::ENOSPC, "volume quota exceeded"));
                 }
             }
@@ -38,6 +61,12 @@ impl Fs {
         if self.cfg.budget.dirty_over() {
             self.make_room(&of).await;
         }
+        Ok(WriteTarget(of))
+    }
+
+    /// Copies `data` into the file at `offset` (never waits).
+    pub fn write_into(&self, target: WriteTarget, ino: u64, offset: u64, data: &[u8]) -> Written {
+        let of = target.0;
         let runs = of.write(offset, data);
         self.verifier.dirtied(ino);
         {
@@ -49,10 +78,14 @@ impl Fs {
             a.ctime = sec;
             a.ctime_ns = ns;
         }
-        if !runs.is_empty() {
-            self.start_uploads(&of, runs, false).await;
+        Written { of, runs }
+    }
+
+    /// Starts the uploads of the chunks a write filled (waits for upload slots).
+    pub async fn write_done(&self, written: Written) {
+        if !written.runs.is_empty() {
+            self.start_uploads(&written.of, written.runs, false).await;
         }
-        Ok(data.len() as u32)
     }
 
     /// The node's dirty data is over its budget: this file's dirty bytes start uploading,
@@ -97,11 +130,13 @@ impl Fs {
             let permit = match self.upload_sem.clone().try_acquire_owned() {
                 Ok(p) => Ok(p),
                 Err(_) => {
-                    // every slot is taken. Most are in flight to volume servers: one frees
-                    // soon, and the chunks held back for batching keep filling their lanes
-                    // (a kick per wait hashed a busy writer's chunks one or two at a time).
-                    // Mostly held back: let them go, or this writer waits out their delay.
-                    if self.store.held_back() * 2 >= self.cfg.concurrent_writers {
+                    // every slot is taken. Chunks wait for companions only while fewer than
+                    // a batch are queued, so with two batches' worth of slots most of them
+                    // are being hashed or sent and one frees as fast as volume servers answer;
+                    // kicking the batch then only hashed a busy writer's chunks one or two at
+                    // a time. With fewer slots, the held-back ones may be most of them: let
+                    // them go, or this writer waits out their batching delay.
+                    if self.cfg.concurrent_writers < 2 * self.store.batch_width() {
                         self.store.expedite();
                     }
                     self.upload_sem.clone().acquire_owned().await
@@ -842,12 +877,12 @@ mod slot_wait_tests {
     const CS: usize = 64 << 10;
 
     /// A writer waiting for an upload slot lets chunks held back for batching go only when
-    /// they hold at least half the slots: while most slots are in flight to volume servers,
-    /// one frees soon, and kicking the batch on every wait hashed a busy writer's chunks one
-    /// or two at a time (at a quarter of the lanes' speed).
+    /// they could be most of the slots (fewer than two batches' worth): otherwise one frees
+    /// as fast as volume servers answer, and kicking the batch on every wait hashed a busy
+    /// writer's chunks one or two at a time.
     #[tokio::test]
-    async fn a_writer_waiting_for_a_slot_kicks_the_batch_only_when_it_holds_the_slots() {
-        for (held_back, kicks) in [(0, false), (1, false), (2, true), (4, true)] {
+    async fn a_writer_waiting_for_a_slot_kicks_the_batch_only_with_few_slots() {
+        for (width, kicks) in [(1, false), (2, false), (3, true), (8, true)] {
             let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
             cfg.chunk_size = CS;
             cfg.concurrent_writers = 4;
@@ -863,13 +898,13 @@ mod slot_wait_tests {
                 .await
                 .unwrap();
             store.pause_uploads();
-            store.set_held_back(held_back);
+            store.set_batch_width(width);
             let chunk = vec![7u8; CS];
             // four full chunks take the four slots; their uploads wait in the store
             for i in 0..4u64 {
                 fs.write(fh, a.ino, i * CS as u64, &chunk).await.unwrap();
             }
-            assert_eq!(store.expedite_count(), 0, "held back {held_back}");
+            assert_eq!(store.expedite_count(), 0, "batches of {width}");
             // the fifth chunk's writer finds no slot
             let writer = {
                 let fs = fs.clone();
@@ -882,12 +917,12 @@ mod slot_wait_tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
             assert!(
                 !writer.is_finished(),
-                "held back {held_back}: no slot was free"
+                "batches of {width}: no slot was free"
             );
             assert_eq!(
                 store.expedite_count() > 0,
                 kicks,
-                "{held_back} of 4 slots held back for batching"
+                "4 slots, batches of {width}"
             );
             store.resume_uploads();
             writer.await.unwrap().unwrap();

@@ -13,11 +13,13 @@ use fuser::{
     ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
+use std::future::Future;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::task::Poll;
+use std::time::{Instant, SystemTime};
 
 /// Called from `init()` with what the kernel offered, so a successor can adopt the connection.
 pub type InitHook = Box<dyn Fn(&KernelConfig) + Send + Sync>;
@@ -202,6 +204,26 @@ macro_rules! run {
             gate.leave();
         });
     }};
+}
+
+/// The end of a write (answered outside [`run!`]): its time and failure recorded, the
+/// hand-over gate left.
+struct WriteEnd {
+    ops: Arc<crate::metrics::FuseOps>,
+    gate: Arc<Gate>,
+    started: Instant,
+}
+
+impl WriteEnd {
+    fn finish(self, failed: Option<&FsError>) {
+        if let Some(e) = failed {
+            log_err("write", e);
+        }
+        self.ops
+            .series(const { crate::metrics::fuse_op_index("write") })
+            .observe(self.started.elapsed(), failed.is_some());
+        self.gate.leave();
+    }
 }
 
 impl Filesystem for FuseAdapter {
@@ -548,22 +570,66 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let data = data.to_vec();
         // the kernel found set-user/group-ID bits to clear (FUSE_HANDLE_KILLPRIV_V2)
         let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        run!(
-            self,
-            "write",
-            reply,
-            |fs| async {
+        if !self.gate.enter() {
+            // handing over: the successor answers this request after FUSE_NOTIFY_RESEND
+            std::mem::forget(reply);
+            return;
+        }
+        let (ino, fh, len) = (ino.0, fh.0, data.len());
+        let started = Instant::now();
+        let done = WriteEnd {
+            ops: self.ops.clone(),
+            gate: self.gate.clone(),
+            started,
+        };
+        let fs = self.fs.clone();
+        // the steps that may wait come first and do not hold the bytes: when they do not
+        // wait, the bytes are copied once, from the kernel's buffer into the file's
+        let mut target = Box::pin({
+            let fs = fs.clone();
+            async move {
                 if kill {
-                    fs.kill_suidgid(ino.0).await?;
+                    fs.kill_suidgid(ino).await?;
                 }
-                fs.write(fh.0, ino.0, offset, &data).await
+                fs.write_target(fh, ino, len).await
             }
-            .await,
-            |n| reply.written(n)
-        );
+        });
+        // tokio resources and `tokio::spawn` in these steps need the runtime's context
+        let _rt = self.rt.enter();
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        match target.as_mut().poll(&mut cx) {
+            Poll::Ready(Ok(t)) => {
+                let written = fs.write_into(t, ino, offset, data);
+                self.dispatch(async move {
+                    fs.write_done(written).await;
+                    reply.written(len as u32);
+                    done.finish(None);
+                });
+            }
+            Poll::Ready(Err(e)) => {
+                reply.error(err(&e));
+                done.finish(Some(&e));
+            }
+            Poll::Pending => {
+                let data = data.to_vec();
+                self.dispatch(async move {
+                    match target.await {
+                        Ok(t) => {
+                            let written = fs.write_into(t, ino, offset, &data);
+                            fs.write_done(written).await;
+                            reply.written(len as u32);
+                            done.finish(None);
+                        }
+                        Err(e) => {
+                            reply.error(err(&e));
+                            done.finish(Some(&e));
+                        }
+                    }
+                });
+            }
+        }
     }
 
     fn flush(

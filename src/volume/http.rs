@@ -953,8 +953,8 @@ impl ChunkStore for VolumeClient {
         md5x::kick();
     }
 
-    fn held_back(&self) -> usize {
-        md5x::held_back()
+    fn batch_width(&self) -> usize {
+        md5x::lanes()
     }
 
     async fn delete_chunks(&self, file_ids: &[String]) -> Result<()> {

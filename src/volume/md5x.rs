@@ -127,11 +127,6 @@ pub async fn digest(data: Bytes, may_wait: Option<u64>) -> [u8; 16] {
     }
 }
 
-/// Chunks queued to be hashed now, node-wide (each holds an upload slot of its session).
-pub fn held_back() -> usize {
-    BATCHER.get().map_or(0, |b| b.lock().jobs.len())
-}
-
 /// Ends the wait of every chunk sealed until now, queued or not yet (a flush is about to wait
 /// for its uploads).
 pub fn kick() {

@@ -29,7 +29,7 @@ pub struct MockChunkStore {
     delete_delay: Mutex<std::time::Duration>,
     uploads_paused: AtomicBool,
     resumed: tokio::sync::Notify,
-    held_back: AtomicUsize,
+    batch_width: AtomicUsize,
     expedites: AtomicU64,
 }
 
@@ -121,9 +121,9 @@ impl MockChunkStore {
         self.resumed.notify_waiters();
     }
 
-    /// What [`ChunkStore::held_back`] reports from now on.
-    pub fn set_held_back(&self, n: usize) {
-        self.held_back.store(n, Ordering::SeqCst);
+    /// What [`ChunkStore::batch_width`] reports from now on (0: the default, 1).
+    pub fn set_batch_width(&self, n: usize) {
+        self.batch_width.store(n, Ordering::SeqCst);
     }
 
     /// Calls of [`ChunkStore::expedite`] so far.
@@ -251,8 +251,8 @@ impl ChunkStore for MockChunkStore {
         self.expedites.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn held_back(&self) -> usize {
-        self.held_back.load(Ordering::SeqCst)
+    fn batch_width(&self) -> usize {
+        self.batch_width.load(Ordering::SeqCst).max(1)
     }
 }
 

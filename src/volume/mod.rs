@@ -109,9 +109,9 @@ pub trait ChunkStore: Send + Sync + 'static {
     /// them back for batching.
     fn expedite(&self) {}
 
-    /// Uploads started and held back for batching now (their chunks wait to be hashed with
-    /// others); [`Self::expedite`] would let them go.
-    fn held_back(&self) -> usize {
-        0
+    /// The most uploads this store holds back to hash together (1: it holds none back).
+    /// While fewer are waiting, they wait up to a batching delay unless [`Self::expedite`]d.
+    fn batch_width(&self) -> usize {
+        1
     }
 }
