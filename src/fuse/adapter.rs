@@ -207,22 +207,36 @@ macro_rules! run {
 }
 
 /// The end of a write (answered outside [`run!`]): its time and failure recorded, the
-/// hand-over gate left.
+/// hand-over gate left; also when the write never finished (a panic, the runtime dropping
+/// its task), so a hand-over does not wait for it.
 struct WriteEnd {
     ops: Arc<crate::metrics::FuseOps>,
     gate: Arc<Gate>,
     started: Instant,
+    open: bool,
 }
 
 impl WriteEnd {
-    fn finish(self, failed: Option<&FsError>) {
+    fn finish(mut self, failed: Option<&FsError>) {
         if let Some(e) = failed {
             log_err("write", e);
         }
-        self.ops
-            .series(const { crate::metrics::fuse_op_index("write") })
-            .observe(self.started.elapsed(), failed.is_some());
-        self.gate.leave();
+        self.end(failed.is_some());
+    }
+
+    fn end(&mut self, failed: bool) {
+        if std::mem::take(&mut self.open) {
+            self.ops
+                .series(const { crate::metrics::fuse_op_index("write") })
+                .observe(self.started.elapsed(), failed);
+            self.gate.leave();
+        }
+    }
+}
+
+impl Drop for WriteEnd {
+    fn drop(&mut self) {
+        self.end(true);
     }
 }
 
@@ -578,11 +592,11 @@ impl Filesystem for FuseAdapter {
             return;
         }
         let (ino, fh, len) = (ino.0, fh.0, data.len());
-        let started = Instant::now();
         let done = WriteEnd {
             ops: self.ops.clone(),
             gate: self.gate.clone(),
-            started,
+            started: Instant::now(),
+            open: true,
         };
         let fs = self.fs.clone();
         // the steps that may wait come first and do not hold the bytes: when they do not
@@ -1209,5 +1223,31 @@ mod tests {
     fn posix_acl_is_read_from_recorded_flags() {
         assert!(super::posix_acl_negotiated(1 << 20 | 1 << 30 | 1 << 39));
         assert!(!super::posix_acl_negotiated(1 << 6 | 1 << 30));
+    }
+
+    /// A write whose future is dropped unfinished (a panic, a runtime shutting down) still
+    /// leaves the hand-over gate, so a takeover does not wait out its timeout for it.
+    #[tokio::test]
+    async fn an_unfinished_write_leaves_the_hand_over_gate() {
+        use std::sync::Arc;
+        let gate = Arc::new(super::Gate::default());
+        let end = |gate: &Arc<super::Gate>| {
+            assert!(gate.enter());
+            super::WriteEnd {
+                ops: Arc::new(crate::metrics::global().fuse_ops("gate-test".into())),
+                gate: gate.clone(),
+                started: std::time::Instant::now(),
+                open: true,
+            }
+        };
+        let finished = end(&gate);
+        let dropped = end(&gate);
+        finished.finish(None);
+        drop(dropped);
+        assert!(
+            gate.close_and_wait(std::time::Duration::from_millis(200))
+                .await,
+            "a write is still counted in"
+        );
     }
 }
