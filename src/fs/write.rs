@@ -692,8 +692,14 @@ mod stream_md5_tests {
     const CS: usize = 64 << 10;
 
     fn fs() -> (Arc<Fs>, Arc<MockChunkStore>) {
+        fs_with_slots(MountOptions::default().concurrent_writers)
+    }
+
+    /// An `Fs` on mocks with 64 KiB chunks and `slots` upload slots.
+    pub(super) fn fs_with_slots(slots: usize) -> (Arc<Fs>, Arc<MockChunkStore>) {
         let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
         cfg.chunk_size = CS;
+        cfg.concurrent_writers = slots;
         let store = Arc::new(MockChunkStore::new());
         let fs = Fs::new(
             cfg,
@@ -865,13 +871,7 @@ mod stream_md5_tests {
 
 #[cfg(test)]
 mod slot_wait_tests {
-    use super::*;
-    use crate::cache::ChunkCache;
-    use crate::config::MountOptions;
-    use crate::filer::mock::MockFiler;
     use crate::fs::inode::ROOT_INO;
-    use crate::fs::FsConfig;
-    use crate::volume::mock::MockChunkStore;
     use std::time::Duration;
 
     const CS: usize = 64 << 10;
@@ -883,16 +883,7 @@ mod slot_wait_tests {
     #[tokio::test]
     async fn a_writer_waiting_for_a_slot_kicks_the_batch_only_with_few_slots() {
         for (width, kicks) in [(1, false), (2, false), (3, true), (8, true)] {
-            let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
-            cfg.chunk_size = CS;
-            cfg.concurrent_writers = 4;
-            let store = Arc::new(MockChunkStore::new());
-            let fs = Fs::new(
-                cfg,
-                Arc::new(MockFiler::new()),
-                store.clone(),
-                ChunkCache::new(1 << 20),
-            );
+            let (fs, store) = super::stream_md5_tests::fs_with_slots(4);
             let (a, fh) = fs
                 .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
                 .await
