@@ -397,6 +397,11 @@ impl FuseOps {
     pub fn start(&self, op: usize) -> OpTimer<'_> {
         self.series(op).start()
     }
+
+    /// [`Self::start`] for a request that outlives this borrow (the series is shared).
+    pub fn start_owned(&self, op: usize) -> OpTimer<'static> {
+        OpTimer::new(Cow::Owned(self.series(op).clone()))
+    }
 }
 
 /// Times one operation; records on drop.

@@ -29,7 +29,7 @@ impl Fs {
     /// whose first step does not wait copies its bytes straight from the kernel's buffer.
     pub async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
         let target = self.write_target(fh, ino, data.len()).await?;
-        let written = self.write_into(target, ino, offset, data);
+        let written = self.write_into(target, offset, data);
         self.write_done(written).await;
         Ok(data.len() as u32)
     }
@@ -65,10 +65,10 @@ impl Fs {
     }
 
     /// Copies `data` into the file at `offset` (never waits).
-    pub fn write_into(&self, target: WriteTarget, ino: u64, offset: u64, data: &[u8]) -> Written {
+    pub fn write_into(&self, target: WriteTarget, offset: u64, data: &[u8]) -> Written {
         let of = target.0;
         let runs = of.write(offset, data);
-        self.verifier.dirtied(ino);
+        self.verifier.dirtied(of.ino);
         {
             let mut s = of.state.lock();
             let (sec, ns) = now_parts();

@@ -6,6 +6,7 @@
 //! the mapping would no longer read as one table.
 
 use crate::fs::{Attr, DirEntryOut, Fs, FsError, Kind, SetAttr};
+use crate::metrics::OpTimer;
 use fuser::{
     AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
     INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
@@ -19,7 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 
 /// Called from `init()` with what the kernel offered, so a successor can adopt the connection.
 pub type InitHook = Box<dyn Fn(&KernelConfig) + Send + Sync>;
@@ -206,37 +207,37 @@ macro_rules! run {
     }};
 }
 
-/// The end of a write (answered outside [`run!`]): its time and failure recorded, the
-/// hand-over gate left; also when the write never finished (a panic, the runtime dropping
-/// its task), so a hand-over does not wait for it.
+/// A write answered outside [`run!`]: timed like the others, and it leaves the hand-over
+/// gate when dropped, answered or not (a panic, the runtime dropping its task), so a
+/// hand-over does not wait for it. Dropped unanswered, it counts as failed.
 struct WriteEnd {
-    ops: Arc<crate::metrics::FuseOps>,
+    timer: OpTimer<'static>,
     gate: Arc<Gate>,
-    started: Instant,
-    open: bool,
+    reply: Option<ReplyWrite>,
 }
 
 impl WriteEnd {
-    fn finish(mut self, failed: Option<&FsError>) {
-        if let Some(e) = failed {
-            log_err("write", e);
+    fn written(mut self, n: usize) {
+        if let Some(r) = self.reply.take() {
+            r.written(n as u32);
         }
-        self.end(failed.is_some());
     }
 
-    fn end(&mut self, failed: bool) {
-        if std::mem::take(&mut self.open) {
-            self.ops
-                .series(const { crate::metrics::fuse_op_index("write") })
-                .observe(self.started.elapsed(), failed);
-            self.gate.leave();
+    fn failed(mut self, e: &FsError) {
+        log_err("write", e);
+        self.timer.failed();
+        if let Some(r) = self.reply.take() {
+            r.error(err(e));
         }
     }
 }
 
 impl Drop for WriteEnd {
     fn drop(&mut self) {
-        self.end(true);
+        if self.reply.is_some() {
+            self.timer.failed();
+        }
+        self.gate.leave();
     }
 }
 
@@ -593,10 +594,11 @@ impl Filesystem for FuseAdapter {
         }
         let (ino, fh, len) = (ino.0, fh.0, data.len());
         let done = WriteEnd {
-            ops: self.ops.clone(),
+            timer: self
+                .ops
+                .start_owned(const { crate::metrics::fuse_op_index("write") }),
             gate: self.gate.clone(),
-            started: Instant::now(),
-            open: true,
+            reply: Some(reply),
         };
         let fs = self.fs.clone();
         // the steps that may wait come first and do not hold the bytes: when they do not
@@ -615,31 +617,22 @@ impl Filesystem for FuseAdapter {
         let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
         match target.as_mut().poll(&mut cx) {
             Poll::Ready(Ok(t)) => {
-                let written = fs.write_into(t, ino, offset, data);
+                let written = fs.write_into(t, offset, data);
                 self.dispatch(async move {
                     fs.write_done(written).await;
-                    reply.written(len as u32);
-                    done.finish(None);
+                    done.written(len);
                 });
             }
-            Poll::Ready(Err(e)) => {
-                reply.error(err(&e));
-                done.finish(Some(&e));
-            }
+            Poll::Ready(Err(e)) => done.failed(&e),
             Poll::Pending => {
                 let data = data.to_vec();
                 self.dispatch(async move {
                     match target.await {
                         Ok(t) => {
-                            let written = fs.write_into(t, ino, offset, &data);
-                            fs.write_done(written).await;
-                            reply.written(len as u32);
-                            done.finish(None);
+                            fs.write_done(fs.write_into(t, offset, &data)).await;
+                            done.written(len);
                         }
-                        Err(e) => {
-                            reply.error(err(&e));
-                            done.finish(Some(&e));
-                        }
+                        Err(e) => done.failed(&e),
                     }
                 });
             }
@@ -1233,16 +1226,16 @@ mod tests {
         let gate = Arc::new(super::Gate::default());
         let end = |gate: &Arc<super::Gate>| {
             assert!(gate.enter());
+            let ops = crate::metrics::global().fuse_ops("gate-test".into());
             super::WriteEnd {
-                ops: Arc::new(crate::metrics::global().fuse_ops("gate-test".into())),
+                timer: ops.start_owned(0),
                 gate: gate.clone(),
-                started: std::time::Instant::now(),
-                open: true,
+                reply: None,
             }
         };
-        let finished = end(&gate);
+        let answered = end(&gate);
         let dropped = end(&gate);
-        finished.finish(None);
+        answered.written(0);
         drop(dropped);
         assert!(
             gate.close_and_wait(std::time::Duration::from_millis(200))
