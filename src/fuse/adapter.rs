@@ -44,18 +44,23 @@ pub struct Gate {
     active: AtomicUsize,
 }
 
-impl Gate {
-    fn enter(&self) -> bool {
-        self.active.fetch_add(1, Ordering::SeqCst);
-        if self.closed.load(Ordering::SeqCst) {
-            self.active.fetch_sub(1, Ordering::SeqCst);
-            return false;
-        }
-        true
-    }
+/// A request counted in by [`Gate::enter`]; dropping it counts the request out, however the
+/// request ends (answered, failed, panicked, or its task dropped by a runtime shutting down),
+/// so a hand-over never waits out its timeout for a request that is gone.
+pub struct Entered(Arc<Gate>);
 
-    fn leave(&self) {
-        self.active.fetch_sub(1, Ordering::SeqCst);
+impl Drop for Entered {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Gate {
+    /// Counts a request in; None once a hand-over closed the gate.
+    fn enter(self: &Arc<Self>) -> Option<Entered> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let entered = Entered(self.clone());
+        (!self.closed.load(Ordering::SeqCst)).then_some(entered)
     }
 
     /// Stops admitting requests and waits (bounded) until none is running.
@@ -95,11 +100,32 @@ impl FuseAdapter {
         let mut fut = Box::pin(fut);
         // tokio resources and `tokio::spawn` inside the future need the runtime's context
         let _rt = self.rt.enter();
-        // a wake-up of this waker may be lost: the spawned task polls the future again first
-        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-        if fut.as_mut().poll(&mut cx).is_pending() {
+        if poll_inline(fut.as_mut()) == Some(Poll::Pending) {
             self.rt.spawn(fut);
         }
+    }
+
+    /// Answers a request counted in by `entered` with `body`'s outcome: `answer` gets it,
+    /// after it was timed and, if it failed, logged.
+    fn serve<T>(
+        &self,
+        entered: Entered,
+        (op, index): (&'static str, usize),
+        body: impl Future<Output = Result<T, FsError>> + Send + 'static,
+        answer: impl FnOnce(Result<T, FsError>) + Send + 'static,
+    ) {
+        let ops = self.ops.clone();
+        self.dispatch(async move {
+            // dropped last, however the request ends
+            let _entered = entered;
+            let timer = ops.start(index);
+            let r = body.await;
+            if let Err(e) = &r {
+                timer.failed();
+                log_err(op, e);
+            }
+            answer(r);
+        });
     }
 }
 
@@ -182,27 +208,38 @@ fn time(t: Option<TimeOrNow>) -> Option<SystemTime> {
     })
 }
 
+/// Polls a request's future once on the calling FUSE thread. A panic is caught here, as
+/// tokio catches one in a task: unwinding would end the FUSE thread. The future is then
+/// dropped, which answers the request with EIO (fuser answers a dropped reply) and counts it
+/// out of the hand-over gate. None if it panicked.
+fn poll_inline<F: Future + ?Sized>(fut: std::pin::Pin<&mut F>) -> Option<Poll<F::Output>> {
+    // a wake-up of this waker may be lost: whoever spawns the future polls it again first
+    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.poll(&mut cx))) {
+        Ok(p) => Some(p),
+        Err(_) => {
+            tracing::error!("a FUSE request panicked; answered with EIO");
+            None
+        }
+    }
+}
+
 macro_rules! run {
     ($self:ident, $op:literal, $reply:ident, |$fs:ident| $body:expr, |$v:ident| $ok:expr) => {{
-        if !$self.gate.enter() {
+        let Some(entered) = $self.gate.enter() else {
             // handing over: the successor answers this request after FUSE_NOTIFY_RESEND
             std::mem::forget($reply);
             return;
-        }
+        };
         let $fs = $self.fs.clone();
-        let gate = $self.gate.clone();
-        let ops = $self.ops.clone();
-        $self.dispatch(async move {
-            let _timer = ops.start(const { crate::metrics::fuse_op_index($op) });
-            match $body {
-                Ok($v) => $ok,
-                Err(e) => {
-                    _timer.failed();
-                    log_err($op, &e);
-                    $reply.error(err(&e))
-                }
-            }
-            gate.leave();
+        let body = {
+            let $fs = $fs.clone();
+            async move { $body }
+        };
+        let op = ($op, const { crate::metrics::fuse_op_index($op) });
+        $self.serve(entered, op, body, move |r| match r {
+            Ok($v) => $ok,
+            Err(e) => $reply.error(err(&e)),
         });
     }};
 }
@@ -212,7 +249,7 @@ macro_rules! run {
 /// hand-over does not wait for it. Dropped unanswered, it counts as failed.
 struct WriteEnd {
     timer: OpTimer<'static>,
-    gate: Arc<Gate>,
+    _entered: Entered,
     reply: Option<ReplyWrite>,
 }
 
@@ -237,7 +274,6 @@ impl Drop for WriteEnd {
         if self.reply.is_some() {
             self.timer.failed();
         }
-        self.gate.leave();
     }
 }
 
@@ -587,17 +623,17 @@ impl Filesystem for FuseAdapter {
     ) {
         // the kernel found set-user/group-ID bits to clear (FUSE_HANDLE_KILLPRIV_V2)
         let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        if !self.gate.enter() {
+        let Some(entered) = self.gate.enter() else {
             // handing over: the successor answers this request after FUSE_NOTIFY_RESEND
             std::mem::forget(reply);
             return;
-        }
+        };
         let (ino, fh, len) = (ino.0, fh.0, data.len());
         let done = WriteEnd {
             timer: self
                 .ops
                 .start_owned(const { crate::metrics::fuse_op_index("write") }),
-            gate: self.gate.clone(),
+            _entered: entered,
             reply: Some(reply),
         };
         let fs = self.fs.clone();
@@ -614,17 +650,23 @@ impl Filesystem for FuseAdapter {
         });
         // tokio resources and `tokio::spawn` in these steps need the runtime's context
         let _rt = self.rt.enter();
-        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-        match target.as_mut().poll(&mut cx) {
-            Poll::Ready(Ok(t)) => {
-                let written = fs.write_into(t, offset, data);
+        match poll_inline(target.as_mut()) {
+            // `done`, dropped, answers EIO
+            None => {}
+            Some(Poll::Ready(Ok(t))) => {
+                let into = || fs.write_into(t, offset, data);
+                let Ok(written) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(into))
+                else {
+                    tracing::error!(ino, "a FUSE write panicked; answered with EIO");
+                    return;
+                };
                 self.dispatch(async move {
                     fs.write_done(written).await;
                     done.written(len);
                 });
             }
-            Poll::Ready(Err(e)) => done.failed(&e),
-            Poll::Pending => {
+            Some(Poll::Ready(Err(e))) => done.failed(&e),
+            Some(Poll::Pending) => {
                 let data = data.to_vec();
                 self.dispatch(async move {
                     match target.await {
@@ -1212,6 +1254,16 @@ impl crate::fs::Notifier for KeptNotifier {
 
 #[cfg(test)]
 mod tests {
+    use super::{Fs, FsError, FuseAdapter};
+    use crate::cache::ChunkCache;
+    use crate::config::MountOptions;
+    use crate::filer::mock::MockFiler;
+    use crate::fs::FsConfig;
+    use crate::volume::mock::MockChunkStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
     #[test]
     fn posix_acl_is_read_from_recorded_flags() {
         assert!(super::posix_acl_negotiated(1 << 20 | 1 << 30 | 1 << 39));
@@ -1222,14 +1274,12 @@ mod tests {
     /// leaves the hand-over gate, so a takeover does not wait out its timeout for it.
     #[tokio::test]
     async fn an_unfinished_write_leaves_the_hand_over_gate() {
-        use std::sync::Arc;
         let gate = Arc::new(super::Gate::default());
         let end = |gate: &Arc<super::Gate>| {
-            assert!(gate.enter());
             let ops = crate::metrics::global().fuse_ops("gate-test".into());
             super::WriteEnd {
                 timer: ops.start_owned(0),
-                gate: gate.clone(),
+                _entered: gate.enter().expect("open"),
                 reply: None,
             }
         };
@@ -1238,9 +1288,64 @@ mod tests {
         answered.written(0);
         drop(dropped);
         assert!(
-            gate.close_and_wait(std::time::Duration::from_millis(200))
-                .await,
+            gate.close_and_wait(Duration::from_millis(200)).await,
             "a write is still counted in"
         );
+    }
+
+    fn adapter() -> FuseAdapter {
+        let fs = Fs::new(
+            FsConfig::from_mount_options(&MountOptions::default()),
+            Arc::new(MockFiler::new()),
+            Arc::new(MockChunkStore::new()),
+            ChunkCache::new(1 << 20),
+        );
+        FuseAdapter::new(fs, tokio::runtime::Handle::current(), None)
+    }
+
+    /// A request that panics, on the FUSE thread or later on the runtime, is counted out of
+    /// the hand-over gate (a hand-over would otherwise wait out its timeout for it), and the
+    /// panic does not unwind the FUSE thread.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_panics_leaves_the_hand_over_gate() {
+        let a = adapter();
+        let gate = a.gate();
+        let answered = Arc::new(AtomicUsize::new(0));
+        let answer = |n: &Arc<AtomicUsize>| {
+            let n = n.clone();
+            move |_: Result<(), FsError>| {
+                n.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        // panics in its first poll, on the calling (FUSE) thread
+        a.serve(
+            gate.enter().expect("open"),
+            ("getattr", 0),
+            async { panic!("injected, inline") },
+            answer(&answered),
+        );
+        // panics on the runtime, after waiting once
+        a.serve(
+            gate.enter().expect("open"),
+            ("getattr", 0),
+            async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                panic!("injected, spawned")
+            },
+            answer(&answered),
+        );
+        // an answered one, for contrast
+        a.serve(
+            gate.enter().expect("open"),
+            ("getattr", 0),
+            async { Ok(()) },
+            answer(&answered),
+        );
+        assert!(
+            gate.close_and_wait(Duration::from_secs(2)).await,
+            "a request that panicked is still counted in"
+        );
+        assert_eq!(answered.load(Ordering::SeqCst), 1);
+        assert!(gate.enter().is_none(), "a closed gate admits no request");
     }
 }
