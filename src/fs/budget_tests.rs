@@ -208,3 +208,68 @@ fn a_session_that_left_the_budget_is_not_counted_again() {
     fs.prune_nodes();
     assert_eq!(budget.nodes(), 0, "counted in again after it left");
 }
+
+/// A write that waited for room while this file's uploads failed is refused (EIO), as a
+/// write that came after the failure is: the failed runs hold no budget, so nothing else
+/// would stop bytes piling up behind data that cannot be placed. What was written stays
+/// readable, and an fsync that can upload places all of it.
+#[tokio::test]
+async fn a_write_that_waited_for_room_while_uploads_failed_is_refused() {
+    let budget = MemoryBudget::new(8 * MIB);
+    let (fs, store) = {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions {
+            chunk_size_limit_mb: 1,
+            ..Default::default()
+        });
+        cfg.budget = budget.clone();
+        // an upload gives up at its first failure
+        cfg.upload_retry = Duration::ZERO;
+        // so that partial slots, not sealed ones, fill the budget
+        cfg.max_dirty_slots = 64;
+        let store = Arc::new(MockChunkStore::new());
+        let fs = Fs::new(
+            cfg,
+            Arc::new(MockFiler::new()),
+            store.clone(),
+            ChunkCache::new(0),
+        );
+        (fs, store)
+    };
+    let (a, fh) = fs
+        .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    // slots written short of full, so nothing uploads until the budget is over
+    let part = vec![7u8; (MIB - 4096) as usize];
+    let mut slots = 0u64;
+    while !budget.dirty_over() {
+        fs.write(fh, a.ino, slots * MIB, &part).await.unwrap();
+        slots += 1;
+        assert!(slots < 64, "the dirty budget never filled");
+    }
+    assert_eq!(store.upload_count(), 0);
+    // every upload the coming wait starts fails once
+    store.fail_next_uploads(slots as u32);
+    let late = fs.write(fh, a.ino, slots * MIB, &part).await;
+    let e = late.expect_err("a write after its wait accepted although uploads had failed");
+    assert_eq!(e.errno, libc::EIO);
+    // nothing written before is lost: readable now, placed by an fsync that can upload
+    let back = fs.read(fh, a.ino, 0, part.len() as u32).await.unwrap();
+    assert!(back[..] == part[..]);
+    // an upload the wait started may fail while the first fsync runs: that fsync reports
+    // it, and the next one uploads it again (no more injected failures are left)
+    if fs.fsync(fh, a.ino).await.is_err() {
+        fs.fsync(fh, a.ino).await.unwrap();
+    }
+    let e = fs.lookup(ROOT_INO, "f").await.unwrap();
+    assert_eq!(e.size, (slots - 1) * MIB + part.len() as u64);
+    for k in 0..slots {
+        let back = fs
+            .read(fh, a.ino, k * MIB, part.len() as u32)
+            .await
+            .unwrap();
+        assert!(back[..] == part[..], "slot {k}");
+    }
+    assert!(store.upload_count() >= 2 * slots);
+    fs.release(fh, a.ino).await.unwrap();
+}

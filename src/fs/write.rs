@@ -41,13 +41,15 @@ impl Fs {
         let h = self.handle(fh, ino).await?;
         self.verifier.check(fh)?;
         let of = h.file.clone();
-        if let Some(e) = of.unplaced() {
-            // no more bytes pile up behind data that cannot be placed; fsync retries it
-            return Err(errno(
+        // no more bytes pile up behind data that cannot be placed; fsync retries it
+        let placed = || match of.unplaced() {
+            Some(e) => Err(errno(
                 libc::EIO,
                 format!("earlier upload failed (fsync retries it): {e}"),
-            ));
-        }
+            )),
+            None => Ok(()),
+        };
+        placed()?;
         let quota = self.quota();
         if quota > 0 {
             let pending: u64 = of.state.lock().uncommitted;
@@ -60,6 +62,8 @@ impl Fs {
         }
         if self.cfg.budget.dirty_over() {
             self.make_room(&of).await;
+            // the uploads that made room may have failed (failed runs hold no budget)
+            placed()?;
         }
         Ok(WriteTarget(of))
     }
