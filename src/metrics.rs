@@ -423,6 +423,11 @@ impl OpTimer<'_> {
     pub fn failed(&self) {
         self.failed.set(true);
     }
+
+    /// Counts the operation as succeeded after all (see [`Self::failed`]).
+    pub fn succeeded(&self) {
+        self.failed.set(false);
+    }
 }
 
 impl Drop for OpTimer<'_> {

@@ -116,13 +116,17 @@ impl FuseAdapter {
     ) {
         let ops = self.ops.clone();
         self.dispatch(async move {
-            // dropped last, however the request ends
+            // dropped last, however the request ends: after `answer`, whose reply, dropped
+            // unanswered (a panic), answers EIO
             let _entered = entered;
+            let answer = answer;
             let timer = ops.start(index);
+            // a request that never gets an outcome (a panic, a dropped task) failed
+            timer.failed();
             let r = body.await;
-            if let Err(e) = &r {
-                timer.failed();
-                log_err(op, e);
+            match &r {
+                Ok(_) => timer.succeeded(),
+                Err(e) => log_err(op, e),
             }
             answer(r);
         });
@@ -248,9 +252,11 @@ macro_rules! run {
 /// gate when dropped, answered or not (a panic, the runtime dropping its task), so a
 /// hand-over does not wait for it. Dropped unanswered, it counts as failed.
 struct WriteEnd {
+    // fields drop in this order: the reply (answering EIO if unanswered) before the gate
+    // counts the request out
+    reply: Option<ReplyWrite>,
     timer: OpTimer<'static>,
     _entered: Entered,
-    reply: Option<ReplyWrite>,
 }
 
 impl WriteEnd {
@@ -1293,9 +1299,12 @@ mod tests {
         );
     }
 
-    fn adapter() -> FuseAdapter {
+    /// An adapter over mocks whose metrics series carry `volume`.
+    fn adapter(volume: &str) -> FuseAdapter {
+        let mut cfg = FsConfig::from_mount_options(&MountOptions::default());
+        cfg.root = volume.into();
         let fs = Fs::new(
-            FsConfig::from_mount_options(&MountOptions::default()),
+            cfg,
             Arc::new(MockFiler::new()),
             Arc::new(MockChunkStore::new()),
             ChunkCache::new(1 << 20),
@@ -1304,11 +1313,13 @@ mod tests {
     }
 
     /// A request that panics, on the FUSE thread or later on the runtime, is counted out of
-    /// the hand-over gate (a hand-over would otherwise wait out its timeout for it), and the
-    /// panic does not unwind the FUSE thread.
+    /// the hand-over gate (a hand-over would otherwise wait out its timeout for it) and as a
+    /// failed operation, and the panic does not unwind the FUSE thread.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_that_panics_leaves_the_hand_over_gate() {
-        let a = adapter();
+        let volume = "/adapter-test/panics";
+        let a = adapter(volume);
+        let getattr = ("getattr", crate::metrics::fuse_op_index("getattr"));
         let gate = a.gate();
         let answered = Arc::new(AtomicUsize::new(0));
         let answer = |n: &Arc<AtomicUsize>| {
@@ -1320,14 +1331,14 @@ mod tests {
         // panics in its first poll, on the calling (FUSE) thread
         a.serve(
             gate.enter().expect("open"),
-            ("getattr", 0),
+            getattr,
             async { panic!("injected, inline") },
             answer(&answered),
         );
         // panics on the runtime, after waiting once
         a.serve(
             gate.enter().expect("open"),
-            ("getattr", 0),
+            getattr,
             async {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 panic!("injected, spawned")
@@ -1337,7 +1348,7 @@ mod tests {
         // an answered one, for contrast
         a.serve(
             gate.enter().expect("open"),
-            ("getattr", 0),
+            getattr,
             async { Ok(()) },
             answer(&answered),
         );
@@ -1347,5 +1358,13 @@ mod tests {
         );
         assert_eq!(answered.load(Ordering::SeqCst), 1);
         assert!(gate.enter().is_none(), "a closed gate admits no request");
+        let l = format!(r#"op="getattr",volume="{volume}""#);
+        let text = crate::metrics::global().render();
+        for want in [
+            format!("seaweedfs_csi_fuse_op_seconds_count{{{l}}} 3\n"),
+            format!("seaweedfs_csi_fuse_op_errors_total{{{l}}} 2\n"),
+        ] {
+            assert!(text.contains(&want), "no {want:?} in\n{text}");
+        }
     }
 }
