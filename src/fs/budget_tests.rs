@@ -258,7 +258,8 @@ async fn a_write_that_waited_for_room_while_uploads_failed_is_refused() {
     assert!(back[..] == part[..]);
     // an upload the wait started may fail while the first fsync runs: that fsync reports
     // it, and the next one uploads it again (no more injected failures are left)
-    if fs.fsync(fh, a.ino).await.is_err() {
+    if let Err(e) = fs.fsync(fh, a.ino).await {
+        assert_eq!(e.errno, libc::EIO, "{e:?}");
         fs.fsync(fh, a.ino).await.unwrap();
     }
     let e = fs.lookup(ROOT_INO, "f").await.unwrap();

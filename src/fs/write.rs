@@ -62,9 +62,10 @@ impl Fs {
         }
         if self.cfg.budget.dirty_over() {
             self.make_room(&of).await;
-            // the uploads that made room may have failed (failed runs hold no budget)
-            placed()?;
         }
+        // an upload may have failed while this waited (the quota's filer call, or room the
+        // failure itself made: failed runs hold no budget)
+        placed()?;
         Ok(WriteTarget(of))
     }
 

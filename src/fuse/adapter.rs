@@ -124,11 +124,14 @@ impl FuseAdapter {
             // a request that never gets an outcome (a panic, a dropped task) failed
             timer.failed();
             let r = body.await;
-            match &r {
-                Ok(_) => timer.succeeded(),
-                Err(e) => log_err(op, e),
+            let ok = r.is_ok();
+            if let Err(e) = &r {
+                log_err(op, e);
             }
             answer(r);
+            if ok {
+                timer.succeeded();
+            }
         });
     }
 }
