@@ -195,7 +195,11 @@ pub struct Inflight {
     pub charge: Option<Arc<Charge>>,
 }
 
-/// A run sealed for upload.
+/// A run sealed for upload. Its in-flight record is settled only by its upload, so a run
+/// dropped before its upload started (a panic between sealing and starting it, a future
+/// dropped while it waited for an upload slot) notes itself as lost: the file then settles
+/// it as failed, to be uploaded again from memory by the next flush, instead of a flush
+/// waiting for it forever.
 pub struct SealedRun {
     pub id: u64,
     pub offset: u64,
@@ -203,6 +207,38 @@ pub struct SealedRun {
     pub ts: i64,
     /// `data`'s MD5, hashed while it was written (see [`Slot`]).
     pub md5: Option<Md5Stream>,
+    /// Where it notes itself as lost; None once its upload has started or it was settled.
+    settle: Option<Arc<Settle>>,
+}
+
+impl SealedRun {
+    /// Its upload has started (or it was settled otherwise): dropping it is no loss.
+    pub fn started(&mut self) {
+        self.settle = None;
+    }
+}
+
+impl Drop for SealedRun {
+    fn drop(&mut self) {
+        if let Some(settle) = self.settle.take() {
+            tracing::error!(
+                offset = self.offset,
+                len = self.data.len(),
+                "a sealed run was dropped before its upload started; the next flush uploads it"
+            );
+            settle.lost.lock().push(self.id);
+            settle.done.notify_waiters();
+        }
+    }
+}
+
+/// How a file's uploads settle: waiters are woken after each one, and runs dropped before
+/// their upload started are noted here (a lock of its own: a run may be dropped while the
+/// file's state lock is held, unwinding a panic).
+#[derive(Default)]
+pub struct Settle {
+    pub done: Notify,
+    lost: Mutex<Vec<u64>>,
 }
 
 pub struct FileState {
@@ -375,7 +411,7 @@ impl FileState {
 pub struct OpenFile {
     pub ino: u64,
     pub state: Mutex<FileState>,
-    pub uploads_done: Notify,
+    pub settle: Arc<Settle>,
     /// Held from building a commit until the filer answered it: two commits of one file in
     /// flight could reach the filer out of order, and the older chunk list would make the
     /// filer delete the chunks only the newer one has.
@@ -449,7 +485,7 @@ impl OpenFile {
                 deferred_attrs: None,
                 syncs: false,
             }),
-            uploads_done: Notify::new(),
+            settle: Arc::default(),
             commit: tokio::sync::Mutex::new(()),
             chunk_size: chunk_size.max(1),
             max_slots: max_slots.max(2),
@@ -491,7 +527,7 @@ impl OpenFile {
             .map(|(k, _)| *k)
             .collect();
         for k in full {
-            sealed.extend(seal_slot(&mut s, k, cs));
+            sealed.extend(seal_slot(&mut s, k, cs, &self.settle));
         }
         while s.slots.len() > self.max_slots {
             let fullest = s
@@ -500,7 +536,7 @@ impl OpenFile {
                 .max_by_key(|(_, sl)| sl.written())
                 .map(|(k, _)| *k);
             match fullest {
-                Some(k) => sealed.extend(seal_slot(&mut s, k, cs)),
+                Some(k) => sealed.extend(seal_slot(&mut s, k, cs, &self.settle)),
                 None => break,
             }
         }
@@ -514,7 +550,7 @@ impl OpenFile {
         let keys: Vec<u64> = s.slots.keys().copied().collect();
         let mut out = Vec::new();
         for k in keys {
-            out.extend(seal_slot(&mut s, k, cs));
+            out.extend(seal_slot(&mut s, k, cs, &self.settle));
         }
         out
     }
@@ -527,7 +563,7 @@ impl OpenFile {
         if s.retired {
             s.inflight.retain(|i| i.id != id);
             drop(s);
-            self.uploads_done.notify_waiters();
+            self.settle.done.notify_waiters();
             return result.ok().map(|c| c.file_id);
         }
         if let Some(pos) = s.inflight.iter().position(|i| i.id == id) {
@@ -569,13 +605,14 @@ impl OpenFile {
             }
         }
         drop(s);
-        self.uploads_done.notify_waiters();
+        self.settle.done.notify_waiters();
         None
     }
 
     /// Runs whose upload gave up, handed out again for another try (same ids and order).
     pub fn retry_failed(&self) -> Vec<SealedRun> {
         let mut s = self.state.lock();
+        self.settle_lost(&mut s);
         s.inflight
             .iter_mut()
             .filter(|i| i.failed)
@@ -587,6 +624,7 @@ impl OpenFile {
                     data: i.data.clone(),
                     ts: i.ts,
                     md5: None,
+                    settle: Some(self.settle.clone()),
                 }
             })
             .collect()
@@ -594,11 +632,34 @@ impl OpenFile {
 
     /// The reason if acknowledged bytes of this file could not be placed yet.
     pub fn unplaced(&self) -> Option<String> {
-        let s = self.state.lock();
+        let mut s = self.state.lock();
+        self.settle_lost(&mut s);
         s.inflight
             .iter()
             .any(|i| i.failed)
             .then(|| s.error.clone().unwrap_or_else(|| "upload failed".into()))
+    }
+
+    /// Settles the runs dropped before their upload started (see [`SealedRun`]) as an upload
+    /// that gave up would be: failed, kept for the next flush (dropped if the file is retired).
+    fn settle_lost(&self, s: &mut FileState) {
+        let lost = std::mem::take(&mut *self.settle.lost.lock());
+        if lost.is_empty() {
+            return;
+        }
+        if s.retired {
+            s.inflight.retain(|i| !lost.contains(&i.id));
+            return;
+        }
+        let mut settled = false;
+        for i in s.inflight.iter_mut().filter(|i| lost.contains(&i.id)) {
+            i.failed = true;
+            i.charge = None;
+            settled = true;
+        }
+        if settled {
+            s.error = Some("a sealed run was dropped before its upload started".into());
+        }
     }
 
     /// Waits until no upload of this file is running (failed runs wait for a retry).
@@ -626,11 +687,15 @@ impl OpenFile {
     /// wake-up is armed before the check, so none is missed).
     async fn when_uploads(&self, mut step: impl FnMut(&mut FileState) -> bool) {
         loop {
-            let notified = self.uploads_done.notified();
+            let notified = self.settle.done.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if step(&mut self.state.lock()) {
-                return;
+            {
+                let mut s = self.state.lock();
+                self.settle_lost(&mut s);
+                if step(&mut s) {
+                    return;
+                }
             }
             notified.await;
         }
@@ -975,7 +1040,7 @@ fn write_slots(s: &mut FileState, cs: u64, offset: u64, buf: &[u8], budget: &Arc
     }
 }
 
-fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
+fn seal_slot(s: &mut FileState, k: u64, cs: u64, settle: &Arc<Settle>) -> Vec<SealedRun> {
     let Some(sl) = s.slots.remove(&k) else {
         return Vec::new();
     };
@@ -999,6 +1064,7 @@ fn seal_slot(s: &mut FileState, k: u64, cs: u64) -> Vec<SealedRun> {
             data: data.slice(a - slot_base..b - slot_base),
             ts: s.next_run_ts(),
             md5: md5.take(),
+            settle: Some(settle.clone()),
         };
         s.inflight.push(Inflight {
             id,

@@ -131,7 +131,7 @@ impl Fs {
         let path = of.path();
         let syncs = of.state.lock().syncs_often(of.chunk_size as u64);
         let sealed_at = crate::volume::md5x::generation();
-        for run in runs {
+        for mut run in runs {
             let permit = match self.upload_sem.clone().try_acquire_owned() {
                 Ok(p) => Ok(p),
                 Err(_) => {
@@ -150,6 +150,7 @@ impl Fs {
             let permit = match permit {
                 Ok(p) => p,
                 Err(_) => {
+                    run.started();
                     of.upload_done(run.id, Err("shutting down".into()));
                     continue;
                 }
@@ -157,7 +158,7 @@ impl Fs {
             let store = self.store.clone();
             let mut opts = self.upload_options(&path);
             opts.may_wait = (!awaited).then_some(sealed_at);
-            opts.md5 = run.md5;
+            opts.md5 = run.md5.take();
             opts.syncs = syncs;
             let of = of.clone();
             let stats_bytes = run.data.len() as u64;
@@ -171,8 +172,10 @@ impl Fs {
             let deletes = self.deletes.clone();
             tokio::spawn(async move {
                 let done = UploadDone(Some((of, run.id)));
+                // from here `done` settles it, however the task ends
+                run.started();
                 let data = run.data.clone();
-                let r = upload_with_retry(store.as_ref(), run.data, &opts, retry_for).await;
+                let r = upload_with_retry(store.as_ref(), data.clone(), &opts, retry_for).await;
                 let key = r.as_ref().ok().map(super::read::chunk_key);
                 fs_stats.upload_done(r.is_ok());
                 if let Some(fid) = done.finish(r.map_err(|e| e.to_string())) {
@@ -717,6 +720,56 @@ mod stream_md5_tests {
 
     fn bytes(n: usize, seed: u8) -> Vec<u8> {
         (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    }
+
+    /// A run sealed and then dropped before its upload started (a panic between the two, a
+    /// write's future dropped while it waited for an upload slot) is settled as failed: an
+    /// fsync waiting for it ends (EIO: its data was not placed) instead of waiting forever,
+    /// and the next fsync uploads it from memory. Its bytes stay readable throughout.
+    #[tokio::test]
+    async fn a_sealed_run_dropped_before_its_upload_is_uploaded_by_the_next_fsync() {
+        let (fs, store) = fs();
+        let (a, fh) = fs
+            .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
+            .await
+            .unwrap();
+        let first = bytes(CS, 1);
+        let of = fs.open_file(a.ino).expect("open");
+        // a full chunk: sealed by the write, not started
+        let lost = of.write(0, &first);
+        assert_eq!(lost.len(), 1);
+        // an fsync now waits for that run's upload
+        let tail = bytes(100, 2);
+        fs.write(fh, a.ino, CS as u64, &tail).await.unwrap();
+        let fsync = tokio::spawn({
+            let fs = fs.clone();
+            async move { fs.fsync(fh, a.ino).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !fsync.is_finished(),
+            "the fsync did not wait for the sealed run"
+        );
+        drop(lost);
+        let r = tokio::time::timeout(Duration::from_secs(5), fsync)
+            .await
+            .expect("an fsync still waits for a run that was dropped")
+            .unwrap();
+        assert_eq!(
+            r.expect_err("unplaced data reported as synced").errno,
+            libc::EIO
+        );
+        let back = fs.read(fh, a.ino, 0, CS as u32).await.unwrap();
+        assert!(back[..] == first[..]);
+        // the next fsync places it
+        fs.fsync(fh, a.ino).await.unwrap();
+        let e = fs.lookup(ROOT_INO, "f").await.unwrap();
+        assert_eq!(e.size, (CS + tail.len()) as u64);
+        fs.release(fh, a.ino).await.unwrap();
+        let fh = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        let back = fs.read(fh, a.ino, 0, CS as u32).await.unwrap();
+        assert!(back[..] == first[..]);
+        assert!(store.upload_count() >= 2);
     }
 
     /// Appends after an fsync are hashed as they come and their uploads use that digest; an
