@@ -274,3 +274,44 @@ async fn a_write_that_waited_for_room_while_uploads_failed_is_refused() {
     assert!(store.upload_count() >= 2 * slots);
     fs.release(fh, a.ino).await.unwrap();
 }
+
+/// Runs of one file sealed and then dropped before their upload started hold the node's
+/// dirty budget through their in-flight records; a writer of another file waiting for room
+/// gets it once the pressure relief reaches that file, not only when someone touches it.
+#[tokio::test]
+async fn lost_runs_give_their_budget_back_to_writers_of_other_files() {
+    let budget = MemoryBudget::new(8 * MIB);
+    let (fs, _store) = fs_with(&budget);
+    let relief = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.relieve_memory_pressure().await })
+    };
+    let (a, fha) = fs
+        .create(ROOT_INO, "a", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    let of = fs.open_file(a.ino).expect("open");
+    let chunk = vec![3u8; MIB as usize];
+    let mut k = 0;
+    while !budget.dirty_over() {
+        // a full chunk, sealed by the write and dropped unstarted
+        let lost = of.write(k * MIB, &chunk);
+        assert_eq!(lost.len(), 1);
+        drop(lost);
+        k += 1;
+        assert!(k < 64, "the dirty budget never filled");
+    }
+    let (b, fhb) = fs
+        .create(ROOT_INO, "b", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), fs.write(fhb, b.ino, 0, b"b"))
+        .await
+        .expect("a writer of another file still waits for the lost runs' budget")
+        .unwrap();
+    // and the lost runs themselves are placed by the next fsync
+    fs.fsync(fha, a.ino).await.unwrap();
+    let e = fs.lookup(ROOT_INO, "a").await.unwrap();
+    assert_eq!(e.size, k * MIB);
+    relief.abort();
+}

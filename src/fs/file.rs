@@ -547,6 +547,9 @@ impl OpenFile {
     pub fn seal_all(&self) -> Vec<SealedRun> {
         let cs = self.chunk_size as u64;
         let mut s = self.state.lock();
+        // lost runs' records give their budget back here too (writers waiting for room
+        // seal every open file)
+        self.settle_lost(&mut s);
         let keys: Vec<u64> = s.slots.keys().copied().collect();
         let mut out = Vec::new();
         for k in keys {
@@ -642,7 +645,7 @@ impl OpenFile {
 
     /// Settles the runs dropped before their upload started (see [`SealedRun`]) as an upload
     /// that gave up would be: failed, kept for the next flush (dropped if the file is retired).
-    fn settle_lost(&self, s: &mut FileState) {
+    pub fn settle_lost(&self, s: &mut FileState) {
         let lost = std::mem::take(&mut *self.settle.lost.lock());
         if lost.is_empty() {
             return;
@@ -657,7 +660,7 @@ impl OpenFile {
             i.charge = None;
             settled = true;
         }
-        if settled {
+        if settled && s.error.is_none() {
             s.error = Some("a sealed run was dropped before its upload started".into());
         }
     }

@@ -389,6 +389,8 @@ impl Fs {
                 return false;
             }
             files.remove(&ino);
+            // before retiring: a retired file drops lost runs unreported
+            of.settle_lost(&mut s);
             s.retired = true;
             // (an unlinked or replaced one's name may be another file's now)
             let pending =
