@@ -15,12 +15,21 @@ const MIB: u64 = 1 << 20;
 
 /// A filesystem with 1 MiB chunks whose dirty data is charged to `budget`.
 fn fs_with(budget: &Arc<MemoryBudget>) -> (Arc<Fs>, Arc<MockChunkStore>) {
+    fs_with_config(budget, |_| {})
+}
+
+/// [`fs_with`], its configuration changed by `tune` first.
+fn fs_with_config(
+    budget: &Arc<MemoryBudget>,
+    tune: impl FnOnce(&mut FsConfig),
+) -> (Arc<Fs>, Arc<MockChunkStore>) {
     let mut cfg = FsConfig::from_mount_options(&MountOptions {
         chunk_size_limit_mb: 1,
         ..Default::default()
     });
     cfg.budget = budget.clone();
     cfg.upload_retry = Duration::from_secs(30);
+    tune(&mut cfg);
     let store = Arc::new(MockChunkStore::new());
     let fs = Fs::new(
         cfg,
@@ -216,25 +225,12 @@ fn a_session_that_left_the_budget_is_not_counted_again() {
 #[tokio::test]
 async fn a_write_that_waited_for_room_while_uploads_failed_is_refused() {
     let budget = MemoryBudget::new(8 * MIB);
-    let (fs, store) = {
-        let mut cfg = FsConfig::from_mount_options(&MountOptions {
-            chunk_size_limit_mb: 1,
-            ..Default::default()
-        });
-        cfg.budget = budget.clone();
+    let (fs, store) = fs_with_config(&budget, |cfg| {
         // an upload gives up at its first failure
         cfg.upload_retry = Duration::ZERO;
         // so that partial slots, not sealed ones, fill the budget
         cfg.max_dirty_slots = 64;
-        let store = Arc::new(MockChunkStore::new());
-        let fs = Fs::new(
-            cfg,
-            Arc::new(MockFiler::new()),
-            store.clone(),
-            ChunkCache::new(0),
-        );
-        (fs, store)
-    };
+    });
     let (a, fh) = fs
         .create(ROOT_INO, "f", 0o644, 0, libc::O_RDWR, 0, 0)
         .await
