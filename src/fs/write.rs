@@ -50,11 +50,14 @@ impl Fs {
             None => Ok(()),
         };
         placed()?;
+        // checked again after any wait (not on the path of a write that does not wait)
+        let mut waited = false;
         let quota = self.quota();
         if quota > 0 {
             let pending: u64 = of.state.lock().uncommitted;
             if self.used_bytes.load(Ordering::Relaxed) + pending + len as u64 > quota {
                 self.refresh_usage().await;
+                waited = true;
                 if self.used_bytes.load(Ordering::Relaxed) + pending + len as u64 > quota {
                     return Err(errno(libc::ENOSPC, "volume quota exceeded"));
                 }
@@ -62,10 +65,13 @@ impl Fs {
         }
         if self.cfg.budget.dirty_over() {
             self.make_room(&of).await;
+            waited = true;
         }
-        // an upload may have failed while this waited (the quota's filer call, or room the
-        // failure itself made: failed runs hold no budget)
-        placed()?;
+        if waited {
+            // an upload may have failed while this waited (the quota's filer call, or room
+            // the failure itself made: failed runs hold no budget)
+            placed()?;
+        }
         Ok(WriteTarget(of))
     }
 
@@ -174,7 +180,7 @@ impl Fs {
                 let done = UploadDone(Some((of, run.id)));
                 // from here `done` settles it, however the task ends
                 run.started();
-                let data = run.data.clone();
+                let data = std::mem::take(&mut run.data);
                 let r = upload_with_retry(store.as_ref(), data.clone(), &opts, retry_for).await;
                 let key = r.as_ref().ok().map(super::read::chunk_key);
                 fs_stats.upload_done(r.is_ok());

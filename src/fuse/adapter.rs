@@ -222,13 +222,17 @@ fn time(t: Option<TimeOrNow>) -> Option<SystemTime> {
 fn poll_inline<F: Future + ?Sized>(fut: std::pin::Pin<&mut F>) -> Option<Poll<F::Output>> {
     // a wake-up of this waker may be lost: whoever spawns the future polls it again first
     let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.poll(&mut cx))) {
-        Ok(p) => Some(p),
-        Err(_) => {
-            tracing::error!("a FUSE request panicked; answered with EIO");
-            None
-        }
+    on_fuse_thread(|| fut.poll(&mut cx))
+}
+
+/// Runs a request's step on the calling FUSE thread, catching a panic (logged; None) so
+/// that it does not unwind the thread. The caller drops the request, which answers EIO.
+fn on_fuse_thread<T>(step: impl FnOnce() -> T) -> Option<T> {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step));
+    if r.is_err() {
+        tracing::error!("a FUSE request panicked; answered with EIO");
     }
+    r.ok()
 }
 
 macro_rules! run {
@@ -663,10 +667,7 @@ impl Filesystem for FuseAdapter {
             // `done`, dropped, answers EIO
             None => {}
             Some(Poll::Ready(Ok(t))) => {
-                let into = || fs.write_into(t, offset, data);
-                let Ok(written) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(into))
-                else {
-                    tracing::error!(ino, "a FUSE write panicked; answered with EIO");
+                let Some(written) = on_fuse_thread(|| fs.write_into(t, offset, data)) else {
                     return;
                 };
                 self.dispatch(async move {
