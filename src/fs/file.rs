@@ -292,6 +292,11 @@ pub struct FileState {
     /// replayed event whose move is not taken): until a re-read finds it under its name, a
     /// commit first checks that the name still leads to it.
     pub name_doubt: bool,
+    /// An event said the file was removed (or replaced by a move) but may be older than
+    /// this node's own change of it, so its re-read decides. Until it has, a commit first
+    /// asks the filer whether the name still leads to the file, and believes the removal if
+    /// not: a commit in that window would otherwise create the removed file again.
+    pub removal_doubt: bool,
     /// The attribute changes deferred into this state (merged, later ones winning) and the
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
     /// that fails for good still applies them to the filer's entry (they were answered).
@@ -330,6 +335,7 @@ impl FileState {
     pub fn want_resync(&mut self, deleted: bool) -> bool {
         self.resync.wanted = true;
         self.resync.deleted |= deleted;
+        self.removal_doubt |= deleted;
         !std::mem::replace(&mut self.resync.running, true)
     }
 
@@ -482,6 +488,7 @@ impl OpenFile {
                 local_inflight: 0,
                 resync: Resync::default(),
                 name_doubt: false,
+                removal_doubt: false,
                 deferred_attrs: None,
                 syncs: false,
             }),

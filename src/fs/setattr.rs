@@ -241,7 +241,7 @@ impl Fs {
     pub(super) async fn salvage_deferred_attrs(&self, of: &OpenFile) {
         let (req, dir, name, number) = {
             let mut s = of.state.lock();
-            if !s.retired || s.unlinked || s.pending_create || s.name_doubt {
+            if !s.retired || s.unlinked || s.pending_create || s.name_doubt || s.removal_doubt {
                 return;
             }
             let Some((req, _)) = s.deferred_attrs.take() else {

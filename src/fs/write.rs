@@ -245,6 +245,10 @@ impl Fs {
             return Ok(());
         }
         self.confirm_name(of).await?;
+        if of.state.lock().unlinked {
+            // a removal by another client, confirmed by the check: not created again
+            return Ok(());
+        }
         // read after the check: a move applied meanwhile changed name and directory together
         let dir = of.state.lock().dir.clone();
         let mut snap = of.entry_for_commit();
@@ -293,10 +297,12 @@ impl Fs {
     /// the file unseen that would bring the old name back with chunks the moved entry also
     /// lists (deleting either then deletes the other's data). So the name must still lead
     /// to the file; a missing name is asked again for a few seconds (the missed move may
-    /// still arrive as a replayed event), then it is ESTALE. Filer errors are retried like
-    /// the commit's own.
+    /// still arrive as a replayed event), then it is ESTALE. A file an event said was removed
+    /// (see [`FileState::removal_doubt`]) and not found is unlinked instead, as its re-read
+    /// would do. Filer errors are retried like the commit's own.
     ///
     /// [`FileState::name_doubt`]: super::file::FileState::name_doubt
+    /// [`FileState::removal_doubt`]: super::file::FileState::removal_doubt
     async fn confirm_name(&self, of: &OpenFile) -> Result<()> {
         const SETTLE: Duration = Duration::from_secs(3);
         let start = Instant::now();
@@ -307,7 +313,8 @@ impl Fs {
                 // a hard-linked file's names share its content record: a name removed
                 // meanwhile is given back, and the data reaches the others
                 let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
-                if !s.name_doubt || s.pending_create || linked {
+                let doubt = s.name_doubt || s.removal_doubt;
+                if !doubt || s.unlinked || s.pending_create || linked {
                     return Ok(());
                 }
                 (
@@ -331,10 +338,19 @@ impl Fs {
             {
                 let mut s = of.state.lock();
                 // an answer about the name as it still is, with no doubt raised since
-                let current =
-                    s.epoch == epoch && (s.dir.as_str(), s.entry.name.as_str()) == (&dir, &name);
+                // (a change of ours in flight may have moved it on the filer already)
+                let current = s.epoch == epoch
+                    && s.local_inflight == 0
+                    && (s.dir.as_str(), s.entry.name.as_str()) == (&dir, &name);
                 if current && found == Some(true) {
                     s.name_doubt = false;
+                    s.removal_doubt = false;
+                    return Ok(());
+                }
+                if current && found == Some(false) && s.removal_doubt {
+                    s.unlinked = true;
+                    s.removal_doubt = false;
+                    s.epoch += 1;
                     return Ok(());
                 }
                 if current && found == Some(false) && start.elapsed() >= SETTLE {
