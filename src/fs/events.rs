@@ -953,6 +953,47 @@ mod tests {
         }
     }
 
+    /// Found in review: a re-read asked for by an update, whose lookup answered "still
+    /// there" after the removal's event arrived, settled the removal doubt with that older
+    /// answer, and a commit before the next round created the removed file again.
+    #[tokio::test]
+    async fn a_re_read_answer_from_before_a_removal_does_not_settle_it() {
+        let (fs, other) = fs();
+        put(&other, "f", b"x").await;
+        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"one").await.unwrap();
+        fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+        // an update's re-read reads the entry, and its answer is held
+        let hold = other.hold_next_lookup("/f");
+        let ev = put(&other, "f", b"xy").await;
+        fs.apply_event(&ev);
+        hold.arrived().await;
+        fs.write(fh, ino, 3, b"two").await.unwrap();
+        let gone = other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "f".into(),
+                is_delete_data: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        fs.apply_event(&gone);
+        // the re-read's next round waits for a permit queued before its own is returned
+        let others = fs.rereads.acquire_many(3).await.unwrap();
+        let mut last = std::pin::pin!(fs.rereads.acquire());
+        assert!(futures::poll!(&mut last).is_pending());
+        hold.release();
+        let last = last.await.unwrap();
+        settle().await;
+        fs.flush(fh, ino).await.unwrap();
+        assert!(other.get("/f").is_none(), "a deleted file brought back");
+        drop((others, last));
+        fs.release(fh, ino).await.unwrap();
+    }
+
     /// An entry without an inode (made through the HTTP API or S3) is known here by a node
     /// id derived from the path it was first seen at; after another client renamed it, its
     /// re-read must still recognise it (it was taken for another file, and its newer entry

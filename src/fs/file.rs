@@ -335,7 +335,12 @@ impl FileState {
     pub fn want_resync(&mut self, deleted: bool) -> bool {
         self.resync.wanted = true;
         self.resync.deleted |= deleted;
-        self.removal_doubt |= deleted;
+        if deleted {
+            self.removal_doubt = true;
+            // an answer asked for before the removal (a re-read or a commit's check under
+            // way) must not settle it
+            self.epoch += 1;
+        }
         !std::mem::replace(&mut self.resync.running, true)
     }
 
