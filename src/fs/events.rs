@@ -953,9 +953,11 @@ mod tests {
         }
     }
 
-    /// Found in review: a re-read asked for by an update, whose lookup answered "still
-    /// there" after the removal's event arrived, settled the removal doubt with that older
-    /// answer, and a commit before the next round created the removed file again.
+    /// Raised in review: a re-read asked for by an update, whose lookup answered "still
+    /// there" after the removal's event arrived, could settle the removal doubt with that
+    /// older answer, and a commit before the next round would create the removed file again.
+    /// Two guards keep it out: the removal's event takes the name's node away (the answer no
+    /// longer matches the file) and the doubt bumps the file's epoch (the answer is stale).
     #[tokio::test]
     async fn a_re_read_answer_from_before_a_removal_does_not_settle_it() {
         let (fs, other) = fs();
@@ -964,9 +966,11 @@ mod tests {
         let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
         fs.write(fh, ino, 0, b"one").await.unwrap();
         fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
-        // an update's re-read reads the entry, and its answer is held
+                                          // an update's re-read reads the entry, and its answer is held
         let hold = other.hold_next_lookup("/f");
-        let ev = put(&other, "f", b"xy").await;
+        let mut e = other.get("/f").unwrap();
+        e.attributes.as_mut().unwrap().mtime += 1;
+        let ev = create(&other, e).await;
         fs.apply_event(&ev);
         hold.arrived().await;
         fs.write(fh, ino, 3, b"two").await.unwrap();
