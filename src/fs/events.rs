@@ -94,24 +94,6 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
         && data_differs
 }
 
-/// The filer confirmed that the open file's name is gone (an event said so): an unlinked
-/// file, or a hard-linked one living on under `alias`, another of its names known here.
-pub(super) fn name_gone(s: &mut FileState, alias: Option<String>) {
-    let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
-    match (linked, alias) {
-        // its commits go to the other name
-        (true, Some(p)) => {
-            s.entry.hard_link_counter -= 1;
-            (s.dir, s.entry.name) = super::inode::split(&p);
-        }
-        // its other names are unknown here: the name is kept (its data reaches them)
-        (true, None) => {}
-        (false, _) => s.unlinked = true,
-    }
-    s.removal_doubt = false;
-    s.epoch += 1;
-}
-
 impl Fs {
     /// Applies another client's change. An event about a name this node changed lately may
     /// be older than our change (the filer sends us only others' events, in its order, so it
@@ -256,8 +238,6 @@ impl Fs {
                 continue;
             }
             let path = join(&dir, &name);
-            // another name of a hard-linked file, for its removed one
-            let alias = self.inodes.aliases(of.ino).into_iter().find(|p| *p != path);
             let answer = match self.rereads.acquire().await {
                 Ok(_permit) => self.look_again(&path, &dir, &name, of.ino, &known).await,
                 Err(_) => return,
@@ -286,7 +266,8 @@ impl Fs {
                     Ok(None) => {
                         // a file whose create is still deferred was never the filer's to remove
                         if deleted && !s.pending_create {
-                            name_gone(&mut s, alias);
+                            s.unlinked = true;
+                            s.epoch += 1;
                         }
                         if deleted {
                             s.removal_doubt = false;
@@ -402,13 +383,13 @@ impl Fs {
                 match &n.new_entry {
                     None => {
                         let ino = old_ino;
-                        // (a hard-linked file lives on under its other names: the re-read
-                        // moves it to one)
+                        // a hard-linked file may live on under other names: re-read, never unlink
+                        let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
                         let mut doubt = false;
                         if let Some(of) = self.open_file(ino) {
                             let mut s = of.state.lock();
                             doubt = self.doubtful(&s, dir, &old.name);
-                            if doubt && s.want_resync(true) {
+                            if doubt && s.want_resync(!linked) {
                                 doubtful.push(of.clone());
                             }
                         }
@@ -1015,54 +996,6 @@ mod tests {
         assert!(other.get("/f").is_none(), "a deleted file brought back");
         drop((others, last));
         fs.release(fh, ino).await.unwrap();
-    }
-
-    /// A hard-linked file open here under one name, changed here lately, and that name
-    /// removed by another client: its re-read moved it to none of its other names, and its
-    /// commits created the removed name again. Also with the commit before the re-read.
-    #[tokio::test]
-    async fn a_doubtful_removal_of_a_hard_link_moves_the_file_to_its_other_name() {
-        for early in [false, true] {
-            let (fs, other) = fs();
-            for n in ["l", "f"] {
-                let mut e = file(n, b"data");
-                e.hard_link_id = vec![7; 17];
-                e.hard_link_counter = 2;
-                create(&other, e).await;
-            }
-            let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
-            assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
-            let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-            fs.write(fh, ino, 0, b"DATA").await.unwrap();
-            fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
-            let gone = other
-                .delete_entry(pb::DeleteEntryRequest {
-                    directory: "/".into(),
-                    name: "l".into(),
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .unwrap();
-            let held = if early {
-                Some(fs.rereads.acquire_many(4).await.unwrap())
-            } else {
-                None
-            };
-            fs.apply_event(&gone);
-            settle().await;
-            fs.write(fh, ino, 4, b"-MORE").await.unwrap();
-            fs.flush(fh, ino).await.unwrap();
-            fs.release(fh, ino).await.unwrap();
-            drop(held);
-            assert!(
-                other.get("/l").is_none(),
-                "early={early}: the removed name came back"
-            );
-            let f = other.get("/f").expect("the other name stays");
-            assert_eq!(f.attributes.unwrap().file_size, 9, "early={early}");
-            assert_eq!(f.hard_link_counter, 1, "early={early}");
-        }
     }
 
     /// An entry without an inode (made through the HTTP API or S3) is known here by a node

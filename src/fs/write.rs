@@ -249,8 +249,7 @@ impl Fs {
             // a removal by another client, confirmed by the check: not created again
             return Ok(());
         }
-        // read after the check: a move applied meanwhile (or the check moving a hard-linked
-        // file to its other name) changed name and directory together
+        // read after the check: a move applied meanwhile changed name and directory together
         let dir = of.state.lock().dir.clone();
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
@@ -309,15 +308,13 @@ impl Fs {
         let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
-            let alias = self.inodes.aliases(of.ino);
             let (dir, name, epoch, known) = {
                 let s = of.state.lock();
-                // a hard-linked file's names share its content record: a name moved away
-                // unseen is given back, and the data reaches the others (a removed one is
-                // left for another name known here, below)
+                // a hard-linked file's names share its content record: a name removed
+                // meanwhile is given back, and the data reaches the others
                 let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
-                let doubt = (s.name_doubt && !linked) || s.removal_doubt;
-                if !doubt || s.unlinked || s.pending_create {
+                let doubt = s.name_doubt || s.removal_doubt;
+                if !doubt || s.unlinked || s.pending_create || linked {
                     return Ok(());
                 }
                 (
@@ -351,7 +348,9 @@ impl Fs {
                     return Ok(());
                 }
                 if current && found == Some(false) && s.removal_doubt {
-                    super::events::name_gone(&mut s, alias.into_iter().find(|p| *p != path));
+                    s.unlinked = true;
+                    s.removal_doubt = false;
+                    s.epoch += 1;
                     return Ok(());
                 }
                 if current && found == Some(false) && start.elapsed() >= SETTLE {
