@@ -94,7 +94,48 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
         && data_differs
 }
 
+/// The filer confirmed that the open file's name is gone (an event said so): an unlinked
+/// file, or a hard-linked one whose link group lives on at `moved_to` (path, link count),
+/// found by [`Fs::other_link`]. A hard-linked file with no other name known keeps its name.
+pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
+    let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
+    match (linked, moved_to) {
+        (true, Some((p, count))) => {
+            (s.dir, s.entry.name) = super::inode::split(&p);
+            s.entry.hard_link_counter = count;
+        }
+        (true, None) => {}
+        (false, _) => s.unlinked = true,
+    }
+    s.removal_doubt = false;
+    s.epoch += 1;
+}
+
 impl Fs {
+    /// Another name of hard-linked file `of`, for its `removed` one: a name known here for
+    /// it that the filer confirms leads to its link group now, with the group's link count
+    /// there (a name known here may be stale: removed since, or another file's).
+    pub(super) async fn other_link(&self, of: &OpenFile, removed: &str) -> Option<(String, i32)> {
+        let group = of.state.lock().entry.hard_link_id.clone();
+        if group.is_empty() {
+            return None;
+        }
+        for p in self.inodes.aliases(of.ino) {
+            if p == removed {
+                continue;
+            }
+            let (d, n) = super::inode::split(&p);
+            self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            match self.filer.lookup_entry(&d, &n).await {
+                Ok(e) if e.hard_link_id == group && !e.is_directory => {
+                    return Some((p, e.hard_link_counter))
+                }
+                _ => continue,
+            }
+        }
+        None
+    }
+
     /// Applies another client's change. An event about a name this node changed lately may
     /// be older than our change (the filer sends us only others' events, in its order, so it
     /// can arrive after ours took effect here): the cached listing would then bring back a
@@ -242,6 +283,11 @@ impl Fs {
                 Ok(_permit) => self.look_again(&path, &dir, &name, of.ino, &known).await,
                 Err(_) => return,
             };
+            // a hard-linked file's removed name: where its link group lives on
+            let moved_to = match &answer {
+                Ok(None) if deleted => self.other_link(&of, &path).await,
+                _ => None,
+            };
             // Ok(true): the entry was replaced; Err: ask again
             let outcome: std::result::Result<bool, Option<super::FsError>> = {
                 let mut s = of.state.lock();
@@ -266,8 +312,7 @@ impl Fs {
                     Ok(None) => {
                         // a file whose create is still deferred was never the filer's to remove
                         if deleted && !s.pending_create {
-                            s.unlinked = true;
-                            s.epoch += 1;
+                            name_gone(&mut s, moved_to);
                         }
                         if deleted {
                             s.removal_doubt = false;
@@ -383,13 +428,13 @@ impl Fs {
                 match &n.new_entry {
                     None => {
                         let ino = old_ino;
-                        // a hard-linked file may live on under other names: re-read, never unlink
-                        let linked = !old.hard_link_id.is_empty() && old.hard_link_counter > 1;
+                        // (a hard-linked file lives on under its other names: the re-read
+                        // moves it to one)
                         let mut doubt = false;
                         if let Some(of) = self.open_file(ino) {
                             let mut s = of.state.lock();
                             doubt = self.doubtful(&s, dir, &old.name);
-                            if doubt && s.want_resync(!linked) {
+                            if doubt && s.want_resync(true) {
                                 doubtful.push(of.clone());
                             }
                         }
@@ -996,6 +1041,74 @@ mod tests {
         assert!(other.get("/f").is_none(), "a deleted file brought back");
         drop((others, last));
         fs.release(fh, ino).await.unwrap();
+    }
+
+    /// A hard-linked file open here under one name, changed here lately, and that name
+    /// removed by another client: its commits created the removed name again. It moves to
+    /// another of its names known here, once the filer confirms that name still leads to
+    /// its link group (review: a name known here can be another file's since, which the
+    /// move wrote over). `early`: the commit comes before the re-read.
+    #[tokio::test]
+    async fn a_doubtful_removal_of_a_hard_link_moves_the_file_to_its_other_name() {
+        for (early, stale) in [(false, false), (true, false), (false, true), (true, true)] {
+            let case = format!("early={early} stale={stale}");
+            let (fs, other) = fs();
+            for n in ["l", "f"] {
+                let mut e = file(n, b"data");
+                e.hard_link_id = vec![7; 17];
+                e.hard_link_counter = 2;
+                create(&other, e).await;
+            }
+            let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
+            assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
+            let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+            fs.write(fh, ino, 0, b"DATA").await.unwrap();
+            fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+            let delete = |name: &str| {
+                other.delete_entry(pb::DeleteEntryRequest {
+                    directory: "/".into(),
+                    name: name.into(),
+                    ..Default::default()
+                })
+            };
+            if stale {
+                // `f` is another file now; this node has not heard of it yet
+                delete("f").await.unwrap();
+                let mut e = file("f", b"another file");
+                e.attributes.as_mut().unwrap().inode = 999;
+                create(&other, e).await;
+            }
+            let gone = delete("l").await.unwrap().unwrap();
+            if !stale {
+                // the filer's link record counts one name less (the mock keeps no record)
+                let mut e = other.get("/f").unwrap();
+                e.hard_link_counter = 1;
+                create(&other, e).await;
+            }
+            let held = if early {
+                Some(fs.rereads.acquire_many(4).await.unwrap())
+            } else {
+                None
+            };
+            fs.apply_event(&gone);
+            settle().await;
+            fs.write(fh, ino, 4, b"-MORE").await.unwrap();
+            fs.flush(fh, ino).await.unwrap();
+            fs.release(fh, ino).await.unwrap();
+            drop(held);
+            let f = other.get("/f").expect("f stays");
+            if stale {
+                assert_eq!(content_of(&other, "f").unwrap(), "another file", "{case}");
+                assert!(f.hard_link_id.is_empty(), "{case}");
+            } else {
+                assert!(
+                    other.get("/l").is_none(),
+                    "{case}: the removed name came back"
+                );
+                assert_eq!(f.attributes.unwrap().file_size, 9, "{case}");
+                assert_eq!(f.hard_link_counter, 1, "{case}");
+            }
+        }
     }
 
     /// An entry without an inode (made through the HTTP API or S3) is known here by a node

@@ -711,6 +711,8 @@ impl Fs {
             return;
         }
         s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+        // a re-read asked for before this may have looked for the file under this name
+        s.epoch += 1;
         if s.dir == dir && s.entry.name == name {
             match other {
                 Some(p) => (s.dir, s.entry.name) = split(&p),

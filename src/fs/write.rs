@@ -249,7 +249,8 @@ impl Fs {
             // a removal by another client, confirmed by the check: not created again
             return Ok(());
         }
-        // read after the check: a move applied meanwhile changed name and directory together
+        // read after the check: a move applied meanwhile (or the check moving a hard-linked
+        // file to its other name) changed name and directory together
         let dir = of.state.lock().dir.clone();
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
@@ -310,11 +311,12 @@ impl Fs {
         loop {
             let (dir, name, epoch, known) = {
                 let s = of.state.lock();
-                // a hard-linked file's names share its content record: a name removed
-                // meanwhile is given back, and the data reaches the others
+                // a hard-linked file's names share its content record: a name moved away
+                // unseen is given back, and the data reaches the others (a removed one is
+                // left for another name, below)
                 let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
-                let doubt = s.name_doubt || s.removal_doubt;
-                if !doubt || s.unlinked || s.pending_create || linked {
+                let doubt = (s.name_doubt && !linked) || s.removal_doubt;
+                if !doubt || s.unlinked || s.pending_create {
                     return Ok(());
                 }
                 (
@@ -335,6 +337,10 @@ impl Fs {
                 }
                 Err(e) => return Err(e.into()),
             };
+            let moved_to = match found {
+                Some(false) => self.other_link(of, &path).await,
+                _ => None,
+            };
             {
                 let mut s = of.state.lock();
                 // an answer about the name as it still is, with no doubt raised since
@@ -348,9 +354,7 @@ impl Fs {
                     return Ok(());
                 }
                 if current && found == Some(false) && s.removal_doubt {
-                    s.unlinked = true;
-                    s.removal_doubt = false;
-                    s.epoch += 1;
+                    super::events::name_gone(&mut s, moved_to);
                     return Ok(());
                 }
                 if current && found == Some(false) && start.elapsed() >= SETTLE {
