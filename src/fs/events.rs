@@ -279,14 +279,17 @@ impl Fs {
                 continue;
             }
             let path = join(&dir, &name);
-            let answer = match self.rereads.acquire().await {
-                Ok(_permit) => self.look_again(&path, &dir, &name, of.ino, &known).await,
+            let (answer, moved_to) = match self.rereads.acquire().await {
+                Ok(_permit) => {
+                    let answer = self.look_again(&path, &dir, &name, of.ino, &known).await;
+                    // a hard-linked file's removed name: where its link group lives on
+                    let moved_to = match &answer {
+                        Ok(None) if deleted => self.other_link(&of, &path).await,
+                        _ => None,
+                    };
+                    (answer, moved_to)
+                }
                 Err(_) => return,
-            };
-            // a hard-linked file's removed name: where its link group lives on
-            let moved_to = match &answer {
-                Ok(None) if deleted => self.other_link(&of, &path).await,
-                _ => None,
             };
             // Ok(true): the entry was replaced; Err: ask again
             let outcome: std::result::Result<bool, Option<super::FsError>> = {
@@ -446,7 +449,12 @@ impl Fs {
                     }
                     Some(new) => {
                         // renamed by another client: our node ids and open files follow, and
-                        // a file of ours it replaced must not be committed again
+                        // a file of ours it replaced must not be committed again. The open
+                        // file's answers asked for before are stale (the name may have been
+                        // one of its other names, which a removed name moves it to)
+                        if let Some(of) = self.open_file(old_ino) {
+                            of.state.lock().epoch += 1;
+                        }
                         let ndir = if n.new_parent_path.is_empty() {
                             dir
                         } else {
@@ -1109,6 +1117,53 @@ mod tests {
                 assert_eq!(f.hard_link_counter, 1, "{case}");
             }
         }
+    }
+
+    /// Found in review: the other name a hard-linked file's removed name moves it to,
+    /// renamed by another client after the filer confirmed it: the move took the old name,
+    /// and the commit created it again beside the renamed one (two names, a count of one).
+    #[tokio::test]
+    async fn a_hard_link_renamed_while_its_file_moves_to_it_is_followed() {
+        let (fs, other) = fs();
+        for n in ["l", "f"] {
+            let mut e = file(n, b"data");
+            e.hard_link_id = vec![7; 17];
+            e.hard_link_counter = 2;
+            create(&other, e).await;
+        }
+        let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"DATA").await.unwrap();
+        fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+        let gone = other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: "l".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        // the filer's link record counts one name less (the mock keeps no record)
+        let mut e = other.get("/f").unwrap();
+        e.hard_link_counter = 1;
+        create(&other, e).await;
+        // the re-read confirms `f`, and its answer is held while `f` becomes `g`
+        let hold = other.hold_next_lookup("/f");
+        fs.apply_event(&gone);
+        hold.arrived().await;
+        let moved = renamed(&other, "f", "g").await;
+        fs.apply_event(&moved);
+        hold.release();
+        settle().await;
+        fs.write(fh, ino, 4, b"-MORE").await.unwrap();
+        fs.flush(fh, ino).await.unwrap();
+        fs.release(fh, ino).await.unwrap();
+        assert!(other.get("/l").is_none(), "the removed name came back");
+        assert!(other.get("/f").is_none(), "the renamed name came back");
+        let g = other.get("/g").expect("the renamed link");
+        assert_eq!(g.attributes.unwrap().file_size, 9);
     }
 
     /// An entry without an inode (made through the HTTP API or S3) is known here by a node
