@@ -750,6 +750,48 @@ mod tests {
             .expect("the mock logs an event")
     }
 
+    /// Another client deletes `/name` (and its data); returns its event.
+    async fn removed(other: &MockFiler, name: &str) -> pb::SubscribeMetadataResponse {
+        other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: name.into(),
+                is_delete_data: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    /// `/f` put by another client, opened for writing here and written and flushed, so
+    /// that its events are doubtful for a while: (ino, fh).
+    async fn changed_here(fs: &Arc<Fs>, other: &MockFiler) -> (u64, u64) {
+        put(other, "f", b"x").await;
+        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"one").await.unwrap();
+        fs.flush(fh, ino).await.unwrap();
+        (ino, fh)
+    }
+
+    /// A file with two hard links `l` and `f` (made by another client), both looked up here,
+    /// open at `l`, written and flushed here (its events are doubtful for a while): (ino, fh).
+    async fn linked_changed_here(fs: &Arc<Fs>, other: &MockFiler) -> (u64, u64) {
+        for n in ["l", "f"] {
+            let mut e = file(n, b"data");
+            e.hard_link_id = vec![7; 17];
+            e.hard_link_counter = 2;
+            create(other, e).await;
+        }
+        let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
+        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
+        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
+        fs.write(fh, ino, 0, b"DATA").await.unwrap();
+        fs.flush(fh, ino).await.unwrap();
+        (ino, fh)
+    }
+
     /// Opens `/name` read-only here: (ino, fh).
     async fn open(fs: &Arc<Fs>, name: &str) -> (u64, u64) {
         let ino = fs.lookup(ROOT_INO, name).await.unwrap().ino;
@@ -939,22 +981,9 @@ mod tests {
     #[tokio::test]
     async fn a_confirmed_removal_unlinks_a_file_being_written() {
         let (fs, other) = fs();
-        put(&other, "f", b"x").await;
-        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
-        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-        fs.write(fh, ino, 0, b"one").await.unwrap();
-        fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+        let (ino, fh) = changed_here(&fs, &other).await;
         fs.write(fh, ino, 3, b"two").await.unwrap();
-        let gone = other
-            .delete_entry(pb::DeleteEntryRequest {
-                directory: "/".into(),
-                name: "f".into(),
-                is_delete_data: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let gone = removed(&other, "f").await;
         fs.apply_event(&gone);
         settle().await;
         fs.flush(fh, ino).await.unwrap();
@@ -983,16 +1012,7 @@ mod tests {
                 create(&other, e).await;
                 renamed(&other, "r", "f").await
             } else {
-                other
-                    .delete_entry(pb::DeleteEntryRequest {
-                        directory: "/".into(),
-                        name: "f".into(),
-                        is_delete_data: true,
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap()
-                    .unwrap()
+                removed(&other, "f").await
             };
             fs.apply_event(&ev);
             fs.flush(fh, ino).await.unwrap();
@@ -1014,12 +1034,8 @@ mod tests {
     #[tokio::test]
     async fn a_re_read_answer_from_before_a_removal_does_not_settle_it() {
         let (fs, other) = fs();
-        put(&other, "f", b"x").await;
-        let ino = fs.lookup(ROOT_INO, "f").await.unwrap().ino;
-        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-        fs.write(fh, ino, 0, b"one").await.unwrap();
-        fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
-                                          // an update's re-read reads the entry, and its answer is held
+        let (ino, fh) = changed_here(&fs, &other).await;
+        // an update's re-read reads the entry, and its answer is held
         let hold = other.hold_next_lookup("/f");
         let mut e = other.get("/f").unwrap();
         e.attributes.as_mut().unwrap().mtime += 1;
@@ -1027,16 +1043,7 @@ mod tests {
         fs.apply_event(&ev);
         hold.arrived().await;
         fs.write(fh, ino, 3, b"two").await.unwrap();
-        let gone = other
-            .delete_entry(pb::DeleteEntryRequest {
-                directory: "/".into(),
-                name: "f".into(),
-                is_delete_data: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let gone = removed(&other, "f").await;
         fs.apply_event(&gone);
         // the re-read's next round waits for a permit queued before its own is returned
         let others = fs.rereads.acquire_many(3).await.unwrap();
@@ -1061,17 +1068,7 @@ mod tests {
         for (early, stale) in [(false, false), (true, false), (false, true), (true, true)] {
             let case = format!("early={early} stale={stale}");
             let (fs, other) = fs();
-            for n in ["l", "f"] {
-                let mut e = file(n, b"data");
-                e.hard_link_id = vec![7; 17];
-                e.hard_link_counter = 2;
-                create(&other, e).await;
-            }
-            let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
-            assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
-            let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-            fs.write(fh, ino, 0, b"DATA").await.unwrap();
-            fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+            let (ino, fh) = linked_changed_here(&fs, &other).await;
             let delete = |name: &str| {
                 other.delete_entry(pb::DeleteEntryRequest {
                     directory: "/".into(),
@@ -1125,17 +1122,7 @@ mod tests {
     #[tokio::test]
     async fn a_hard_link_renamed_while_its_file_moves_to_it_is_followed() {
         let (fs, other) = fs();
-        for n in ["l", "f"] {
-            let mut e = file(n, b"data");
-            e.hard_link_id = vec![7; 17];
-            e.hard_link_counter = 2;
-            create(&other, e).await;
-        }
-        let ino = fs.lookup(ROOT_INO, "l").await.unwrap().ino;
-        assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, ino);
-        let fh = fs.open(ino, libc::O_RDWR).await.unwrap();
-        fs.write(fh, ino, 0, b"DATA").await.unwrap();
-        fs.flush(fh, ino).await.unwrap(); // changed here lately: its events are doubtful
+        let (ino, fh) = linked_changed_here(&fs, &other).await;
         let gone = other
             .delete_entry(pb::DeleteEntryRequest {
                 directory: "/".into(),
