@@ -106,13 +106,15 @@ pub trait FilerApi: Send + Sync + 'static {
     }
 
     /// `CreateEntry` (preferably over `StreamMutateEntry`). In-band errors are mapped to
-    /// typed errors. Returns the logged event, if any.
+    /// typed errors. Returns the logged event, if any (from a real filer its entries carry
+    /// only their name and kind: a commit's reply lists every chunk twice, left undecoded).
     async fn create_entry(
         &self,
         req: pb::CreateEntryRequest,
     ) -> Result<Option<pb::SubscribeMetadataResponse>>;
 
-    /// `UpdateEntry`. A missing entry is [`FilerError::NotFound`].
+    /// `UpdateEntry`. A missing entry is [`FilerError::NotFound`]. The event as for
+    /// [`Self::create_entry`].
     async fn update_entry(
         &self,
         req: pb::UpdateEntryRequest,

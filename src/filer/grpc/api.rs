@@ -119,7 +119,7 @@ impl FilerApi for GrpcFiler {
             if let Some(e) = stream_error(&rs) {
                 return Err(create_err(&path, pb::FilerError::Ok, &e));
             }
-            return Ok(cr.and_then(|c| c.metadata_event));
+            return Ok(cr.and_then(|c| c.metadata_event).map(full_event));
         }
         self.inner.unary_count.fetch_add(1, Ordering::Relaxed);
         self.call("create", |mut c| {
@@ -134,7 +134,7 @@ impl FilerApi for GrpcFiler {
                 if !r.error.is_empty() || r.error_code != 0 {
                     return Err(create_err(&path, r.error_code(), &r.error));
                 }
-                Ok(r.metadata_event)
+                Ok(r.metadata_event.map(full_event))
             }
         })
         .await
@@ -162,7 +162,7 @@ impl FilerApi for GrpcFiler {
                 return Err(err);
             }
             return Ok(rs.into_iter().find_map(|r| match r.response {
-                Some(MutResp::UpdateResponse(u)) => u.metadata_event,
+                Some(MutResp::UpdateResponse(u)) => u.metadata_event.map(full_event),
                 _ => None,
             }));
         }
@@ -176,7 +176,7 @@ impl FilerApi for GrpcFiler {
                     .await
                     .map_err(|s| update_err(&path, s))?
                     .into_inner();
-                Ok(r.metadata_event)
+                Ok(r.metadata_event.map(full_event))
             }
         })
         .await
@@ -373,5 +373,30 @@ impl FilerApi for GrpcFiler {
 
     fn signature(&self) -> i32 {
         self.inner.signature
+    }
+}
+
+/// A create's or update's event as [`FilerApi`] returns it: its entries carry only their name
+/// and kind (see `MutationEvent` in proto/filer.proto: the chunks are not decoded).
+///
+/// [`FilerApi`]: crate::filer::FilerApi
+pub(super) fn full_event(ev: pb::MutationEvent) -> pb::SubscribeMetadataResponse {
+    let entry = |e: pb::EntryName| pb::Entry {
+        name: e.name,
+        is_directory: e.is_directory,
+        ..Default::default()
+    };
+    pb::SubscribeMetadataResponse {
+        directory: ev.directory,
+        event_notification: ev.event_notification.map(|n| pb::EventNotification {
+            old_entry: n.old_entry.map(entry),
+            new_entry: n.new_entry.map(entry),
+            delete_chunks: n.delete_chunks,
+            new_parent_path: n.new_parent_path,
+            is_from_other_cluster: n.is_from_other_cluster,
+            signatures: n.signatures,
+        }),
+        ts_ns: ev.ts_ns,
+        ..Default::default()
     }
 }

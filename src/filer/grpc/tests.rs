@@ -55,6 +55,24 @@ fn created(name: &str, sigs: Vec<i32>) -> pb::SubscribeMetadataResponse {
     }
 }
 
+/// `created` as a mutation's reply carries it, read by the client as a `MutationEvent`.
+fn created_reply(name: &str, sigs: Vec<i32>) -> pb::MutationEvent {
+    let ev = created(name, sigs);
+    let n = ev.event_notification.unwrap_or_default();
+    pb::MutationEvent {
+        directory: ev.directory,
+        event_notification: Some(pb::MutationNotification {
+            new_entry: n.new_entry.map(|e| pb::EntryName {
+                name: e.name,
+                is_directory: e.is_directory,
+            }),
+            signatures: n.signatures,
+            ..Default::default()
+        }),
+        ts_ns: ev.ts_ns,
+    }
+}
+
 fn answers(req: pb::StreamMutateEntryRequest) -> Vec<pb::StreamMutateEntryResponse> {
     let id = req.request_id;
     let resp = |response, is_last| pb::StreamMutateEntryResponse {
@@ -67,7 +85,7 @@ fn answers(req: pb::StreamMutateEntryRequest) -> Vec<pb::StreamMutateEntryRespon
         Some(MutReq::CreateRequest(c)) => {
             let name = c.entry.map(|e| e.name).unwrap_or_default();
             let cr = pb::CreateEntryResponse {
-                metadata_event: Some(created(&name, c.signatures)),
+                metadata_event: Some(created_reply(&name, c.signatures)),
                 ..Default::default()
             };
             vec![resp(Some(MutResp::CreateResponse(cr)), true)]
@@ -125,7 +143,7 @@ impl SeaweedFiler for Fake {
         let c = r.into_inner();
         let name = c.entry.map(|e| e.name).unwrap_or_default();
         Ok(Response::new(pb::CreateEntryResponse {
-            metadata_event: Some(created(&name, c.signatures)),
+            metadata_event: Some(created_reply(&name, c.signatures)),
             ..Default::default()
         }))
     }
@@ -443,4 +461,48 @@ async fn hung_call_times_out() {
     let e = f.lookup_entry("/", "x").await.unwrap_err();
     assert!(matches!(e, FilerError::Timeout(_)), "{e:?}");
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+/// The filer's reply to a create carries the event with both entries whole (every chunk);
+/// read as `MutationEvent` it keeps the names and signatures, and the chunks are skipped.
+#[test]
+fn a_create_reply_from_the_filer_is_read_without_its_chunks() {
+    use prost::Message;
+    let chunk = |i: i64| pb::FileChunk {
+        file_id: format!("3,{i:x}1234abcd"),
+        offset: i << 20,
+        size: 1 << 20,
+        ..Default::default()
+    };
+    let entry = |n: usize| pb::Entry {
+        name: "wal".into(),
+        chunks: (0..n as i64).map(chunk).collect(),
+        ..Default::default()
+    };
+    let event = pb::SubscribeMetadataResponse {
+        directory: "/d".into(),
+        event_notification: Some(pb::EventNotification {
+            old_entry: Some(entry(1023)),
+            new_entry: Some(entry(1024)),
+            signatures: vec![7],
+            ..Default::default()
+        }),
+        ts_ns: 42,
+        ..Default::default()
+    };
+    // CreateEntryResponse as SeaweedFS declares it: field 2 is the whole event
+    let mut wire = Vec::new();
+    prost::encoding::string::encode(1, &String::new(), &mut wire);
+    prost::encoding::message::encode(2, &event, &mut wire);
+    prost::encoding::int64::encode(4, &42, &mut wire);
+    let r = pb::CreateEntryResponse::decode(wire.as_slice()).unwrap();
+    assert_eq!(r.log_ts_ns, 42);
+    let ev = super::api::full_event(r.metadata_event.expect("the event is read"));
+    assert_eq!((ev.directory.as_str(), ev.ts_ns), ("/d", 42));
+    let n = ev.event_notification.unwrap();
+    assert_eq!(n.signatures, [7]);
+    for e in [n.old_entry.unwrap(), n.new_entry.unwrap()] {
+        assert_eq!(e.name, "wal");
+        assert!(e.chunks.is_empty());
+    }
 }
