@@ -116,6 +116,12 @@ pub fn hardlink_inode(id: &[u8]) -> u64 {
     u64::from_be_bytes(d[..8].try_into().expect("md5 has 16 bytes"))
 }
 
+/// The entry is one of several names of its file (a hard link): its content record is shared,
+/// and removing this name leaves the file.
+pub fn has_other_links(e: &pb::Entry) -> bool {
+    !e.hard_link_id.is_empty() && e.hard_link_counter > 1
+}
+
 /// Inode number for an entry at `path`; never 0 or 1 (1 is the mount root).
 pub fn entry_inode(path: &str, e: &pb::Entry) -> u64 {
     let a = e.attributes.as_ref();

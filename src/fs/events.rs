@@ -98,7 +98,7 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 /// file, or a hard-linked one whose link group lives on at `moved_to` (path, link count),
 /// found by [`Fs::other_link`]. A hard-linked file with no other name known keeps its name.
 pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
-    let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
+    let linked = super::attr::has_other_links(&s.entry);
     match (linked, moved_to) {
         (true, Some((p, count))) => {
             (s.dir, s.entry.name) = super::inode::split(&p);
@@ -316,8 +316,7 @@ impl Fs {
                         // a file whose create is still deferred was never the filer's to remove
                         if deleted && !s.pending_create {
                             name_gone(&mut s, moved_to);
-                        }
-                        if deleted {
+                        } else if deleted {
                             s.removal_doubt = false;
                         }
                         Ok(false)
@@ -661,7 +660,7 @@ impl Fs {
                 nt.inval_inode(pino);
             }
             // a removed name of a file with other names (a hard link) is not the file gone
-            let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+            let linked = super::attr::has_other_links(e);
             let removed = old_side && n.new_entry.is_none() && !linked;
             let ino = if old_side {
                 self.node_of(path, e)

@@ -332,7 +332,7 @@ impl Fs {
         let path = join(&dir, name);
         let ino = self.node_id(&path, &e);
         // other names of a hard-linked file keep it (and its open handles) alive
-        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let linked = attr::has_other_links(&e);
         let of = self.open_file(ino);
         // a commit of the file already on its way lands first: after the delete it would
         // create the name again, listing chunks the delete removes
@@ -702,7 +702,7 @@ impl Fs {
         let Some(of) = self.open_file(ino).filter(|_| !doubt) else {
             return;
         };
-        let linked = !e.hard_link_id.is_empty() && e.hard_link_counter > 1;
+        let linked = attr::has_other_links(e);
         let other = self.inodes.aliases(ino).into_iter().next();
         let mut s = of.state.lock();
         if !linked {

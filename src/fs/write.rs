@@ -309,12 +309,12 @@ impl Fs {
         let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
-            let (dir, name, epoch, known) = {
+            let (dir, name, epoch, known, removal) = {
                 let s = of.state.lock();
                 // a hard-linked file's names share its content record: a name moved away
                 // unseen is given back, and the data reaches the others (a removed one is
                 // left for another name, below)
-                let linked = !s.entry.hard_link_id.is_empty() && s.entry.hard_link_counter > 1;
+                let linked = super::attr::has_other_links(&s.entry);
                 let doubt = (s.name_doubt && !linked) || s.removal_doubt;
                 if !doubt || s.unlinked || s.pending_create {
                     return Ok(());
@@ -324,6 +324,7 @@ impl Fs {
                     s.entry.name.clone(),
                     s.epoch,
                     Identity::of(&s.entry),
+                    s.removal_doubt,
                 )
             };
             let path = join(&dir, &name);
@@ -337,8 +338,9 @@ impl Fs {
                 }
                 Err(e) => return Err(e.into()),
             };
+            // (a doubt raised after the read above bumps the epoch: the answer is not taken)
             let moved_to = match found {
-                Some(false) => self.other_link(of, &path).await,
+                Some(false) if removal => self.other_link(of, &path).await,
                 _ => None,
             };
             {
