@@ -350,6 +350,14 @@ impl WeedServer {
         }
     }
 
+    /// Kills the filer process (by pid) with SIGKILL, as a crash would, and reaps it.
+    pub fn crash_filer(&mut self) {
+        if let Some(mut c) = self.filer.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// `host:port` of the filer's HTTP API; gRPC is port+10000.
     pub fn filer_addr(&self) -> String {
         format!("127.0.0.1:{}", self.filer_port)
