@@ -429,3 +429,34 @@ fn cached_listings_follow_other_clients() {
     fs::remove_file(ours.join("d/local")).unwrap();
     assert!(!names(&ours.join("d")).contains(&"local".to_string()));
 }
+
+/// A file open here with a write not committed yet, while another node adds a third name to
+/// its link group: our close must not write back the link count we knew (2). The filer keeps
+/// the group's content while its count says names are left, so with a count one too low,
+/// removing two names would delete the content the third one still shows.
+#[test]
+fn a_close_keeps_a_hard_link_count_another_node_raised() {
+    let w = shared_server();
+    let root = unique_path("hlcount");
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    let nlink = |p: &Path| fs::symlink_metadata(p).map(|m| m.nlink()).unwrap_or(0);
+    fs::write(a.join("f"), b"base").unwrap();
+    fs::hard_link(a.join("f"), a.join("l")).unwrap();
+    eventually("b sees 2 links", || nlink(&b.join("f")) == 2);
+    let f = OpenOptions::new().write(true).open(a.join("f")).unwrap();
+    f.write_all_at(b"NEW!", 0).unwrap();
+    fs::hard_link(b.join("f"), b.join("l3")).unwrap();
+    eventually("a sees the third name", || a.join("l3").exists());
+    drop(f);
+    assert_reads("the close through the third name", &b.join("l3"), b"NEW!");
+    fs::remove_file(b.join("f")).unwrap();
+    fs::remove_file(b.join("l")).unwrap();
+    assert_reads(
+        "the last name after two were removed",
+        &b.join("l3"),
+        b"NEW!",
+    );
+    let http = w.filer_get(&format!("{root}/l3"));
+    assert_eq!(http.as_deref(), Some(&b"NEW!"[..]), "over HTTP");
+}

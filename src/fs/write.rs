@@ -261,7 +261,6 @@ impl Fs {
             of,
             snap: Some(snap),
         };
-        let snap = inflight.snap.as_ref().expect("just set");
         let start = Instant::now();
         let mut attempt = 0;
         let mut pauses = crate::retry::STORAGE.pauses();
@@ -271,7 +270,12 @@ impl Fs {
                 // before may still have landed: the guard keeps what it carried)
                 return Ok(());
             }
-            match self.create_on_filer(&dir, &snap.entry, false).await {
+            let snap = inflight.snap.as_mut().expect("just set");
+            let r = match self.take_link_count(&dir, &mut snap.entry).await {
+                Ok(()) => self.create_on_filer(&dir, &snap.entry, false).await,
+                Err(e) => Err(e),
+            };
+            match r {
                 Ok(()) => break,
                 Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
                     let wait = pauses.next_pause();
@@ -291,6 +295,28 @@ impl Fs {
         self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
         Ok(())
+    }
+
+    /// A hard-linked file's commit writes its link group's record whole, count included, and
+    /// other nodes add and remove names without this file taking their counts while it has
+    /// data to commit: the count is the filer's at the time of the commit. One too low, and
+    /// the filer deletes the group's content at the removal of a name while another still
+    /// shows it; one too high, and the content outlives every name.
+    async fn take_link_count(&self, dir: &str, e: &mut pb::Entry) -> Result<()> {
+        if e.hard_link_id.is_empty() {
+            return Ok(());
+        }
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.lookup_entry(dir, &e.name).await {
+            Ok(cur) if cur.hard_link_id == e.hard_link_id => {
+                e.hard_link_counter = cur.hard_link_counter.max(1);
+                Ok(())
+            }
+            // not a name of the group now: what the commit may do there was settled before
+            // (`confirm_name`), and the group's record is not this name's
+            Ok(_) | Err(FilerError::NotFound(_)) => Ok(()),
+            Err(err) => Err(err.into()),
+        }
     }
 
     /// Before a commit of a file whose name is in doubt (see [`FileState::name_doubt`]):
