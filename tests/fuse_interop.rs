@@ -448,6 +448,11 @@ fn a_close_keeps_a_hard_link_count_another_node_raised() {
     f.write_all_at(b"NEW!", 0).unwrap();
     fs::hard_link(b.join("f"), b.join("l3")).unwrap();
     eventually("a sees the third name", || a.join("l3").exists());
+    f.sync_all().unwrap();
+    // (once the kernel's cached attributes expire)
+    eventually("the open file shows 3 links", || {
+        f.metadata().is_ok_and(|m| m.nlink() == 3)
+    });
     drop(f);
     assert_reads("the close through the third name", &b.join("l3"), b"NEW!");
     fs::remove_file(b.join("f")).unwrap();

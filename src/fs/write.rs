@@ -271,7 +271,7 @@ impl Fs {
                 return Ok(());
             }
             let snap = inflight.snap.as_mut().expect("just set");
-            let r = match self.take_link_count(&dir, &mut snap.entry).await {
+            let r = match self.take_link_count(of, &dir, &mut snap.entry).await {
                 Ok(()) => self.create_on_filer(&dir, &snap.entry, false).await,
                 Err(e) => Err(e),
             };
@@ -301,22 +301,41 @@ impl Fs {
     /// other nodes add and remove names without this file taking their counts while it has
     /// data to commit: the count is the filer's at the time of the commit. One too low, and
     /// the filer deletes the group's content at the removal of a name while another still
-    /// shows it; one too high, and the content outlives every name.
-    async fn take_link_count(&self, dir: &str, e: &mut pb::Entry) -> Result<()> {
+    /// shows it; one too high, and the content outlives every name. (A name added or removed
+    /// between this lookup and the commit is still missed: the filer has no conditional
+    /// update of the record.)
+    async fn take_link_count(&self, of: &OpenFile, dir: &str, e: &mut pb::Entry) -> Result<()> {
         if e.hard_link_id.is_empty() {
             return Ok(());
         }
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        match self.filer.lookup_entry(dir, &e.name).await {
-            Ok(cur) if cur.hard_link_id == e.hard_link_id => {
-                e.hard_link_counter = cur.hard_link_counter.max(1);
-                Ok(())
+        let count = match self.filer.lookup_entry(dir, &e.name).await {
+            Ok(cur) if cur.hard_link_id == e.hard_link_id => cur.hard_link_counter.max(1),
+            // the commit puts the name back (moved away unseen, which `confirm_name` lets a
+            // hard link do): one name more than the group has at another name
+            Ok(_) | Err(FilerError::NotFound(_)) => {
+                match self.other_link(of, &join(dir, &e.name)).await {
+                    Some((_, n)) => n.max(1) + 1,
+                    None => return Ok(()),
+                }
             }
-            // not a name of the group now: what the commit may do there was settled before
-            // (`confirm_name`), and the group's record is not this name's
-            Ok(_) | Err(FilerError::NotFound(_)) => Ok(()),
-            Err(err) => Err(err.into()),
+            Err(err) => return Err(err.into()),
+        };
+        e.hard_link_counter = count;
+        // the open file shows it too (with data to commit, it takes no entry from events)
+        let changed = {
+            let mut s = of.state.lock();
+            let changed =
+                s.entry.hard_link_id == e.hard_link_id && s.entry.hard_link_counter != count;
+            if changed {
+                s.entry.hard_link_counter = count;
+            }
+            changed
+        };
+        if let (true, Some(nt)) = (changed, self.notifier()) {
+            nt.inval_attr(of.ino);
         }
+        Ok(())
     }
 
     /// Before a commit of a file whose name is in doubt (see [`FileState::name_doubt`]):
