@@ -465,3 +465,34 @@ fn a_close_keeps_a_hard_link_count_another_node_raised() {
     let http = w.filer_get(&format!("{root}/l3"));
     assert_eq!(http.as_deref(), Some(&b"NEW!"[..]), "over HTTP");
 }
+
+/// A file open here with a write not committed yet becomes a hard link on another node: our
+/// close writes the file as one of the link group, so both names show what we wrote, and
+/// removing one leaves the other.
+#[test]
+fn a_close_keeps_a_hard_link_another_node_made_meanwhile() {
+    let w = shared_server();
+    let root = unique_path("hlfirst");
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    fs::write(a.join("f"), b"base").unwrap();
+    assert_reads("b sees f", &b.join("f"), b"base");
+    let f = OpenOptions::new().write(true).open(a.join("f")).unwrap();
+    f.write_all_at(b"NEW!", 0).unwrap();
+    fs::hard_link(b.join("f"), b.join("l")).unwrap();
+    eventually("a sees the new name", || a.join("l").exists());
+    drop(f);
+    assert_reads("the close through the new name", &b.join("l"), b"NEW!");
+    assert_eq!(
+        w.filer_get(&format!("{root}/l")).as_deref(),
+        Some(&b"NEW!"[..]),
+        "l over HTTP"
+    );
+    fs::remove_file(b.join("f")).unwrap();
+    assert_reads("l after f was removed", &b.join("l"), b"NEW!");
+    assert_eq!(
+        w.filer_get(&format!("{root}/l")).as_deref(),
+        Some(&b"NEW!"[..]),
+        "l over HTTP, f removed"
+    );
+}

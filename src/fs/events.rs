@@ -534,6 +534,8 @@ impl Fs {
                     } else if !crate::chunks::has_manifest(&new.chunks) {
                         s.replace_entry(new.clone(), new.chunks.clone());
                     }
+                } else if here && new.hard_link_id != s.entry.hard_link_id {
+                    s.link_news = s.link_news.saturating_add(1);
                 }
             }
             // Also the node the file's number stands for wherever it is here now: an event from

@@ -297,6 +297,10 @@ pub struct FileState {
     /// asks the filer whether the name still leads to the file, and believes the removal if
     /// not: a commit in that window would otherwise create the removed file again.
     pub removal_doubt: bool,
+    /// Events, since the last commit, that showed this file in another link group than its
+    /// entry has (another node made it a hard link, or linked it again) while it had data to
+    /// commit (so it took no entry from them): the commit asks the filer for the group.
+    pub link_news: u32,
     /// The attribute changes deferred into this state (merged, later ones winning) and the
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
     /// that fails for good still applies them to the filer's entry (they were answered).
@@ -494,6 +498,7 @@ impl OpenFile {
                 resync: Resync::default(),
                 name_doubt: false,
                 removal_doubt: false,
+                link_news: 0,
                 deferred_attrs: None,
                 syncs: false,
             }),

@@ -271,10 +271,17 @@ impl Fs {
                 return Ok(());
             }
             let snap = inflight.snap.as_mut().expect("just set");
-            let r = match self.take_link_count(of, &dir, &mut snap.entry).await {
+            let link_news = of.state.lock().link_news;
+            let r = match self
+                .take_link_group(of, &dir, &mut snap.entry, link_news)
+                .await
+            {
                 Ok(()) => self.create_on_filer(&dir, &snap.entry, false).await,
                 Err(e) => Err(e),
             };
+            if r.is_ok() {
+                self.link_group_committed(of, &snap.entry, link_news);
+            }
             match r {
                 Ok(()) => break,
                 Err(e) if e.errno == libc::EIO && start.elapsed() < self.cfg.upload_retry => {
@@ -301,41 +308,71 @@ impl Fs {
     /// other nodes add and remove names without this file taking their counts while it has
     /// data to commit: the count is the filer's at the time of the commit. One too low, and
     /// the filer deletes the group's content at the removal of a name while another still
-    /// shows it; one too high, and the content outlives every name. (A name added or removed
-    /// between this lookup and the commit is still missed: the filer has no conditional
-    /// update of the record.)
-    async fn take_link_count(&self, of: &OpenFile, dir: &str, e: &mut pb::Entry) -> Result<()> {
-        if e.hard_link_id.is_empty() {
+    /// shows it; one too high, and the content outlives every name. A file that another
+    /// node made a hard link meanwhile (`link_news`) joins the group the filer has at its
+    /// name, if that entry is this file: committed as a plain file it would leave the group,
+    /// and its other names would keep the old content. (A name added or removed between
+    /// this lookup and the commit is still missed: the filer has no conditional update of
+    /// the record.)
+    async fn take_link_group(
+        &self,
+        of: &OpenFile,
+        dir: &str,
+        e: &mut pb::Entry,
+        link_news: u32,
+    ) -> Result<()> {
+        let linked = !e.hard_link_id.is_empty();
+        if !linked && link_news == 0 {
             return Ok(());
         }
+        let path = join(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        let count = match self.filer.lookup_entry(dir, &e.name).await {
-            Ok(cur) if cur.hard_link_id == e.hard_link_id => cur.hard_link_counter.max(1),
-            // the commit puts the name back (moved away unseen, which `confirm_name` lets a
-            // hard link do): one name more than the group has at another name
-            Ok(_) | Err(FilerError::NotFound(_)) => {
-                match self.other_link(of, &join(dir, &e.name)).await {
-                    Some((_, n)) => n.max(1) + 1,
-                    None => return Ok(()),
+        match self.filer.lookup_entry(dir, &e.name).await {
+            Ok(cur) if linked && cur.hard_link_id == e.hard_link_id => {
+                e.hard_link_counter = cur.hard_link_counter.max(1);
+            }
+            Ok(cur)
+                if !linked
+                    && !cur.hard_link_id.is_empty()
+                    && !cur.is_directory
+                    && self.is_node(&path, &cur, of.ino) =>
+            {
+                e.hard_link_id = cur.hard_link_id;
+                e.hard_link_counter = cur.hard_link_counter.max(1);
+            }
+            // the commit puts a hard link's name back (moved away unseen, which
+            // `confirm_name` lets a hard link do): one name more than at another name
+            Ok(_) | Err(FilerError::NotFound(_)) if linked => {
+                if let Some((_, n)) = self.other_link(of, &path).await {
+                    e.hard_link_counter = n.max(1).saturating_add(1);
                 }
             }
+            Ok(_) | Err(FilerError::NotFound(_)) => {}
             Err(err) => return Err(err.into()),
-        };
-        e.hard_link_counter = count;
-        // the open file shows it too (with data to commit, it takes no entry from events)
+        }
+        Ok(())
+    }
+
+    /// After a commit: the open file shows the link group it committed (with data to commit,
+    /// it takes no entry from events), and the events it answered are settled.
+    fn link_group_committed(&self, of: &OpenFile, e: &pb::Entry, link_news: u32) {
         let changed = {
             let mut s = of.state.lock();
-            let changed =
-                s.entry.hard_link_id == e.hard_link_id && s.entry.hard_link_counter != count;
+            s.link_news = s.link_news.saturating_sub(link_news);
+            let ours = s.entry.hard_link_id.is_empty() || s.entry.hard_link_id == e.hard_link_id;
+            let changed = !e.hard_link_id.is_empty()
+                && ours
+                && (s.entry.hard_link_id != e.hard_link_id
+                    || s.entry.hard_link_counter != e.hard_link_counter);
             if changed {
-                s.entry.hard_link_counter = count;
+                s.entry.hard_link_id = e.hard_link_id.clone();
+                s.entry.hard_link_counter = e.hard_link_counter;
             }
             changed
         };
         if let (true, Some(nt)) = (changed, self.notifier()) {
             nt.inval_attr(of.ino);
         }
-        Ok(())
     }
 
     /// Before a commit of a file whose name is in doubt (see [`FileState::name_doubt`]):
