@@ -297,9 +297,10 @@ pub struct FileState {
     /// asks the filer whether the name still leads to the file, and believes the removal if
     /// not: a commit in that window would otherwise create the removed file again.
     pub removal_doubt: bool,
-    /// Events, since the last commit, that showed this file in another link group than its
-    /// entry has (another node made it a hard link, or linked it again) while it had data to
-    /// commit (so it took no entry from them): the commit asks the filer for the group.
+    /// Events, since the last commit, that showed this plain file in a link group (another
+    /// node made it a hard link) while it had data to commit, so it took no entry from them:
+    /// the commit asks the filer for the group. (A file already in a group asks at every
+    /// commit anyway, for the group's count.)
     pub link_news: u32,
     /// The attribute changes deferred into this state (merged, later ones winning) and the
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
