@@ -875,6 +875,76 @@ async fn a_file_left_with_one_link_moved_unseen_is_not_created_again() {
     assert!(filer.get("/f").is_none(), "the old name was created again");
 }
 
+/// A hard-linked file moved away unseen (a gap) gets its old name back at its commit only
+/// while the name is free: a file another client put there meanwhile is not written over.
+/// The data goes to another name of the group the filer confirms, or the commit says ESTALE.
+#[tokio::test]
+async fn a_hard_link_moved_unseen_never_writes_over_a_file_put_at_its_name() {
+    for other_name_known in [true, false] {
+        let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+        fs.write(fh, a.ino, 0, b"before").await.unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+        fs.link(a.ino, ROOT_INO, "h").await.unwrap();
+        let other = filer.other_client();
+        if !other_name_known {
+            // the group's other name moves away too: none known here leads to it
+            other
+                .rename_entry(pb::StreamRenameEntryRequest {
+                    old_directory: "/".into(),
+                    old_name: "h".into(),
+                    new_directory: "/".into(),
+                    new_name: "h2".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+        rename_f_to_g_unseen(&filer).await;
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(pb::Entry {
+                    name: "f".into(),
+                    content: b"theirs".to_vec(),
+                    attributes: Some(pb::FuseAttributes {
+                        file_mode: 0o644,
+                        file_size: 6,
+                        inode: 987_654_321,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.resync();
+        fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+        let r = fs.flush(fh, a.ino).await;
+        let theirs = filer.get("/f").unwrap();
+        assert_eq!(
+            theirs.content, b"theirs",
+            "known={other_name_known}: the other client's file was written over ({r:?})"
+        );
+        if other_name_known {
+            r.unwrap();
+            let h = filer.get("/h").unwrap();
+            let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+            assert_eq!(crate::chunks::file_size(&h), 6);
+            assert_eq!(&fs.read_range(&of, 0, 6).await.unwrap()[..], b"after!");
+        } else {
+            assert_eq!(r.unwrap_err().errno, libc::ESTALE);
+        }
+        let _ = fs.release(fh, a.ino).await;
+        assert_eq!(
+            filer.get("/f").unwrap().content,
+            b"theirs",
+            "after the last close"
+        );
+    }
+}
+
 /// The name check before a commit rides out filer errors as the commit itself does.
 #[tokio::test]
 async fn the_name_check_before_a_commit_retries_filer_errors() {

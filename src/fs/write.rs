@@ -391,13 +391,9 @@ impl Fs {
         let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         loop {
-            let (dir, name, epoch, known, removal) = {
+            let (dir, name, epoch, known, removal, linked) = {
                 let s = of.state.lock();
-                // a hard-linked file's names share its content record: a name moved away
-                // unseen is given back, and the data reaches the others (a removed one is
-                // left for another name, below)
-                let linked = super::attr::has_other_links(&s.entry);
-                let doubt = (s.name_doubt && !linked) || s.removal_doubt;
+                let doubt = s.name_doubt || s.removal_doubt;
                 if !doubt || s.unlinked || s.pending_create {
                     return Ok(());
                 }
@@ -407,22 +403,27 @@ impl Fs {
                     s.epoch,
                     Identity::of(&s.entry),
                     s.removal_doubt,
+                    super::attr::has_other_links(&s.entry),
                 )
             };
             let path = join(&dir, &name);
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-            let found = match self.filer.lookup_entry(&dir, &name).await {
-                Ok(e) => Some(self.is_node(&path, &e, of.ino) || known.is_inodeless_match(&e)),
-                Err(FilerError::NotFound(_)) => Some(false),
+            // (found, another file holds the name)
+            let (found, taken) = match self.filer.lookup_entry(&dir, &name).await {
+                Ok(e) => {
+                    let ours = self.is_node(&path, &e, of.ino) || known.is_inodeless_match(&e);
+                    (Some(ours), !ours)
+                }
+                Err(FilerError::NotFound(_)) => (Some(false), false),
                 Err(e) if start.elapsed() < self.cfg.upload_retry => {
                     tracing::warn!(path, error = %e, "checking an open file's name before its commit failed; retrying");
-                    None
+                    (None, false)
                 }
                 Err(e) => return Err(e.into()),
             };
             // (a doubt raised after the read above bumps the epoch: the answer is not taken)
             let moved_to = match found {
-                Some(false) if removal => self.other_link(of, &path).await,
+                Some(false) if removal || (linked && taken) => self.other_link(of, &path).await,
                 _ => None,
             };
             {
@@ -437,7 +438,16 @@ impl Fs {
                     s.removal_doubt = false;
                     return Ok(());
                 }
-                if current && found == Some(false) && s.removal_doubt {
+                // A hard-linked file's names share its content record: its data reaches the
+                // group at another name the filer confirms, or at this one while it is free
+                // (a name moved away unseen is given back). Never over another file there.
+                if current && found == Some(false) && linked && (moved_to.is_some() || !taken) {
+                    if moved_to.is_some() || s.removal_doubt {
+                        super::events::name_gone(&mut s, moved_to);
+                    }
+                    return Ok(());
+                }
+                if current && found == Some(false) && s.removal_doubt && !linked {
                     super::events::name_gone(&mut s, moved_to);
                     return Ok(());
                 }
