@@ -675,13 +675,18 @@ async fn a_directory_time_write_back_does_not_undo_a_chmod() {
 
 /// Renames "/f" to "/g" as another client would, without its event reaching us (a gap).
 async fn rename_f_to_g_unseen(filer: &MockFiler) {
+    rename_unseen(filer, "f", "g").await;
+}
+
+/// Renames `/from` to `/to` as another client would, without its event reaching us.
+async fn rename_unseen(filer: &MockFiler, from: &str, to: &str) {
     filer
         .other_client()
         .rename_entry(pb::StreamRenameEntryRequest {
             old_directory: "/".into(),
-            old_name: "f".into(),
+            old_name: from.into(),
             new_directory: "/".into(),
-            new_name: "g".into(),
+            new_name: to.into(),
             ..Default::default()
         })
         .await
@@ -905,22 +910,13 @@ async fn a_hard_link_moved_unseen_never_writes_over_a_file_put_at_its_name() {
         fs.write(fh, a.ino, 0, b"before").await.unwrap();
         fs.flush(fh, a.ino).await.unwrap();
         fs.link(a.ino, ROOT_INO, "h").await.unwrap();
-        let other = filer.other_client();
         if !other_name_known {
             // the group's other name moves away too: none known here leads to it
-            other
-                .rename_entry(pb::StreamRenameEntryRequest {
-                    old_directory: "/".into(),
-                    old_name: "h".into(),
-                    new_directory: "/".into(),
-                    new_name: "h2".into(),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
+            rename_unseen(&filer, "h", "h2").await;
         }
         rename_f_to_g_unseen(&filer).await;
-        other
+        filer
+            .other_client()
             .create_entry(pb::CreateEntryRequest {
                 directory: "/".into(),
                 entry: Some(pb::Entry {

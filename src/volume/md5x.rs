@@ -272,13 +272,18 @@ impl Drop for Gone<'_> {
 /// Hashes `data[done..]` on top of `state` (which covers `data[..done]`) and pads.
 fn finish(state: &mut [u32; 4], data: &[u8], done: usize) -> [u8; 16] {
     let rest = compress_blocks(state, &data[done..]);
+    pad(state, rest, data.len() as u64)
+}
+
+/// Hashes `rest` (less than a block, the end of `len` bytes) with MD5's padding on top of
+/// `state`, and gives the digest.
+fn pad(state: &mut [u32; 4], rest: &[u8], len: u64) -> [u8; 16] {
     let mut tail = [0u8; 128];
     tail[..rest.len()].copy_from_slice(rest);
     tail[rest.len()] = 0x80;
-    let len = if rest.len() < 56 { 64 } else { 128 };
-    let bits = (data.len() as u64).wrapping_mul(8);
-    tail[len - 8..len].copy_from_slice(&bits.to_le_bytes());
-    for block in tail[..len].chunks_exact(64) {
+    let end = if rest.len() < 56 { 64 } else { 128 };
+    tail[end - 8..end].copy_from_slice(&len.wrapping_mul(8).to_le_bytes());
+    for block in tail[..end].chunks_exact(64) {
         compress_scalar(state, block.try_into().expect("64 bytes"));
     }
     let mut d = [0u8; 16];
@@ -371,19 +376,7 @@ impl Hasher {
     pub fn finalize(&self) -> [u8; 16] {
         let held = (self.len % 64) as usize;
         let mut state = self.state;
-        let mut tail = [0u8; 128];
-        tail[..held].copy_from_slice(&self.block[..held]);
-        tail[held] = 0x80;
-        let end = if held < 56 { 64 } else { 128 };
-        tail[end - 8..end].copy_from_slice(&self.len.wrapping_mul(8).to_le_bytes());
-        for block in tail[..end].chunks_exact(64) {
-            compress_scalar(&mut state, block.try_into().expect("64 bytes"));
-        }
-        let mut d = [0u8; 16];
-        for (o, w) in d.chunks_exact_mut(4).zip(state.iter()) {
-            o.copy_from_slice(&w.to_le_bytes());
-        }
-        d
+        pad(&mut state, &self.block[..held], self.len)
     }
 }
 
