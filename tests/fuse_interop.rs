@@ -466,6 +466,46 @@ fn a_close_keeps_a_hard_link_count_another_node_raised() {
     assert_eq!(http.as_deref(), Some(&b"NEW!"[..]), "over HTTP");
 }
 
+/// A file open here with a write not committed yet gets a second name on another node, and
+/// then its first name is removed, there or here (`ln f l; rm f`, a move by link): our close
+/// writes to `l`, the name the file lives on under, and nothing we wrote is lost. Where both
+/// names are removed, the close brings neither back.
+#[test]
+fn a_close_follows_a_file_linked_away_and_removed() {
+    let w = shared_server();
+    for case in ["removed there", "removed here", "both removed there"] {
+        let root = unique_path("hlaway");
+        let a = mount_ours(&w, &root, &[]);
+        let b = mount_ours(&w, &root, &[]);
+        fs::write(a.join("f"), b"base").unwrap();
+        assert_reads("b sees f", &b.join("f"), b"base");
+        let f = OpenOptions::new().write(true).open(a.join("f")).unwrap();
+        f.write_all_at(b"NEW!", 0).unwrap();
+        fs::hard_link(b.join("f"), b.join("l")).unwrap();
+        eventually("a sees the new name", || a.join("l").exists());
+        let remover = if case == "removed here" { &a } else { &b };
+        fs::remove_file(remover.join("f")).unwrap();
+        if case == "both removed there" {
+            fs::remove_file(b.join("l")).unwrap();
+            eventually("a sees l gone", || !a.join("l").exists());
+        }
+        eventually("a sees f gone", || !a.join("f").exists());
+        std::thread::sleep(Duration::from_secs(1));
+        drop(f);
+        let l = w.filer_get(&format!("{root}/l"));
+        if case == "both removed there" {
+            assert!(l.is_none(), "{case}: l came back");
+        } else {
+            assert_eq!(l.as_deref(), Some(&b"NEW!"[..]), "{case}: l over HTTP");
+            assert_reads("b reads l", &b.join("l"), b"NEW!");
+        }
+        assert!(
+            w.filer_get(&format!("{root}/f")).is_none(),
+            "{case}: f came back"
+        );
+    }
+}
+
 /// A file open here with a write not committed yet becomes a hard link on another node: our
 /// close writes the file as one of the link group, so both names show what we wrote, and
 /// removing one leaves the other.

@@ -96,16 +96,18 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 
 /// The filer confirmed that the open file's name is gone (an event said so): an unlinked
 /// file, or a hard-linked one whose link group lives on at `moved_to` (path, link count),
-/// found by [`Fs::other_link`]. A hard-linked file with no other name known keeps its name.
+/// found by [`Fs::other_link`] (also for a group an event showed the file in, which its
+/// commit joins). A file whose own entry is linked keeps its name with no other name known.
 pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
-    let linked = super::attr::has_other_links(&s.entry);
-    match (linked, moved_to) {
-        (true, Some((p, count))) => {
+    match moved_to {
+        Some((p, count)) if s.has_other_links() => {
             (s.dir, s.entry.name) = super::inode::split(&p);
-            s.entry.hard_link_counter = count;
+            if !s.entry.hard_link_id.is_empty() {
+                s.entry.hard_link_counter = count;
+            }
         }
-        (true, None) => {}
-        (false, _) => s.unlinked = true,
+        None if super::attr::has_other_links(&s.entry) => {}
+        _ => s.unlinked = true,
     }
     s.removal_doubt = false;
     s.epoch += 1;
@@ -116,7 +118,7 @@ impl Fs {
     /// it that the filer confirms leads to its link group now, with the group's link count
     /// there (a name known here may be stale: removed since, or another file's).
     pub(super) async fn other_link(&self, of: &OpenFile, removed: &str) -> Option<(String, i32)> {
-        let group = of.state.lock().entry.hard_link_id.clone();
+        let group = of.state.lock().link_group();
         if group.is_empty() {
             return None;
         }
@@ -536,6 +538,9 @@ impl Fs {
                     }
                 } else if here && new.hard_link_id != s.entry.hard_link_id {
                     s.link_news = s.link_news.saturating_add(1);
+                    if !new.hard_link_id.is_empty() {
+                        s.seen_link = Some((new.hard_link_id.clone(), new.hard_link_counter));
+                    }
                 }
             }
             // Also the node the file's number stands for wherever it is here now: an event from

@@ -302,6 +302,9 @@ pub struct FileState {
     /// the commit asks the filer for the group. (A file already in a group asks at every
     /// commit anyway, for the group's count.)
     pub link_news: u32,
+    /// The last link group (id, link count) such an event showed: until the commit joins it,
+    /// a removal of this name may leave the file alive under another name of that group.
+    pub seen_link: Option<(Vec<u8>, i32)>,
     /// The attribute changes deferred into this state (merged, later ones winning) and the
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
     /// that fails for good still applies them to the filer's entry (they were answered).
@@ -387,6 +390,22 @@ impl FileState {
     /// Fsynced with data to upload, and not written much since its last commit.
     pub fn syncs_often(&self, chunk_size: u64) -> bool {
         self.syncs && self.uncommitted <= SYNC_SPAN_CHUNKS * chunk_size
+    }
+
+    /// The file's link group: its entry's, or one an event showed it in since its last
+    /// commit (`seen_link`), which the next commit joins if the filer confirms it.
+    pub fn link_group(&self) -> Vec<u8> {
+        match &self.seen_link {
+            Some((id, _)) if self.entry.hard_link_id.is_empty() => id.clone(),
+            _ => self.entry.hard_link_id.clone(),
+        }
+    }
+
+    /// The file has other names than this one, as far as this node knows (see `link_group`).
+    pub fn has_other_links(&self) -> bool {
+        super::attr::has_other_links(&self.entry)
+            || (self.entry.hard_link_id.is_empty()
+                && self.seen_link.as_ref().is_some_and(|(_, n)| *n > 1))
     }
 
     pub fn is_clean(&self) -> bool {
@@ -500,6 +519,7 @@ impl OpenFile {
                 name_doubt: false,
                 removal_doubt: false,
                 link_news: 0,
+                seen_link: None,
                 deferred_attrs: None,
                 syncs: false,
             }),

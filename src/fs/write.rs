@@ -359,6 +359,9 @@ impl Fs {
         let changed = {
             let mut s = of.state.lock();
             s.link_news = s.link_news.saturating_sub(link_news);
+            if s.link_news == 0 {
+                s.seen_link = None;
+            }
             let ours = s.entry.hard_link_id.is_empty() || s.entry.hard_link_id == e.hard_link_id;
             let changed = !e.hard_link_id.is_empty()
                 && ours
