@@ -118,11 +118,22 @@ impl Fs {
     /// it that the filer confirms leads to its link group now, with the group's link count
     /// there (a name known here may be stale: removed since, or another file's).
     pub(super) async fn other_link(&self, of: &OpenFile, removed: &str) -> Option<(String, i32)> {
-        let group = of.state.lock().link_group();
+        let (group, mut names) = {
+            let s = of.state.lock();
+            (s.link_group(), s.link_names.clone())
+        };
         if group.is_empty() {
             return None;
         }
-        for p in self.inodes.aliases(of.ino) {
+        names.reverse();
+        let mut known = self.inodes.aliases(of.ino);
+        known.extend(
+            names
+                .into_iter()
+                .filter(|p| !known.contains(p))
+                .collect::<Vec<_>>(),
+        );
+        for p in known {
             if p == removed {
                 continue;
             }
@@ -311,6 +322,13 @@ impl Fs {
                             s.replace_entry(e, resolved);
                             Ok(true)
                         } else {
+                            // with data to commit it keeps its entry, but not the news that
+                            // another node made it a hard link (its commit joins the group)
+                            if !e.hard_link_id.is_empty() && e.hard_link_id != s.entry.hard_link_id
+                            {
+                                s.link_news = s.link_news.saturating_add(1);
+                                s.seen_link = Some((e.hard_link_id, e.hard_link_counter));
+                            }
                             Ok(false)
                         }
                     }
@@ -526,8 +544,8 @@ impl Fs {
                 // (its needles stay readable with readDeleted) until the next open. An event
                 // about another name than the file has here (not a hard link) is older than
                 // our rename of it: its entry is not this file's any more.
-                let here = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str())
-                    || !new.hard_link_id.is_empty();
+                let own = (s.dir.as_str(), s.entry.name.as_str()) == (ndir, new.name.as_str());
+                let here = own || !new.hard_link_id.is_empty();
                 if here && s.is_clean() {
                     if self.doubtful(&s, ndir, &new.name) {
                         if s.want_resync(false) {
@@ -538,9 +556,13 @@ impl Fs {
                     }
                 } else if here && new.hard_link_id != s.entry.hard_link_id {
                     s.link_news = s.link_news.saturating_add(1);
-                    if !new.hard_link_id.is_empty() {
+                    // (only at its own name: a group met by number elsewhere may be a twin's)
+                    if own && !new.hard_link_id.is_empty() {
                         s.seen_link = Some((new.hard_link_id.clone(), new.hard_link_counter));
                     }
+                }
+                if !own && !new.hard_link_id.is_empty() && new.hard_link_id == s.link_group() {
+                    s.note_link_name(npath.clone());
                 }
             }
             // Also the node the file's number stands for wherever it is here now: an event from

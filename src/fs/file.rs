@@ -302,9 +302,14 @@ pub struct FileState {
     /// the commit asks the filer for the group. (A file already in a group asks at every
     /// commit anyway, for the group's count.)
     pub link_news: u32,
-    /// The last link group (id, link count) such an event showed: until the commit joins it,
-    /// a removal of this name may leave the file alive under another name of that group.
+    /// The last link group (id, link count) such an event or a re-read showed at this file's
+    /// own name: until the commit joins it, a removal of this name may leave the file alive
+    /// under another name of that group.
     pub seen_link: Option<(Vec<u8>, i32)>,
+    /// Other names events showed in this file's link group (its entry's or `seen_link`'s),
+    /// newest last: where a removed name's file lives on when no lookup here met them. The
+    /// filer confirms one before it is used.
+    pub link_names: Vec<String>,
     /// The attribute changes deferred into this state (merged, later ones winning) and the
     /// `seq` of the last: a commit that carried that `seq` carried them all. A last close
     /// that fails for good still applies them to the filer's entry (they were answered).
@@ -399,6 +404,16 @@ impl FileState {
             Some((id, _)) if self.entry.hard_link_id.is_empty() => id.clone(),
             _ => self.entry.hard_link_id.clone(),
         }
+    }
+
+    /// Records another name of the file's link group (an event's), keeping the last few.
+    pub fn note_link_name(&mut self, path: String) {
+        const KEEP: usize = 8;
+        self.link_names.retain(|p| *p != path);
+        if self.link_names.len() == KEEP {
+            self.link_names.remove(0);
+        }
+        self.link_names.push(path);
     }
 
     /// The file has other names than this one, as far as this node knows (see `link_group`).
@@ -520,6 +535,7 @@ impl OpenFile {
                 removal_doubt: false,
                 link_news: 0,
                 seen_link: None,
+                link_names: Vec::new(),
                 deferred_attrs: None,
                 syncs: false,
             }),

@@ -2279,3 +2279,92 @@ async fn an_invalidation_the_kernel_holds_leaves_the_notifier_free() {
     assert_eq!(opened.unwrap_err().errno, libc::ESTALE);
     let _ = fs.release(fh, a.ino).await;
 }
+
+/// A file open here with data to commit is made a hard link by another node while this node
+/// misses the event (a gap): the re-read that follows finds its name in a link group, and
+/// the commit joins that group instead of writing the name as a plain file again (which
+/// would leave `l` listing the group's old chunks beside this name's).
+#[tokio::test]
+async fn a_re_read_that_finds_the_file_linked_makes_its_commit_join_the_group() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    // another node's `ln f l`, unseen here
+    let mut e = filer.get("/f").unwrap();
+    e.hard_link_id = b"group-of-f".to_vec();
+    e.hard_link_counter = 2;
+    let other = filer.other_client();
+    for name in ["f", "l"] {
+        e.name = name.into();
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(e.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    fs.resync();
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert!(
+        eventually(|| of.state.lock().link_news > 0).await,
+        "the re-read did not note the link group"
+    );
+    fs.flush(fh, a.ino).await.unwrap();
+    let f = filer.get("/f").unwrap();
+    assert_eq!(f.hard_link_id, b"group-of-f", "f left its link group");
+    assert_eq!(f.hard_link_counter, 2);
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+/// Another file numbered as ours (a twin: uploads can share a number) is a hard link
+/// elsewhere. Its events name a link group by our number, but not at our name: when our
+/// name is then removed, the open file is unlinked; it never moves into the twin's group,
+/// whose content its commit would overwrite.
+#[tokio::test]
+async fn a_twins_link_group_never_takes_in_a_removed_open_file() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"OURS").await.unwrap();
+    let mut twin = filer.get("/f").unwrap();
+    twin.chunks.clear();
+    twin.content = b"twin".to_vec();
+    twin.hard_link_id = b"the-twins-group".to_vec();
+    twin.hard_link_counter = 2;
+    let other = filer.other_client();
+    for name in ["t", "t2"] {
+        twin.name = name.into();
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(twin.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        fs.apply_event(&event(None, Some(twin.clone())));
+    }
+    let gone = delete_f_on_filer(&filer).await;
+    fs.apply_event(&event(Some(gone), None));
+    let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
+    assert!(
+        eventually(|| of.state.lock().unlinked).await,
+        "the removed file was not unlinked: {}",
+        of.state.lock().entry.name
+    );
+    let _ = fs.flush(fh, a.ino).await;
+    let _ = fs.release(fh, a.ino).await;
+    for name in ["/t", "/t2"] {
+        assert_eq!(
+            filer.get(name).unwrap().content,
+            b"twin",
+            "{name} written over"
+        );
+    }
+    assert!(filer.get("/f").is_none(), "f came back");
+}
