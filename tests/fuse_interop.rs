@@ -516,6 +516,45 @@ fn a_close_follows_a_file_linked_away_and_removed() {
     }
 }
 
+/// An upload over one name of a hard-linked file (the filer's HTTP API, S3) replaces that
+/// name with a new file that keeps the old number: the other name still holds the old file,
+/// and every mount shows two files, each with its own bytes, size and link count.
+#[test]
+fn an_upload_over_a_hard_links_name_leaves_its_other_name_alone() {
+    let w = shared_server();
+    let root = unique_path("hlput");
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    let old: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    fs::write(a.join("f"), &old).unwrap();
+    fs::hard_link(a.join("f"), a.join("l")).unwrap();
+    assert_reads("b sees l", &b.join("l"), &old);
+    assert_eq!(fs::metadata(b.join("f")).unwrap().nlink(), 2);
+    w.filer_put(&format!("{root}/f"), b"new file", "");
+    assert_eq!(
+        w.filer_get(&format!("{root}/l")).as_deref(),
+        Some(&old[..]),
+        "l over HTTP"
+    );
+    for m in [&a, &b] {
+        assert_reads("f after the upload", &m.join("f"), b"new file");
+        assert_reads("l after the upload", &m.join("l"), &old);
+        let (f, l) = (
+            fs::metadata(m.join("f")).unwrap(),
+            fs::metadata(m.join("l")).unwrap(),
+        );
+        assert_ne!(
+            f.ino(),
+            l.ino(),
+            "{}: f and l are one inode",
+            m.dir.display()
+        );
+        assert_eq!(l.len(), old.len() as u64);
+        assert_eq!(l.nlink(), 1, "{}: l's links", m.dir.display());
+        assert_eq!(f.nlink(), 1, "{}: f's links", m.dir.display());
+    }
+}
+
 /// A file open here with a write not committed yet becomes a hard link on another node: our
 /// close writes the file as one of the link group, so both names show what we wrote, and
 /// removing one leaves the other.

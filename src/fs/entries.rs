@@ -609,7 +609,7 @@ impl Fs {
     fn remember_link(&self, path: &str, e: &pb::Entry, counted: bool) -> Attr {
         let ino = entry_inode(path, e);
         let a = self.attr_of(ino, path, e);
-        self.inodes.remember_as(ino, path, a.kind, counted, true);
+        self.inodes.remember_link(ino, path, a.kind, counted);
         a
     }
 

@@ -534,9 +534,23 @@ impl Fs {
             self.meta.upsert(ndir, Arc::new(new.clone()));
             let npath = join(ndir, &new.name);
             let ino = self.node_id(&npath, new);
-            if self.inodes.ino_of(&npath).is_some_and(|known| known != ino) {
+            if let Some(known) = self.inodes.ino_of(&npath).filter(|known| *known != ino) {
                 // the name leads to another file now (replaced by an upload)
                 self.note_name_gone();
+                // A hard link's name replaced by a plain file (an upload keeps the number):
+                // the group's node lives on under its other names, with one link less.
+                let left_group = n.old_entry.as_ref().filter(|o| {
+                    o.name == new.name
+                        && !o.hard_link_id.is_empty()
+                        && o.hard_link_id != new.hard_link_id
+                });
+                if let Some(old) = left_group {
+                    self.inodes.unlink_path(&npath);
+                    self.meta.link_removed(old);
+                    if let Some(nt) = &notifier {
+                        nt.inval_inode(known);
+                    }
+                }
             }
             if let Some(of) = self.open_file(ino) {
                 let mut s = of.state.lock();

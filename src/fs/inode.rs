@@ -30,6 +30,11 @@ pub struct NodeRecord {
     /// record from an older process or the crash journal).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<u64>,
+    /// The node stands for a link group (its number is the group's): a plain file met at
+    /// one of its names is another file, such as an upload that replaced that name and
+    /// kept the number.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub linked: bool,
 }
 
 impl NodeRecord {
@@ -45,6 +50,7 @@ impl NodeRecord {
             || (self.base.is_none()
                 && (0..16).any(|k| derived(id.base, &self.path, id.birth, k) == self.ino));
         base_ok
+            && !self.linked
             && self.is_dir == id.is_dir
             && !(id.birth.0 != 0 && self.birth.is_some_and(|b| born_apart(b, id.birth)))
     }
@@ -125,6 +131,7 @@ impl InodeTable {
                 aliases: Vec::new(),
                 birth: None,
                 base: None,
+                linked: false,
             }),
         );
         t.inner.write().by_path.insert(root_path.into(), ROOT_INO);
@@ -277,6 +284,7 @@ impl InodeTable {
                 aliases: Vec::new(),
                 birth: None,
                 base: None,
+                linked: false,
             })
         });
         if counted {
@@ -299,8 +307,37 @@ impl InodeTable {
                 g.by_path.remove(old.as_str());
             }
         }
-        g.by_path.insert(path.into(), ino);
+        if let Some(prev) = g.by_path.insert(path.into(), ino).filter(|p| *p != ino) {
+            // the name leads to another file now: the node it led to keeps its other names
+            Self::drop_name(g, prev, path);
+        }
         changed
+    }
+
+    /// Takes `path` from node `ino`'s names; a hard link's next name becomes its primary
+    /// one. Returns the node's new primary path, if it changed.
+    fn drop_name(g: &mut Inner, ino: u64, path: &str) -> Option<String> {
+        let rec = g.by_ino.get_mut(&ino)?;
+        rec.aliases.retain(|a| a != path);
+        if rec.path == path && !rec.aliases.is_empty() {
+            rec.path = rec.aliases.remove(0);
+            return Some(rec.path.clone());
+        }
+        None
+    }
+
+    /// [`remember_as`](Self::remember_as) for a name of a link group's node.
+    pub fn remember_link(&self, ino: u64, path: &str, kind: Kind, counted: bool) {
+        self.change(|g| {
+            let changed = Self::remember_in(g, ino, path, kind, counted, true);
+            if let Some(rec) = g.by_ino.get_mut(&ino) {
+                rec.linked = true;
+            }
+            (
+                (),
+                changed.then(|| Self::remembered(ino, path, kind == Kind::Dir)),
+            )
+        })
     }
 
     /// The node id for the file `id` at `path` (not a hard link: those share one number on
@@ -536,18 +573,10 @@ impl InodeTable {
             let Some(ino) = g.by_path.remove(path) else {
                 return ((), None);
             };
-            let promoted = match g.by_ino.get_mut(&ino) {
-                Some(rec) => {
-                    rec.aliases.retain(|a| a != path);
-                    if rec.path == path && !rec.aliases.is_empty() {
-                        rec.path = rec.aliases.remove(0);
-                        Some(Self::remembered(ino, &rec.path, rec.is_dir))
-                    } else {
-                        None
-                    }
-                }
-                None => None,
-            };
+            let promoted = Self::drop_name(g, ino, path).map(|p| {
+                let is_dir = g.by_ino.get(&ino).is_some_and(|r| r.is_dir);
+                Self::remembered(ino, &p, is_dir)
+            });
             ((), promoted)
         })
     }

@@ -814,7 +814,7 @@ impl Fs {
         if self.open_file(ino).is_none() {
             a.nlink = newe.hard_link_counter.max(1) as u32;
         }
-        self.inodes.remember_as(ino, &npath, a.kind, true, true);
+        self.inodes.remember_link(ino, &npath, a.kind, true);
         Ok(a)
     }
 }
