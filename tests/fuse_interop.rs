@@ -530,12 +530,26 @@ fn an_upload_over_a_hard_links_name_leaves_its_other_name_alone() {
     fs::hard_link(a.join("f"), a.join("l")).unwrap();
     assert_reads("b sees l", &b.join("l"), &old);
     assert_eq!(fs::metadata(b.join("f")).unwrap().nlink(), 2);
+    // held open on `a`, where the group's node was made at `f`
+    let held = fs::File::open(a.join("l")).unwrap();
     w.filer_put(&format!("{root}/f"), b"new file", "");
     assert_eq!(
         w.filer_get(&format!("{root}/l")).as_deref(),
         Some(&old[..]),
         "l over HTTP"
     );
+    // before anything on `a` looks `f` up again: the event alone must part the two files
+    assert_reads("f on b", &b.join("f"), b"new file");
+    std::thread::sleep(Duration::from_millis(500));
+    let md = held.metadata().unwrap();
+    assert_eq!(
+        (md.len(), md.nlink()),
+        (old.len() as u64, 1),
+        "the open l on a: size and links"
+    );
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(&mut &held, &mut back).unwrap();
+    assert!(back == old, "the open l on a reads other bytes");
     for m in [&a, &b] {
         assert_reads("f after the upload", &m.join("f"), b"new file");
         assert_reads("l after the upload", &m.join("l"), &old);
