@@ -544,9 +544,17 @@ impl Fs {
                         && !o.hard_link_id.is_empty()
                         && o.hard_link_id != new.hard_link_id
                 });
+                // (a removal of that name, as a delete event's; an open file there moves on)
                 if let Some(old) = left_group {
-                    self.inodes.unlink_path(&npath);
-                    self.meta.link_removed(old);
+                    let mut doubt = false;
+                    if let Some(of) = self.open_file(known) {
+                        let mut s = of.state.lock();
+                        doubt = self.doubtful(&s, ndir, &old.name);
+                        if doubt && s.want_resync(true) {
+                            doubtful.push(of.clone());
+                        }
+                    }
+                    self.name_removed(ndir, &old.name, old, doubt);
                     if let Some(nt) = &notifier {
                         nt.inval_inode(known);
                     }
