@@ -477,13 +477,21 @@ fn a_close_follows_a_file_linked_away_and_removed() {
     for case in [
         "removed there",
         "removed there, l unseen here",
+        // no change of f here lately: the removal is believed at once, not re-read
+        "made there, removed there, l unseen here",
         "removed here",
         "both removed there",
     ] {
         let root = unique_path("hlaway");
         let a = mount_ours(&w, &root, &[]);
         let b = mount_ours(&w, &root, &[]);
-        fs::write(a.join("f"), b"base").unwrap();
+        let maker = if case.starts_with("made there") {
+            &b
+        } else {
+            &a
+        };
+        fs::write(maker.join("f"), b"base").unwrap();
+        assert_reads("a sees f", &a.join("f"), b"base");
         assert_reads("b sees f", &b.join("f"), b"base");
         let f = OpenOptions::new().write(true).open(a.join("f")).unwrap();
         f.write_all_at(b"NEW!", 0).unwrap();
@@ -518,18 +526,36 @@ fn a_close_follows_a_file_linked_away_and_removed() {
 
 /// An upload over one name of a hard-linked file (the filer's HTTP API, S3) replaces that
 /// name with a new file that keeps the old number: the other name still holds the old file,
-/// and every mount shows two files, each with its own bytes, size and link count.
+/// and every mount shows two files, each with its own bytes, size and link count (`c` met
+/// the names only in a listing, `ls -l`, never by lookup).
 #[test]
 fn an_upload_over_a_hard_links_name_leaves_its_other_name_alone() {
     let w = shared_server();
     let root = unique_path("hlput");
     let a = mount_ours(&w, &root, &[]);
     let b = mount_ours(&w, &root, &[]);
+    let c = mount_ours(&w, &root, &[]);
     let old: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
     fs::write(a.join("f"), &old).unwrap();
     fs::hard_link(a.join("f"), a.join("l")).unwrap();
     assert_reads("b sees l", &b.join("l"), &old);
     assert_eq!(fs::metadata(b.join("f")).unwrap().nlink(), 2);
+    let listed = || -> Vec<(String, u64, u64)> {
+        let mut v: Vec<_> = fs::read_dir(&c.dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let md = e.metadata().unwrap();
+                (e.file_name().to_string_lossy().into(), md.len(), md.nlink())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let n = old.len() as u64;
+    eventually("c lists f and l", || {
+        listed() == vec![("f".into(), n, 2), ("l".into(), n, 2)]
+    });
     // held open on `a`, where the group's node was made at `f`
     let held = fs::File::open(a.join("l")).unwrap();
     w.filer_put(&format!("{root}/f"), b"new file", "");
@@ -550,7 +576,10 @@ fn an_upload_over_a_hard_links_name_leaves_its_other_name_alone() {
     let mut back = Vec::new();
     std::io::Read::read_to_end(&mut &held, &mut back).unwrap();
     assert!(back == old, "the open l on a reads other bytes");
-    for m in [&a, &b] {
+    eventually("c lists the upload", || {
+        listed() == vec![("f".into(), 8, 1), ("l".into(), n, 1)]
+    });
+    for m in [&a, &b, &c] {
         assert_reads("f after the upload", &m.join("f"), b"new file");
         assert_reads("l after the upload", &m.join("l"), &old);
         let (f, l) = (

@@ -83,6 +83,10 @@ struct World {
     verbose: bool,
     /// A directory in the root that is not part of the model (load for the clients).
     ignore: Option<String>,
+    /// Hard links: the link group of each name that has one (names of a group share one
+    /// file: its bytes, mode, xattrs and times).
+    groups: BTreeMap<String, u32>,
+    next_group: u32,
 }
 
 impl World {
@@ -128,6 +132,42 @@ impl World {
             settles: 0,
             verbose: env_u64("MODEL_VERBOSE", 0) != 0,
             ignore: None,
+            groups: BTreeMap::new(),
+            next_group: 0,
+        }
+    }
+
+    /// How many names the file at `name` has.
+    fn links(&self, name: &str) -> u64 {
+        match self.groups.get(name) {
+            Some(g) => self.groups.values().filter(|x| *x == g).count() as u64,
+            None => 1,
+        }
+    }
+
+    /// After a change of the file at `name`: its other names show the same file.
+    fn propagate(&mut self, name: &str) {
+        let Some(g) = self.groups.get(name).copied() else {
+            return;
+        };
+        let st = self.model[name].clone();
+        for (n, _) in self.groups.iter().filter(|(n, x)| **x == g && *n != name) {
+            self.model.insert(n.clone(), st.clone());
+        }
+    }
+
+    /// `name` no longer names its link group's file (removed, or replaced by another file).
+    fn leave_group(&mut self, name: &str) {
+        if let Some(g) = self.groups.remove(name) {
+            let rest: Vec<String> = self
+                .groups
+                .iter()
+                .filter(|(_, x)| **x == g)
+                .map(|(n, _)| n.clone())
+                .collect();
+            if rest.len() == 1 {
+                self.groups.remove(&rest[0]);
+            }
         }
     }
 
@@ -177,6 +217,13 @@ impl World {
                     "{l}: {name}: st_size {} model {}",
                     md.len(),
                     st.data.len()
+                ));
+            }
+            if md.nlink() != self.links(name) {
+                return Err(format!(
+                    "{l}: {name}: st_nlink {} model {}",
+                    md.nlink(),
+                    self.links(name)
                 ));
             }
             if md.mode() & 0o7777 != st.mode {
@@ -418,7 +465,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
     let dir = wd.nodes[n].guard.path().to_path_buf();
     let name = rng.pick(NAMES).to_string();
     let existing = pick_existing(rng, &wd.model);
-    let op = rng.weighted(&[12, 14, 8, 8, 8, 8, 3, 8, 5, 6]);
+    let op = rng.weighted(&[12, 14, 8, 8, 8, 8, 3, 8, 5, 6, 6]);
     let e2s = |e: std::io::Error| e.to_string();
     match (op, existing) {
         (1, Some(f)) => {
@@ -438,6 +485,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             let st = wd.model.get_mut(&f).unwrap();
             apply_write(&mut st.data, off, &buf);
             st.mtime = None;
+            wd.propagate(&f);
         }
         (2, Some(f)) => {
             let size = wd.model[&f].data.len();
@@ -458,12 +506,14 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             let st = wd.model.get_mut(&f).unwrap();
             st.data.resize(len, 0);
             st.mtime = None;
+            wd.propagate(&f);
         }
         (3, Some(f)) => {
             let mode = *rng.pick(MODES);
             wd.note(format!("#{i} {label}: chmod {f} {mode:o}"));
             fs::set_permissions(dir.join(&f), fs::Permissions::from_mode(mode)).map_err(e2s)?;
             wd.model.get_mut(&f).unwrap().mode = mode;
+            wd.propagate(&f);
         }
         (4, Some(f)) => {
             let at = (rng.range(1_000_000_000, 1_700_000_000) as i64, 0);
@@ -474,6 +524,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             wd.note(format!("#{i} {label}: utimensat {f} mtime={mt:?}"));
             utimens(&dir.join(&f), Some(at), Some(mt)).map_err(|e| format!("errno {e}"))?;
             wd.model.get_mut(&f).unwrap().mtime = Some(mt);
+            wd.propagate(&f);
         }
         (5, Some(f)) => {
             let key = format!("user.k{}", rng.below(3));
@@ -482,6 +533,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             wd.note(format!("#{i} {label}: setxattr {f} {key} ({len} bytes)"));
             setxattr(&dir.join(&f), &key, &v, 0).map_err(|e| format!("errno {e}"))?;
             wd.model.get_mut(&f).unwrap().xattrs.insert(key, v);
+            wd.propagate(&f);
         }
         (6, Some(f)) => {
             let keys: Vec<String> = wd.model[&f].xattrs.keys().cloned().collect();
@@ -492,6 +544,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
             wd.note(format!("#{i} {label}: removexattr {f} {key}"));
             removexattr(&dir.join(&f), &key).map_err(|e| format!("errno {e}"))?;
             wd.model.get_mut(&f).unwrap().xattrs.remove(&key);
+            wd.propagate(&f);
         }
         (7, Some(f)) => {
             let to = rng.pick(NAMES).to_string();
@@ -499,18 +552,56 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
                 return create_op(wd, rng, i, n, &name);
             }
             let over = wd.model.contains_key(&to);
+            let same = wd.groups.contains_key(&f) && wd.groups.get(&f) == wd.groups.get(&to);
             wd.note(format!(
                 "#{i} {label}: rename {f} -> {to}{}",
-                if over { " (replacing)" } else { "" }
+                if same {
+                    " (two links of one file: nothing happens)"
+                } else if over {
+                    " (replacing)"
+                } else {
+                    ""
+                }
             ));
             fs::rename(dir.join(&f), dir.join(&to)).map_err(e2s)?;
-            let st = wd.model.remove(&f).unwrap();
-            wd.model.insert(to, st);
+            if !same {
+                wd.leave_group(&to);
+                if let Some(g) = wd.groups.remove(&f) {
+                    wd.groups.insert(to.clone(), g);
+                }
+                let st = wd.model.remove(&f).unwrap();
+                wd.model.insert(to, st);
+            }
         }
         (8, Some(f)) => {
             wd.note(format!("#{i} {label}: unlink {f}"));
             fs::remove_file(dir.join(&f)).map_err(e2s)?;
             wd.model.remove(&f);
+            wd.leave_group(&f);
+        }
+        (10, Some(f)) => {
+            let free: Vec<&str> = NAMES
+                .iter()
+                .copied()
+                .filter(|n| !wd.model.contains_key(*n))
+                .collect();
+            if free.is_empty() {
+                return create_op(wd, rng, i, n, &name);
+            }
+            let to = rng.pick(&free).to_string();
+            wd.note(format!("#{i} {label}: link {f} {to}"));
+            fs::hard_link(dir.join(&f), dir.join(&to)).map_err(e2s)?;
+            let g = match wd.groups.get(&f) {
+                Some(g) => *g,
+                None => {
+                    wd.next_group += 1;
+                    wd.groups.insert(f.clone(), wd.next_group);
+                    wd.next_group
+                }
+            };
+            wd.groups.insert(to.clone(), g);
+            let st = wd.model[&f].clone();
+            wd.model.insert(to, st);
         }
         (9, _) => {
             // write + fsync, check every client while the descriptor is still open, close
@@ -542,6 +633,7 @@ fn random_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
                 .or_insert_with(|| FileState::new(Vec::new(), CREATE_MODE));
             apply_write(&mut st.data, off, &buf);
             st.mtime = None;
+            wd.propagate(&name);
             if let Err(e) = wd.settle() {
                 wd.fail(&format!("after fsync, descriptor open: {e}"));
             }
@@ -576,6 +668,7 @@ fn create_op(wd: &mut World, rng: &mut Rng, i: u64, n: usize, name: &str) -> Res
         Some(st) => {
             st.data = buf;
             st.mtime = None;
+            wd.propagate(name);
         }
         None => {
             wd.model
@@ -594,6 +687,7 @@ fn http_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
                 return Err(format!("DELETE {f} failed"));
             }
             wd.model.remove(&f);
+            wd.leave_group(&f);
         }
         _ => {
             let name = rng.pick(NAMES).to_string();
@@ -605,7 +699,9 @@ fn http_op(wd: &mut World, rng: &mut Rng, i: u64) -> Result<(), String> {
                 if exists { " (replacing)" } else { "" }
             ));
             wd.w.filer_put(&wd.http_path(&name), &buf, "");
-            // an upload replaces the whole entry: the filer's default mode, no xattrs
+            // an upload replaces the whole entry: the filer's default mode, no xattrs; a
+            // hard link's name gets a new file, the group's other names keep theirs
+            wd.leave_group(&name);
             wd.model.insert(name, FileState::new(buf, HTTP_MODE));
         }
     }

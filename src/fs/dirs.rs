@@ -22,6 +22,8 @@ pub struct DirEntryOut {
     /// What the filer says identifies the file, when it is not a hard link (None for "."
     /// and ".." too): readdirplus remembers the node with it.
     pub ident: Option<FileId>,
+    /// The entry is a name of a link group (its node is the group's).
+    pub link: bool,
 }
 
 /// The entries an open directory handle lists (a snapshot taken when it is read from 0).
@@ -251,6 +253,7 @@ impl Fs {
                     kind: Kind::Dir,
                     attr: None,
                     ident: None,
+                    link: false,
                 });
             }
         }
@@ -293,6 +296,7 @@ impl Fs {
                 kind: a.kind,
                 attr: Some(a),
                 ident,
+                link: !e.hard_link_id.is_empty(),
             });
         }
         DirListing {
@@ -472,6 +476,7 @@ impl Fs {
                             .hard_link_id
                             .is_empty()
                             .then(|| attr::file_id(&path, &cur)),
+                        link: !cur.hard_link_id.is_empty(),
                         attr: Some(a),
                     });
                 }
@@ -632,6 +637,7 @@ impl Fs {
                 Cached::Unknown => false,
             };
             match (&e.ident, linked || stale) {
+                _ if e.link => self.inodes.remember_link(e.ino, &path, e.kind, true),
                 (Some(id), false) => self.inodes.remember_file(e.ino, &path, id, true),
                 (ident, _) => {
                     self.inodes

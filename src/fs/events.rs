@@ -100,7 +100,7 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 /// commit joins). A file whose own entry is linked keeps its name with no other name known.
 pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
     match moved_to {
-        Some((p, count)) if s.has_other_links() => {
+        Some((p, count)) => {
             (s.dir, s.entry.name) = super::inode::split(&p);
             if !s.entry.hard_link_id.is_empty() {
                 s.entry.hard_link_counter = count;
@@ -114,6 +114,15 @@ pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
 }
 
 impl Fs {
+    /// The removal of `path`, a name of open file `s` (node `ino`) in a link group, with no
+    /// other name of it known here but names its events showed: the re-read that confirms
+    /// one with the filer decides where the file lives on (else it is unlinked at once).
+    fn other_name_to_confirm(&self, s: &FileState, ino: u64, path: &str, old: &pb::Entry) -> bool {
+        super::attr::has_other_links(old)
+            && !s.link_names.is_empty()
+            && self.inodes.aliases(ino).iter().all(|p| p == path)
+    }
+
     /// Another name of hard-linked file `of`, for its `removed` one: a name known here for
     /// it that the filer confirms leads to its link group now, with the group's link count
     /// there (a name known here may be stale: removed since, or another file's).
@@ -455,7 +464,8 @@ impl Fs {
                         let mut doubt = false;
                         if let Some(of) = self.open_file(ino) {
                             let mut s = of.state.lock();
-                            doubt = self.doubtful(&s, dir, &old.name);
+                            doubt = self.doubtful(&s, dir, &old.name)
+                                || self.other_name_to_confirm(&s, ino, &opath, old);
                             if doubt && s.want_resync(true) {
                                 doubtful.push(of.clone());
                             }
@@ -549,7 +559,8 @@ impl Fs {
                     let mut doubt = false;
                     if let Some(of) = self.open_file(known) {
                         let mut s = of.state.lock();
-                        doubt = self.doubtful(&s, ndir, &old.name);
+                        doubt = self.doubtful(&s, ndir, &old.name)
+                            || self.other_name_to_confirm(&s, known, &npath, old);
                         if doubt && s.want_resync(true) {
                             doubtful.push(of.clone());
                         }

@@ -416,13 +416,6 @@ impl FileState {
         self.link_names.push(path);
     }
 
-    /// The file has other names than this one, as far as this node knows (see `link_group`).
-    pub fn has_other_links(&self) -> bool {
-        super::attr::has_other_links(&self.entry)
-            || (self.entry.hard_link_id.is_empty()
-                && self.seen_link.as_ref().is_some_and(|(_, n)| *n > 1))
-    }
-
     pub fn is_clean(&self) -> bool {
         !self.meta_dirty && self.slots.is_empty() && self.inflight.is_empty()
     }

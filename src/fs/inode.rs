@@ -108,6 +108,9 @@ struct Inner {
     /// `Box<str>` keys: 8 bytes less per slot than `String`. (A sorted map would make a
     /// directory's descendants one range, but every lookup 3-4x slower at a million.)
     by_path: HashMap<Box<str>, u64>,
+    /// Records of other nodes a change touched on the way (a hard link's next name made
+    /// its primary one), journaled with the change.
+    touched: Vec<JournalOp>,
 }
 
 pub struct InodeTable {
@@ -167,11 +170,15 @@ impl InodeTable {
     /// it before the lock goes: records land in the order of the changes they stand for,
     /// else a successor's replay of two racing changes to one node ends in a state the table
     /// never had. Compacts the journal afterwards, without the write lock.
-    fn change<R>(&self, f: impl FnOnce(&mut Inner) -> (R, Option<JournalOp>)) -> R {
+    fn change<R, I: IntoIterator<Item = JournalOp>>(
+        &self,
+        f: impl FnOnce(&mut Inner) -> (R, I),
+    ) -> R {
         let r = {
             let mut g = self.inner.write();
-            let (r, op) = f(&mut g);
-            if let Some(op) = op {
+            let (r, ops) = f(&mut g);
+            let touched = std::mem::take(&mut g.touched);
+            for op in ops.into_iter().chain(touched) {
                 #[cfg(test)]
                 tests::journal_pause();
                 if let Some(j) = self.journal.read().as_ref() {
@@ -263,7 +270,10 @@ impl InodeTable {
         counted: bool,
         hard_link: bool,
     ) -> bool {
-        Self::remember_in(&mut self.inner.write(), ino, path, kind, counted, hard_link)
+        let mut g = self.inner.write();
+        let changed = Self::remember_in(&mut g, ino, path, kind, counted, hard_link);
+        g.touched.clear();
+        changed
     }
 
     fn remember_in(
@@ -315,15 +325,17 @@ impl InodeTable {
     }
 
     /// Takes `path` from node `ino`'s names; a hard link's next name becomes its primary
-    /// one. Returns the node's new primary path, if it changed.
-    fn drop_name(g: &mut Inner, ino: u64, path: &str) -> Option<String> {
-        let rec = g.by_ino.get_mut(&ino)?;
+    /// one (journaled with the change, see [`Inner::touched`]).
+    fn drop_name(g: &mut Inner, ino: u64, path: &str) {
+        let Some(rec) = g.by_ino.get_mut(&ino) else {
+            return;
+        };
         rec.aliases.retain(|a| a != path);
         if rec.path == path && !rec.aliases.is_empty() {
             rec.path = rec.aliases.remove(0);
-            return Some(rec.path.clone());
+            let op = Self::remembered(ino, &rec.path, rec.is_dir);
+            g.touched.push(op);
         }
-        None
     }
 
     /// [`remember_as`](Self::remember_as) for a name of a link group's node.
@@ -573,11 +585,8 @@ impl InodeTable {
             let Some(ino) = g.by_path.remove(path) else {
                 return ((), None);
             };
-            let promoted = Self::drop_name(g, ino, path).map(|p| {
-                let is_dir = g.by_ino.get(&ino).is_some_and(|r| r.is_dir);
-                Self::remembered(ino, &p, is_dir)
-            });
-            ((), promoted)
+            Self::drop_name(g, ino, path);
+            ((), None)
         })
     }
 
@@ -607,7 +616,9 @@ impl InodeTable {
     }
 
     fn rename_quiet(&self, old: &str, new: &str, file: bool) {
-        Self::rename_in(&mut self.inner.write(), old, new, file)
+        let mut g = self.inner.write();
+        Self::rename_in(&mut g, old, new, file);
+        g.touched.clear();
     }
 
     fn rename_in(g: &mut Inner, old: &str, new: &str, file: bool) {
@@ -628,7 +639,12 @@ impl InodeTable {
         for (p, ino) in moved {
             let np = format!("{}{}", new, &p[old.len()..]);
             g.by_path.remove(p.as_str());
-            g.by_path.insert(np.as_str().into(), ino);
+            if let Some(prev) = g.by_path.insert(np.as_str().into(), ino) {
+                if prev != ino {
+                    // the file replaced there: a hard link of it keeps its other names
+                    Self::drop_name(g, prev, &np);
+                }
+            }
             if let Some(rec) = g.by_ino.get_mut(&ino) {
                 if rec.path == p {
                     rec.path = np;
@@ -810,6 +826,31 @@ mod tests {
         let t2 = InodeTable::new("/m");
         t2.replay(j.replay().unwrap());
         assert_eq!(t2.path(30).unwrap(), "/m/b");
+    }
+
+    /// An upload over a hard link's name keeps the group's number: the plain file met there
+    /// is another node, and the group's node keeps its other name, also for a successor
+    /// rebuilt from the crash journal.
+    #[test]
+    fn a_plain_file_at_a_link_groups_name_is_another_node() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.set_journal(j.clone());
+        let id = FileId {
+            base: 40,
+            birth: (1000, 0),
+            is_dir: false,
+        };
+        t.remember_link(40, "/m/f", Kind::File, true);
+        t.remember_link(40, "/m/l", Kind::File, true);
+        let d = t.claim_and_remember("/m/f", &id, true, Some(true)).unwrap();
+        assert_ne!(d, 40, "the upload took the group's node");
+        assert_eq!(t.path(40).unwrap(), "/m/l");
+        assert_eq!(t.ino_of("/m/f"), Some(d));
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(40).unwrap(), "/m/l", "after a replay");
+        assert_eq!(t2.ino_of("/m/f"), Some(d), "after a replay");
     }
 
     /// Two uploads with one number and second: the second gets a derived node id, which a

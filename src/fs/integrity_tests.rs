@@ -231,6 +231,7 @@ async fn opening_a_node_whose_name_was_deleted_elsewhere_is_estale() {
         kind: Kind::File,
         attr: Some(a.clone()),
         ident: None,
+        link: false,
     };
     delete_f_elsewhere(&fs, &filer).await;
     // a listing read before the event registers the name again (as readdirplus does)
