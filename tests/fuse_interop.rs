@@ -479,6 +479,8 @@ fn a_close_follows_a_file_linked_away_and_removed() {
         "removed there, l unseen here",
         // no change of f here lately: the removal is believed at once, not re-read
         "made there, removed there, l unseen here",
+        // f, l and m; f removed, then the name a moved to (m, the newest): l is left
+        "made there, l and m unseen here, f then m removed there",
         "removed here",
         "both removed there",
     ] {
@@ -496,6 +498,10 @@ fn a_close_follows_a_file_linked_away_and_removed() {
         let f = OpenOptions::new().write(true).open(a.join("f")).unwrap();
         f.write_all_at(b"NEW!", 0).unwrap();
         fs::hard_link(b.join("f"), b.join("l")).unwrap();
+        let two = case.contains("l and m");
+        if two {
+            fs::hard_link(b.join("f"), b.join("m")).unwrap();
+        }
         if case.contains("unseen") {
             std::thread::sleep(Duration::from_secs(1));
         } else {
@@ -508,6 +514,10 @@ fn a_close_follows_a_file_linked_away_and_removed() {
             eventually("a sees l gone", || !a.join("l").exists());
         }
         eventually("a sees f gone", || !a.join("f").exists());
+        if two {
+            std::thread::sleep(Duration::from_secs(1));
+            fs::remove_file(b.join("m")).unwrap();
+        }
         std::thread::sleep(Duration::from_secs(1));
         drop(f);
         let l = w.filer_get(&format!("{root}/l"));
@@ -520,6 +530,10 @@ fn a_close_follows_a_file_linked_away_and_removed() {
         assert!(
             w.filer_get(&format!("{root}/f")).is_none(),
             "{case}: f came back"
+        );
+        assert!(
+            w.filer_get(&format!("{root}/m")).is_none(),
+            "{case}: m came back"
         );
     }
 }

@@ -98,29 +98,44 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 /// file, or a hard-linked one whose link group lives on at `moved_to` (path, link count),
 /// found by [`Fs::other_link`] (also for a group an event showed the file in, which its
 /// commit joins). A file whose own entry is linked keeps its name with no other name known.
-pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) {
+/// Returns the name moved to, which the caller makes one of the node's names (see
+/// [`Fs::moved_by_link`]).
+#[must_use]
+pub(super) fn name_gone(s: &mut FileState, moved_to: Option<(String, i32)>) -> Option<String> {
+    let mut moved = None;
     match moved_to {
         Some((p, count)) => {
             (s.dir, s.entry.name) = super::inode::split(&p);
             if !s.entry.hard_link_id.is_empty() {
                 s.entry.hard_link_counter = count;
             }
+            moved = Some(p);
         }
         None if super::attr::has_other_links(&s.entry) => {}
         _ => s.unlinked = true,
     }
     s.removal_doubt = false;
     s.epoch += 1;
+    moved
 }
 
 impl Fs {
+    /// After [`name_gone`] moved open file `ino` to `path`, another name of its link group:
+    /// the node's names here include it (lookups by it, and later removals, find the node).
+    pub(super) fn moved_by_link(&self, ino: u64, path: Option<String>) {
+        if let Some(p) = path {
+            self.inodes
+                .remember_link(ino, &p, super::attr::Kind::File, false);
+        }
+    }
+
     /// The removal of `path`, a name of open file `s` (node `ino`) in a link group, with no
     /// other name of it known here but names its events showed: the re-read that confirms
     /// one with the filer decides where the file lives on (else it is unlinked at once).
     fn other_name_to_confirm(&self, s: &FileState, ino: u64, path: &str, old: &pb::Entry) -> bool {
         super::attr::has_other_links(old)
             && !s.link_names.is_empty()
-            && self.inodes.aliases(ino).iter().all(|p| p == path)
+            && self.inodes.live_names(ino).iter().all(|p| p == path)
     }
 
     /// Another name of hard-linked file `of`, for its `removed` one: a name known here for
@@ -135,7 +150,7 @@ impl Fs {
             return None;
         }
         names.reverse();
-        let mut known = self.inodes.aliases(of.ino);
+        let mut known = self.inodes.live_names(of.ino);
         known.extend(
             names
                 .into_iter()
@@ -314,6 +329,7 @@ impl Fs {
                 Err(_) => return,
             };
             // Ok(true): the entry was replaced; Err: ask again
+            let mut moved = None;
             let outcome: std::result::Result<bool, Option<super::FsError>> = {
                 let mut s = of.state.lock();
                 let moved_on = s.epoch != epoch
@@ -344,7 +360,7 @@ impl Fs {
                     Ok(None) => {
                         // a file whose create is still deferred was never the filer's to remove
                         if deleted && !s.pending_create {
-                            name_gone(&mut s, moved_to);
+                            moved = name_gone(&mut s, moved_to);
                         } else if deleted {
                             s.removal_doubt = false;
                         }
@@ -352,6 +368,7 @@ impl Fs {
                     }
                 }
             };
+            self.moved_by_link(of.ino, moved);
             match outcome {
                 Ok(replaced) => {
                     attempt = 0;

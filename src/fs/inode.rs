@@ -590,6 +590,20 @@ impl InodeTable {
         })
     }
 
+    /// The names that lead to node `ino` here now (a removed name stays the node's path
+    /// until it is forgotten, but leads nowhere).
+    pub fn live_names(&self, ino: u64) -> Vec<String> {
+        let g = self.inner.read();
+        match g.by_ino.get(&ino) {
+            Some(rec) => std::iter::once(&rec.path)
+                .chain(rec.aliases.iter())
+                .filter(|p| g.by_path.get(p.as_str()) == Some(&ino))
+                .cloned()
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// Every known name of a node (the primary one first).
     pub fn aliases(&self, ino: u64) -> Vec<String> {
         let g = self.inner.read();
@@ -636,13 +650,13 @@ impl InodeTable {
                 .map(|(p, i)| (p.to_string(), *i))
                 .collect()
         };
+        let mut displaced = Vec::new();
         for (p, ino) in moved {
             let np = format!("{}{}", new, &p[old.len()..]);
             g.by_path.remove(p.as_str());
             if let Some(prev) = g.by_path.insert(np.as_str().into(), ino) {
                 if prev != ino {
-                    // the file replaced there: a hard link of it keeps its other names
-                    Self::drop_name(g, prev, &np);
+                    displaced.push((prev, np.clone()));
                 }
             }
             if let Some(rec) = g.by_ino.get_mut(&ino) {
@@ -652,6 +666,11 @@ impl InodeTable {
                     *a = np;
                 }
             }
+        }
+        // files replaced at the new names: a hard link of one keeps its other names (taken
+        // once every name has moved, so a promoted name is journaled where it ends up)
+        for (prev, np) in displaced {
+            Self::drop_name(g, prev, &np);
         }
     }
 
@@ -851,6 +870,27 @@ mod tests {
         t2.replay(j.replay().unwrap());
         assert_eq!(t2.path(40).unwrap(), "/m/l", "after a replay");
         assert_eq!(t2.ino_of("/m/f"), Some(d), "after a replay");
+    }
+
+    /// A directory moved over names a hard link held: the link keeps its other name, as it
+    /// is after the move, also for a successor rebuilt from the crash journal.
+    #[test]
+    fn a_rename_over_a_hard_links_name_leaves_it_its_other_name_where_it_ends_up() {
+        let t = InodeTable::new("/m");
+        let j = Arc::new(Journal::create().unwrap());
+        t.set_journal(j.clone());
+        t.remember(10, "/m/a", Kind::Dir, true);
+        t.remember(50, "/m/a/x", Kind::File, true);
+        t.remember_link(40, "/m/b/x", Kind::File, true);
+        t.remember_link(40, "/m/a/y", Kind::File, true);
+        t.rename("/m/a", "/m/b", false);
+        assert_eq!(t.ino_of("/m/b/x"), Some(50));
+        assert_eq!(t.path(40).unwrap(), "/m/b/y");
+        assert_eq!(t.live_names(40), vec!["/m/b/y".to_string()]);
+        let t2 = InodeTable::new("/m");
+        t2.replay(j.replay().unwrap());
+        assert_eq!(t2.path(40).unwrap(), "/m/b/y", "after a replay");
+        assert_eq!(t2.ino_of("/m/b/x"), Some(50), "after a replay");
     }
 
     /// Two uploads with one number and second: the second gets a derived node id, which a

@@ -429,7 +429,7 @@ impl Fs {
                 Some(false) if removal || (linked && taken) => self.other_link(of, &path).await,
                 _ => None,
             };
-            {
+            let moved = {
                 let mut s = of.state.lock();
                 // an answer about the name as it still is, with no doubt raised since
                 // (a change of ours in flight may have moved it on the filer already)
@@ -446,20 +446,25 @@ impl Fs {
                 // (a name moved away unseen is given back). Never over another file there.
                 if current && found == Some(false) && linked && (moved_to.is_some() || !taken) {
                     if moved_to.is_some() || s.removal_doubt {
-                        super::events::name_gone(&mut s, moved_to);
+                        Some(super::events::name_gone(&mut s, moved_to))
+                    } else {
+                        Some(None)
                     }
-                    return Ok(());
-                }
-                if current && found == Some(false) && s.removal_doubt && !linked {
-                    super::events::name_gone(&mut s, moved_to);
-                    return Ok(());
-                }
-                if current && found == Some(false) && start.elapsed() >= SETTLE {
+                } else if current && found == Some(false) && s.removal_doubt && !linked {
+                    Some(super::events::name_gone(&mut s, moved_to))
+                } else if current && found == Some(false) && start.elapsed() >= SETTLE {
                     return Err(errno(
                         libc::ESTALE,
                         format!("{path}: moved or removed by another client while this node missed its events; not created again"),
                     ));
+                } else {
+                    None
                 }
+            };
+            // Some: settled (moved to another name of its link group, if Some again)
+            if let Some(moved) = moved {
+                self.moved_by_link(of.ino, moved);
+                return Ok(());
             }
             tokio::time::sleep(pauses.next_pause()).await;
         }
