@@ -124,8 +124,7 @@ impl Fs {
     /// the node's names here include it (lookups by it, and later removals, find the node).
     pub(super) fn moved_by_link(&self, ino: u64, path: Option<String>) {
         if let Some(p) = path {
-            self.inodes
-                .remember_link(ino, &p, super::attr::Kind::File, false);
+            self.inodes.add_link_name(ino, &p);
         }
     }
 

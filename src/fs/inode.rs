@@ -331,11 +331,47 @@ impl InodeTable {
             return;
         };
         rec.aliases.retain(|a| a != path);
-        if rec.path == path && !rec.aliases.is_empty() {
-            rec.path = rec.aliases.remove(0);
+        if rec.path != path {
+            return;
+        }
+        // the next name that still leads to the node (a stale one would take another's)
+        let by_path = &g.by_path;
+        if let Some(i) = rec
+            .aliases
+            .iter()
+            .position(|a| by_path.get(a.as_str()) == Some(&ino))
+        {
+            rec.path = rec.aliases.remove(i);
             let op = Self::remembered(ino, &rec.path, rec.is_dir);
             g.touched.push(op);
         }
+    }
+
+    /// Node `ino`, still known here, is reached by `path` too, a name of its link group
+    /// (its open file moved there): a name that no longer leads to the node gives way as
+    /// its primary one. No lookup is counted and no node is made again.
+    pub fn add_link_name(&self, ino: u64, path: &str) {
+        self.change(|g| {
+            let Some(rec) = g.by_ino.get(&ino) else {
+                return ((), None);
+            };
+            let dead = g.by_path.get(rec.path.as_str()) != Some(&ino);
+            let is_dir = rec.is_dir;
+            if let Some(prev) = g.by_path.insert(path.into(), ino).filter(|p| *p != ino) {
+                Self::drop_name(g, prev, path);
+            }
+            let Some(rec) = g.by_ino.get_mut(&ino) else {
+                return ((), None);
+            };
+            rec.linked = true;
+            rec.aliases.retain(|a| a != path);
+            if dead {
+                rec.path = path.to_string();
+            } else if rec.path != path {
+                rec.aliases.push(path.to_string());
+            }
+            ((), dead.then(|| Self::remembered(ino, path, is_dir)))
+        })
     }
 
     /// [`remember_as`](Self::remember_as) for a name of a link group's node.
@@ -891,6 +927,32 @@ mod tests {
         t2.replay(j.replay().unwrap());
         assert_eq!(t2.path(40).unwrap(), "/m/b/y", "after a replay");
         assert_eq!(t2.ino_of("/m/b/x"), Some(50), "after a replay");
+    }
+
+    /// An open file moved to another name of its link group: that name joins the node's
+    /// names (primary where the old one leads nowhere), and no node is made for a forgotten
+    /// one.
+    #[test]
+    fn a_link_name_joins_a_known_node_only() {
+        let t = InodeTable::new("/m");
+        t.remember_link(40, "/m/f", Kind::File, true);
+        t.remember_link(40, "/m/g", Kind::File, true);
+        t.unlink_path("/m/g");
+        t.unlink_path("/m/f");
+        t.add_link_name(40, "/m/l");
+        assert_eq!(t.path(40).unwrap(), "/m/l");
+        assert_eq!(t.live_names(40), vec!["/m/l".to_string()]);
+        t.add_link_name(41, "/m/x");
+        assert!(t.path(41).is_none(), "a node was made for a forgotten one");
+        assert_eq!(t.ino_of("/m/x"), None);
+        // a live primary stays; the name is one more
+        t.remember_link(50, "/m/a", Kind::File, true);
+        t.add_link_name(50, "/m/b");
+        assert_eq!(t.path(50).unwrap(), "/m/a");
+        assert_eq!(
+            t.live_names(50),
+            vec!["/m/a".to_string(), "/m/b".to_string()]
+        );
     }
 
     /// Two uploads with one number and second: the second gets a derived node id, which a
