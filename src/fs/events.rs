@@ -422,6 +422,34 @@ impl Fs {
         Ok(Some((e, resolved)))
     }
 
+    /// Another client removed `dir`/`old.name`, the name of node `ino`: an open file there
+    /// whose removal may be older than our change of it, or that may live on under a name
+    /// the filer must confirm, is re-read (pushed to `doubtful`); otherwise it is unlinked,
+    /// or moves to another name of its link group known here.
+    fn removed_by_event(
+        &self,
+        dir: &str,
+        old: &pb::Entry,
+        ino: u64,
+        doubtful: &mut Vec<Arc<OpenFile>>,
+    ) {
+        let path = join(dir, &old.name);
+        let mut doubt = false;
+        if let Some(of) = self.open_file(ino) {
+            let mut s = of.state.lock();
+            doubt = self.doubtful(&s, dir, &old.name)
+                || self.other_name_to_confirm(&s, ino, &path, old);
+            if doubt && s.want_resync(true) {
+                doubtful.push(of.clone());
+            }
+        }
+        self.name_removed(dir, &old.name, old, doubt);
+        // other names of a hard-linked file now have one link less
+        if let Some(nt) = self.notifier() {
+            nt.inval_inode(ino);
+        }
+    }
+
     /// Applies `ev`; returns the open files whose entry must be read again from the filer.
     fn apply_event_now(&self, ev: &pb::SubscribeMetadataResponse) -> Vec<Arc<OpenFile>> {
         let mut doubtful = Vec::new();
@@ -474,23 +502,9 @@ impl Fs {
                 }
                 match &n.new_entry {
                     None => {
-                        let ino = old_ino;
                         // (a hard-linked file lives on under its other names: the re-read
                         // moves it to one)
-                        let mut doubt = false;
-                        if let Some(of) = self.open_file(ino) {
-                            let mut s = of.state.lock();
-                            doubt = self.doubtful(&s, dir, &old.name)
-                                || self.other_name_to_confirm(&s, ino, &opath, old);
-                            if doubt && s.want_resync(true) {
-                                doubtful.push(of.clone());
-                            }
-                        }
-                        self.name_removed(dir, &old.name, old, doubt);
-                        // other names of a hard-linked file now have one link less
-                        if let Some(nt) = &notifier {
-                            nt.inval_inode(old_ino);
-                        }
+                        self.removed_by_event(dir, old, old_ino, &mut doubtful);
                     }
                     Some(new) => {
                         // renamed by another client: our node ids and open files follow, and
@@ -572,19 +586,7 @@ impl Fs {
                 });
                 // (a removal of that name, as a delete event's; an open file there moves on)
                 if let Some(old) = left_group {
-                    let mut doubt = false;
-                    if let Some(of) = self.open_file(known) {
-                        let mut s = of.state.lock();
-                        doubt = self.doubtful(&s, ndir, &old.name)
-                            || self.other_name_to_confirm(&s, known, &npath, old);
-                        if doubt && s.want_resync(true) {
-                            doubtful.push(of.clone());
-                        }
-                    }
-                    self.name_removed(ndir, &old.name, old, doubt);
-                    if let Some(nt) = &notifier {
-                        nt.inval_inode(known);
-                    }
+                    self.removed_by_event(ndir, old, known, &mut doubtful);
                 }
             }
             if let Some(of) = self.open_file(ino) {
