@@ -141,21 +141,20 @@ impl Fs {
     /// it that the filer confirms leads to its link group now, with the group's link count
     /// there (a name known here may be stale: removed since, or another file's).
     pub(super) async fn other_link(&self, of: &OpenFile, removed: &str) -> Option<(String, i32)> {
-        let (group, mut names) = {
+        let (group, names) = {
             let s = of.state.lock();
             (s.link_group(), s.link_names.clone())
         };
         if group.is_empty() {
             return None;
         }
-        names.reverse();
+        // the node's names first, then the events' names, newest first
         let mut known = self.inodes.live_names(of.ino);
-        known.extend(
-            names
-                .into_iter()
-                .filter(|p| !known.contains(p))
-                .collect::<Vec<_>>(),
-        );
+        for p in names.into_iter().rev() {
+            if !known.contains(&p) {
+                known.push(p);
+            }
+        }
         for p in known {
             if p == removed {
                 continue;
@@ -350,8 +349,7 @@ impl Fs {
                             // another node made it a hard link (its commit joins the group)
                             if !e.hard_link_id.is_empty() && e.hard_link_id != s.entry.hard_link_id
                             {
-                                s.link_news = s.link_news.saturating_add(1);
-                                s.seen_link = Some((e.hard_link_id, e.hard_link_counter));
+                                s.saw_link_group(&e);
                             }
                             Ok(false)
                         }
@@ -606,10 +604,12 @@ impl Fs {
                         s.replace_entry(new.clone(), new.chunks.clone());
                     }
                 } else if here && new.hard_link_id != s.entry.hard_link_id {
-                    s.link_news = s.link_news.saturating_add(1);
-                    // (only at its own name: a group met by number elsewhere may be a twin's)
+                    // (a group is taken only at its own name: one met by number elsewhere
+                    // may be a twin's)
                     if own && !new.hard_link_id.is_empty() {
-                        s.seen_link = Some((new.hard_link_id.clone(), new.hard_link_counter));
+                        s.saw_link_group(new);
+                    } else {
+                        s.link_news = s.link_news.saturating_add(1);
                     }
                 }
                 if !own && !new.hard_link_id.is_empty() && new.hard_link_id == s.link_group() {

@@ -406,6 +406,14 @@ impl FileState {
         }
     }
 
+    /// An event or re-read at this file's own name showed it in link group `e`, while it has
+    /// data to commit: its commit asks the filer for the group (`link_news`), and a removal
+    /// of the name meanwhile looks for the file under the group's other names.
+    pub fn saw_link_group(&mut self, e: &pb::Entry) {
+        self.link_news = self.link_news.saturating_add(1);
+        self.seen_link = Some((e.hard_link_id.clone(), e.hard_link_counter));
+    }
+
     /// Records another name of the file's link group (an event's), keeping the last few.
     pub fn note_link_name(&mut self, path: String) {
         const KEEP: usize = 8;
