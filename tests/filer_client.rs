@@ -198,6 +198,108 @@ async fn crud_over_stream_and_unary() {
     assert!(c.unary >= 6, "{c:?}");
 }
 
+/// A chunk with a well-formed id that no volume holds (the filer only compares ids here).
+fn fake_chunk(key: u8, offset: i64) -> pb::FileChunk {
+    pb::FileChunk {
+        file_id: format!("1,{key:02x}01020304"),
+        offset,
+        size: 4,
+        modified_ts_ns: 1_000 + key as i64,
+        ..Default::default()
+    }
+}
+
+fn same_chunks(fids: &[&pb::FileChunk]) -> pb::WriteCondition {
+    pb::WriteCondition {
+        clauses: vec![pb::write_condition::Clause {
+            kind: pb::write_condition::Kind::IfChunksEqual as i32,
+            fids: fids.iter().map(|c| c.file_id.clone()).collect(),
+        }],
+    }
+}
+
+async fn fids_at(f: &GrpcFiler, dir: &str, name: &str) -> Vec<String> {
+    let mut v: Vec<String> = f
+        .lookup_entry(dir, name)
+        .await
+        .unwrap()
+        .chunks
+        .iter()
+        .map(|c| seaweedfs_csi_driver::volume::fid::chunk_file_id(c).unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The filer (4.41+) stores a create or update only if the entry still lists the chunks a
+/// `IF_CHUNKS_EQUAL` condition names, else nothing changes and the client sees
+/// `FilerError::Changed`; this is what makes a metadata change safe against a commit
+/// elsewhere between its lookup and its update. Over the stream and over unary calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_with_a_chunk_condition_store_only_onto_those_chunks() {
+    let w = WeedServer::start();
+    for stream in [true, false] {
+        let f = client(&w).await;
+        f.set_stream_mutate(stream);
+        let dir = format!("/cond-{stream}");
+        f.create_entry(create("/", dir_entry(&dir[1..])))
+            .await
+            .unwrap();
+        let (a, b, c, x) = (
+            fake_chunk(0xa1, 0),
+            fake_chunk(0xb2, 4),
+            fake_chunk(0xc3, 0),
+            fake_chunk(0xee, 0),
+        );
+        let mut e = file_entry("f", b"");
+        e.attributes.as_mut().unwrap().file_size = 4;
+        e.chunks = vec![a.clone()];
+        f.create_entry(create(&dir, e.clone())).await.unwrap();
+
+        let mut grown = e.clone();
+        grown.chunks = vec![a.clone(), b.clone()];
+        grown.attributes.as_mut().unwrap().file_size = 8;
+        let stale = f
+            .update_entry(pb::UpdateEntryRequest {
+                directory: dir.clone(),
+                entry: Some(grown.clone()),
+                condition: Some(same_chunks(&[&x])),
+                ..Default::default()
+            })
+            .await;
+        assert!(
+            matches!(stale, Err(FilerError::Changed(_))),
+            "stream {stream}: an update on stale chunks: {stale:?}"
+        );
+        assert_eq!(fids_at(&f, &dir, "f").await, vec![a.file_id.clone()]);
+        f.update_entry(pb::UpdateEntryRequest {
+            directory: dir.clone(),
+            entry: Some(grown),
+            condition: Some(same_chunks(&[&a])),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let both = vec![a.file_id.clone(), b.file_id.clone()];
+        assert_eq!(fids_at(&f, &dir, "f").await, both);
+
+        let mut other = e.clone();
+        other.chunks = vec![c.clone()];
+        let mut req = create(&dir, other);
+        req.condition = Some(same_chunks(&[&a]));
+        let stale = f.create_entry(req.clone()).await;
+        assert!(
+            matches!(stale, Err(FilerError::Changed(_))),
+            "stream {stream}: a create over stale chunks: {stale:?}"
+        );
+        assert_eq!(fids_at(&f, &dir, "f").await, both);
+        // ids compare as a set, in any order
+        req.condition = Some(same_chunks(&[&b, &a]));
+        f.create_entry(req).await.unwrap();
+        assert_eq!(fids_at(&f, &dir, "f").await, vec![c.file_id.clone()]);
+    }
+}
+
 async fn client_at(addresses: Vec<String>, security: SecurityConfig) -> GrpcFiler {
     GrpcFiler::connect(FilerClientOptions {
         addresses,

@@ -365,6 +365,11 @@ impl MockFiler {
         let Some(old) = st.entries.get(&path).cloned() else {
             return Err(FilerError::NotFound(path));
         };
+        if !condition_holds(req.condition.as_ref(), Some(&old)) {
+            return Err(FilerError::Changed(format!(
+                "update {path}: precondition failed"
+            )));
+        }
         let attrs = entry.attributes.get_or_insert_with(Default::default);
         if attrs.inode == 0 {
             attrs.inode = old.attributes.as_ref().map(|a| a.inode).unwrap_or(0);
@@ -593,6 +598,11 @@ impl FilerApi for MockFiler {
             )));
         }
         let old = st.entries.get(&path).cloned();
+        if !condition_holds(req.condition.as_ref(), old.as_ref()) {
+            return Err(FilerError::Changed(format!(
+                "create {path}: precondition failed"
+            )));
+        }
         if let Some(o) = &old {
             if req.o_excl {
                 return Err(FilerError::AlreadyExists(path));
@@ -864,6 +874,34 @@ impl FilerApi for MockFiler {
     fn signature(&self) -> i32 {
         self.signature
     }
+}
+
+/// The filer's check of a [`pb::WriteCondition`] against the stored entry, for the kinds this
+/// client sends; any other kind fails, as on the filer.
+fn condition_holds(cond: Option<&pb::WriteCondition>, current: Option<&pb::Entry>) -> bool {
+    use pb::write_condition::Kind;
+    cond.map_or(true, |c| {
+        c.clauses.iter().all(|cl| match cl.kind() {
+            Kind::None => true,
+            Kind::IfExists => current.is_some(),
+            Kind::IfNotExists => current.is_none(),
+            Kind::IfChunksEqual => {
+                let mut stored: Vec<String> = current
+                    .map(|e| {
+                        e.chunks
+                            .iter()
+                            .map(|c| crate::volume::fid::chunk_file_id(c).unwrap_or_default())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let mut want = cl.fids.clone();
+                stored.sort();
+                want.sort();
+                stored == want
+            }
+            _ => false,
+        })
+    })
 }
 
 #[cfg(test)]

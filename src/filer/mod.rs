@@ -34,6 +34,10 @@ pub enum FilerError {
     Unavailable(String),
     #[error("filer call timed out: {0}")]
     Timeout(String),
+    /// A write's [`pb::WriteCondition`] did not hold: the stored entry changed since it was
+    /// read (the caller reads it again and retries).
+    #[error("entry changed meanwhile: {0}")]
+    Changed(String),
     #[error("filer error: {0}")]
     Other(String),
 }
@@ -49,7 +53,10 @@ impl FilerError {
             FilerError::IsADirectory(_) => libc::EISDIR,
             FilerError::NameTooLong(_) => libc::ENAMETOOLONG,
             FilerError::InvalidArgument(_) => libc::EINVAL,
-            FilerError::Unavailable(_) | FilerError::Timeout(_) | FilerError::Other(_) => libc::EIO,
+            FilerError::Unavailable(_)
+            | FilerError::Timeout(_)
+            | FilerError::Changed(_)
+            | FilerError::Other(_) => libc::EIO,
         }
     }
 

@@ -755,11 +755,23 @@ impl Fs {
     }
 
     pub(super) async fn update_entry(&self, dir: &str, e: pb::Entry) -> Result<()> {
+        Ok(self.update_entry_if(dir, e, None).await?)
+    }
+
+    /// [`Self::update_entry`], stored only if the filer's entry still holds what `condition`
+    /// says (else [`FilerError::Changed`], nothing stored).
+    async fn update_entry_if(
+        &self,
+        dir: &str,
+        e: pb::Entry,
+        condition: Option<pb::WriteCondition>,
+    ) -> std::result::Result<(), FilerError> {
         let _local = self.note_local(dir, &e.name, Some(self.node_id(&join(dir, &e.name), &e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::UpdateEntryRequest {
             directory: dir.to_string(),
             entry: Some(e.clone()),
+            condition,
             ..Default::default()
         };
         self.filer.update_entry(req).await?;
@@ -783,8 +795,10 @@ impl Fs {
 
     /// Applies a metadata change to the filer's current entry and stores it. Never built from
     /// a cached entry: its chunk list may predate another node's write, and the filer deletes
-    /// every chunk an update leaves out. (The filer has no compare-and-swap; what is left is
-    /// the round trip between this lookup and the update.)
+    /// every chunk an update leaves out. The update is stored only if the filer still has
+    /// the chunks that were looked up (a commit elsewhere in the round trip between the
+    /// lookup and the update would otherwise be undone, its chunks deleted); if not, the
+    /// change is applied to the entry looked up again.
     ///
     /// This node's own cycles of one entry take turns ([`Self::entry_lock`]): a chmod that
     /// lands between another cycle's lookup and update (a directory's time write-back, a
@@ -793,7 +807,7 @@ impl Fs {
         &self,
         dir: &str,
         name: &str,
-        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+        f: impl FnMut(&mut pb::Entry) -> Result<()>,
     ) -> Result<pb::Entry> {
         let _turn = self.entry_lock(dir, name).lock().await;
         self.update_fresh_locked(dir, name, f).await
@@ -804,12 +818,22 @@ impl Fs {
         &self,
         dir: &str,
         name: &str,
-        f: impl FnOnce(&mut pb::Entry) -> Result<()>,
+        mut f: impl FnMut(&mut pb::Entry) -> Result<()>,
     ) -> Result<pb::Entry> {
-        let mut e = self.fresh_entry(dir, name).await?;
-        f(&mut e)?;
-        self.update_entry(dir, e.clone()).await?;
-        Ok(e)
+        let mut tries = 0;
+        loop {
+            let mut e = self.fresh_entry(dir, name).await?;
+            let condition = chunks_unchanged(&e.chunks);
+            f(&mut e)?;
+            match self.update_entry_if(dir, e.clone(), Some(condition)).await {
+                Err(FilerError::Changed(m)) if tries < CHANGED_RETRIES => {
+                    tries += 1;
+                    tracing::debug!(dir, name, tries, m, "entry changed under an update; again");
+                }
+                Err(err) => return Err(err.into()),
+                Ok(()) => return Ok(e),
+            }
+        }
     }
 
     pub(super) async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
@@ -834,6 +858,23 @@ impl Fs {
 
     pub fn access_ok(&self, _ino: u64) -> Result<()> {
         Ok(())
+    }
+}
+
+/// How often a conditional update is tried again on an entry that keeps changing under it
+/// (each try reads it again) before the change fails.
+const CHANGED_RETRIES: u32 = 8;
+
+/// The condition that the filer's entry still lists exactly `chunks` (ids as a multiset).
+pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
+    pb::WriteCondition {
+        clauses: vec![pb::write_condition::Clause {
+            kind: pb::write_condition::Kind::IfChunksEqual as i32,
+            fids: chunks
+                .iter()
+                .map(|c| crate::volume::fid::chunk_file_id(c).unwrap_or_default())
+                .collect(),
+        }],
     }
 }
 

@@ -2369,3 +2369,45 @@ async fn a_twins_link_group_never_takes_in_a_removed_open_file() {
     }
     assert!(filer.get("/f").is_none(), "f came back");
 }
+
+/// A metadata change is looked up and stored in two round trips. Another node's commit that
+/// lands between them must not be undone: the filer stores the change only onto the chunks
+/// it looked up, else the change is applied to the entry read again. Before, the chmod wrote
+/// back the chunk list it had read, and the filer deleted the other node's new chunk.
+#[tokio::test]
+async fn a_chmod_does_not_undo_a_commit_that_landed_after_its_lookup() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let held = filer.hold_next_lookup("/f");
+    let change = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.setattr(a.ino, chmod(0o600)).await })
+    };
+    held.arrived().await;
+    // another node's commit of new bytes
+    let mut theirs = filer.get("/f").unwrap();
+    let mut c = store.insert(&b"theirs"[..]);
+    c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
+    theirs.chunks = vec![c];
+    theirs.attributes.as_mut().unwrap().file_size = 6;
+    filer
+        .other_client()
+        .create_entry(pb::CreateEntryRequest {
+            directory: "/".into(),
+            entry: Some(theirs),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    held.release();
+    change.await.unwrap().unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(perm_on_filer(&filer, "/f"), 0o600, "the chmod");
+    assert_eq!(
+        bytes_on_filer(&store, &e).await,
+        b"theirs",
+        "the other node's commit"
+    );
+}

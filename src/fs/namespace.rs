@@ -787,7 +787,7 @@ impl Fs {
                     }
                     e.hard_link_counter = (e.hard_link_counter - 1).max(1);
                     if prior.0.is_empty() && e.hard_link_counter == 1 {
-                        (e.hard_link_id, e.hard_link_counter) = prior;
+                        (e.hard_link_id, e.hard_link_counter) = prior.clone();
                     }
                     Ok(())
                 })

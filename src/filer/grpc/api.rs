@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use futures::{StreamExt, TryStreamExt};
 
 use super::errors::{
-    create_err, delete_err, is_not_found_msg, is_transport, rename_err, rename_text_err,
-    status_err, update_err,
+    create_err, delete_err, is_not_found_msg, is_precondition_msg, is_transport, rename_err,
+    rename_text_err, status_err, update_err,
 };
 use super::GrpcFiler;
 use crate::filer::{FilerApi, FilerError, MetadataStream, Result};
@@ -156,6 +156,8 @@ impl FilerApi for GrpcFiler {
             if let Some(e) = stream_error(&rs) {
                 let err = if is_not_found_msg(&e) {
                     FilerError::NotFound(format!("update {path}: {e}"))
+                } else if is_precondition_msg(&e) {
+                    FilerError::Changed(format!("update {path}: {e}"))
                 } else {
                     FilerError::Other(format!("update {path}: {e}"))
                 };

@@ -36,6 +36,7 @@ pub(super) fn status_err(op: &str, s: Status) -> FilerError {
         Code::NotFound => FilerError::NotFound(msg),
         Code::AlreadyExists => FilerError::AlreadyExists(msg),
         Code::InvalidArgument => FilerError::InvalidArgument(msg),
+        Code::FailedPrecondition if is_precondition_msg(s.message()) => FilerError::Changed(msg),
         _ if s.message().contains("no entry is found") => FilerError::NotFound(msg),
         code => FilerError::Other(format!("{msg} ({code:?})")),
     }
@@ -50,7 +51,7 @@ pub(super) fn create_err(path: &str, code: pb::FilerError, text: &str) -> FilerE
         pb::FilerError::ExistingIsDirectory => FilerError::IsADirectory(msg),
         pb::FilerError::ParentIsFile => FilerError::NotADirectory(msg),
         pb::FilerError::EntryNameTooLong => FilerError::NameTooLong(msg),
-        pb::FilerError::PreconditionFailed => FilerError::Other(msg),
+        pb::FilerError::PreconditionFailed => FilerError::Changed(msg),
         pb::FilerError::Ok => {
             if text.contains("already exists") {
                 FilerError::AlreadyExists(msg)
@@ -61,6 +62,12 @@ pub(super) fn create_err(path: &str, code: pb::FilerError, text: &str) -> FilerE
             }
         }
     }
+}
+
+/// The filer's text for a [`pb::WriteCondition`] that did not hold (what a streamed update's
+/// error carries instead of a status code).
+pub(super) fn is_precondition_msg(text: &str) -> bool {
+    text.contains("precondition failed")
 }
 
 pub(super) fn update_err(path: &str, s: Status) -> FilerError {
