@@ -644,3 +644,50 @@ fn a_close_keeps_a_hard_link_another_node_made_meanwhile() {
         "l over HTTP, f removed"
     );
 }
+
+/// Metadata changes on one node race commits on another: `a` changes the mode of `f` over
+/// and over while `b` writes new content into it and closes, many times. Every close's bytes
+/// must survive `a`'s next changes: a chmod is stored only onto the chunks it looked up.
+/// (Before, a chmod whose lookup came just before `b`'s commit wrote the old chunk list
+/// back, and the filer deleted `b`'s new chunk.)
+#[test]
+fn metadata_changes_on_one_node_keep_anothers_fresh_writes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let w = shared_server();
+    let root = unique_path("casmeta");
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    fs::write(b.join("f"), b"v0").unwrap();
+    eventually("a sees f", || a.join("f").exists());
+    let stop = Arc::new(AtomicBool::new(false));
+    let chmods = {
+        let (p, stop) = (a.join("f"), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let mode = if n % 2 == 0 { 0o600 } else { 0o644 };
+                fs::set_permissions(&p, fs::Permissions::from_mode(mode))
+                    .unwrap_or_else(|e| panic!("chmod {n} on a: {e}"));
+                n += 1;
+            }
+            n
+        })
+    };
+    let path = format!("{root}/f");
+    let mut failed = None;
+    for i in 1..=40 {
+        let data = format!("round {i};").repeat(500 + i);
+        fs::write(b.join("f"), &data).unwrap();
+        // a's chmods in flight when the close committed are done by now
+        std::thread::sleep(Duration::from_millis(30));
+        if w.filer_get(&path).as_deref() != Some(data.as_bytes()) {
+            failed = Some(i);
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let n = chmods.join().expect("the chmod loop");
+    assert_eq!(failed, None, "b's write was undone by a's chmod ({n} chmods)");
+    assert!(n > 40, "only {n} chmods raced the writes");
+}
