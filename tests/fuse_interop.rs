@@ -688,6 +688,9 @@ fn metadata_changes_on_one_node_keep_anothers_fresh_writes() {
     }
     stop.store(true, Ordering::Relaxed);
     let n = chmods.join().expect("the chmod loop");
-    assert_eq!(failed, None, "b's write was undone by a's chmod ({n} chmods)");
+    assert_eq!(
+        failed, None,
+        "b's write was undone by a's chmod ({n} chmods)"
+    );
     assert!(n > 40, "only {n} chmods raced the writes");
 }

@@ -829,6 +829,8 @@ impl Fs {
                 Err(FilerError::Changed(m)) if tries < CHANGED_RETRIES => {
                     tries += 1;
                     tracing::debug!(dir, name, tries, m, "entry changed under an update; again");
+                    // a file committed again and again elsewhere: let a commit through
+                    tokio::time::sleep(Duration::from_millis(u64::from(tries))).await;
                 }
                 Err(err) => return Err(err.into()),
                 Ok(()) => return Ok(e),

@@ -154,10 +154,10 @@ impl FilerApi for GrpcFiler {
             .await?
         {
             if let Some(e) = stream_error(&rs) {
-                let err = if is_not_found_msg(&e) {
-                    FilerError::NotFound(format!("update {path}: {e}"))
-                } else if is_precondition_msg(&e) {
+                let err = if is_precondition_msg(&e) {
                     FilerError::Changed(format!("update {path}: {e}"))
+                } else if is_not_found_msg(&e) {
+                    FilerError::NotFound(format!("update {path}: {e}"))
                 } else {
                     FilerError::Other(format!("update {path}: {e}"))
                 };

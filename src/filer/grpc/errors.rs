@@ -36,7 +36,9 @@ pub(super) fn status_err(op: &str, s: Status) -> FilerError {
         Code::NotFound => FilerError::NotFound(msg),
         Code::AlreadyExists => FilerError::AlreadyExists(msg),
         Code::InvalidArgument => FilerError::InvalidArgument(msg),
-        Code::FailedPrecondition if is_precondition_msg(s.message()) => FilerError::Changed(msg),
+        Code::FailedPrecondition if s.message().starts_with("precondition failed") => {
+            FilerError::Changed(msg)
+        }
         _ if s.message().contains("no entry is found") => FilerError::NotFound(msg),
         code => FilerError::Other(format!("{msg} ({code:?})")),
     }
@@ -67,11 +69,11 @@ pub(super) fn create_err(path: &str, code: pb::FilerError, text: &str) -> FilerE
 /// The filer's text for a [`pb::WriteCondition`] that did not hold (what a streamed update's
 /// error carries instead of a status code).
 pub(super) fn is_precondition_msg(text: &str) -> bool {
-    text.contains("precondition failed")
+    text.contains("code = FailedPrecondition desc = precondition failed")
 }
 
 pub(super) fn update_err(path: &str, s: Status) -> FilerError {
-    if !is_transport(&s) && is_not_found_msg(s.message()) {
+    if !is_transport(&s) && s.code() != Code::FailedPrecondition && is_not_found_msg(s.message()) {
         return FilerError::NotFound(format!("update {path}: {}", s.message()));
     }
     status_err("update", s)
