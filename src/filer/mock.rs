@@ -880,7 +880,7 @@ impl FilerApi for MockFiler {
 /// client sends; any other kind fails, as on the filer.
 fn condition_holds(cond: Option<&pb::WriteCondition>, current: Option<&pb::Entry>) -> bool {
     use pb::write_condition::Kind;
-    cond.map_or(true, |c| {
+    cond.is_none_or(|c| {
         c.clauses.iter().all(|cl| match cl.kind() {
             Kind::None => true,
             Kind::IfExists => current.is_some(),

@@ -504,9 +504,9 @@ impl Fs {
         // in turn with this node's other cycles of the entry (the directory time write-back
         // would store a copy read before this change, without the record)
         let _turn = self.entry_lock(&dir, &name).lock().await;
-        // The filer has no compare-and-swap: another writer of the entry (another node, or
-        // another PV's session on this directory) that read it before this update stores its
-        // copy without the record. Read back after each update and write it again.
+        // A chunk condition cannot guard an extended attribute: another writer of the entry
+        // (another node, or another PV's session on this directory) that read it before this
+        // update stores its copy without the record. Read back after each update and write it again.
         // (one more read than updates: the last update is checked too)
         for round in 0..=CAPACITY_ROUNDS {
             // a fresh copy: the update carries every other attribute of the directory as it is
