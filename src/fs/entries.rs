@@ -839,6 +839,23 @@ impl Fs {
     }
 
     pub(super) async fn create_on_filer(&self, dir: &str, e: &pb::Entry, excl: bool) -> Result<()> {
+        self.create_on_filer_if(dir, e, excl, None)
+            .await
+            .map_err(|err| match err {
+                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
+                other => other.into(),
+            })
+    }
+
+    /// [`Self::create_on_filer`], stored only if the filer's entry at the name still holds
+    /// what `condition` says (else [`FilerError::Changed`], nothing stored).
+    pub(super) async fn create_on_filer_if(
+        &self,
+        dir: &str,
+        e: &pb::Entry,
+        excl: bool,
+        condition: Option<pb::WriteCondition>,
+    ) -> std::result::Result<(), FilerError> {
         let _local = self.note_local(dir, &e.name, Some(self.node_id(&join(dir, &e.name), e)));
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let req = pb::CreateEntryRequest {
@@ -846,15 +863,10 @@ impl Fs {
             entry: Some(e.clone()),
             o_excl: excl,
             skip_check_parent_directory: true,
+            condition,
             ..Default::default()
         };
-        self.filer
-            .create_entry(req)
-            .await
-            .map_err(|err| match err {
-                FilerError::AlreadyExists(m) => errno(libc::EEXIST, m),
-                other => other.into(),
-            })?;
+        self.filer.create_entry(req).await?;
         Ok(())
     }
 
@@ -876,6 +888,16 @@ pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
                 .iter()
                 .map(|c| crate::volume::fid::chunk_file_id(c).unwrap_or_default())
                 .collect(),
+        }],
+    }
+}
+
+/// The condition that the filer has an entry at the name.
+pub(super) fn must_exist() -> pb::WriteCondition {
+    pb::WriteCondition {
+        clauses: vec![pb::write_condition::Clause {
+            kind: pb::write_condition::Kind::IfExists as i32,
+            fids: Vec::new(),
         }],
     }
 }

@@ -2411,3 +2411,30 @@ async fn a_chmod_does_not_undo_a_commit_that_landed_after_its_lookup() {
         "the other node's commit"
     );
 }
+
+/// Another node removes a file this node has open with writes to commit, and its event has
+/// not arrived when the commit goes out: the commit must not create the name again (its
+/// entry would list chunks the removal deleted). It is stored only over an entry the filer
+/// still has; the removal is then taken as its event would be.
+#[tokio::test]
+async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "f".into(),
+            is_delete_data: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    assert!(filer.get("/f").is_none(), "the removed file was created again");
+    let _ = fs.release(fh, a.ino).await;
+    assert!(filer.get("/f").is_none(), "after the last close");
+}

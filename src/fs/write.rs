@@ -212,6 +212,26 @@ impl Fs {
 
     /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
     async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
+        for pass in 0.. {
+            match self.commit_pass(of).await? {
+                Pass::Done => return Ok(()),
+                Pass::NameGone if pass < NAME_GONE_PASSES => {
+                    // removed or moved away on the filer after the name was checked, its
+                    // event not here yet: decided as that event's re-read would (unlinked,
+                    // or moved to another name of its link group), then committed again
+                    of.state.lock().removal_doubt = true;
+                }
+                Pass::NameGone => break,
+            }
+        }
+        Err(errno(
+            libc::ESTALE,
+            format!("{}: its name kept going away under its commit", of.path()),
+        ))
+    }
+
+    /// One try of [`Self::commit_file`].
+    async fn commit_pass(&self, of: &Arc<OpenFile>) -> Result<Pass> {
         // what an earlier flush could not place is tried again first (same order stamps)
         let mut runs = of.retry_failed();
         runs.extend(of.seal_all());
@@ -231,7 +251,7 @@ impl Fs {
             // Nothing lost if it had nothing left to commit (the close committed it) or is
             // unlinked (never to be committed anyway).
             if !dirty || unlinked {
-                return Ok(());
+                return Ok(Pass::Done);
             }
             return Err(errno(
                 libc::ESTALE,
@@ -242,16 +262,19 @@ impl Fs {
             return Err(errno(libc::EIO, format!("upload failed: {e}")));
         }
         if !dirty || unlinked {
-            return Ok(());
+            return Ok(Pass::Done);
         }
         self.confirm_name(of).await?;
         if of.state.lock().unlinked {
             // a removal by another client, confirmed by the check: not created again
-            return Ok(());
+            return Ok(Pass::Done);
         }
         // read after the check: a move applied meanwhile (or the check moving a hard-linked
         // file to its other name) changed name and directory together
-        let dir = of.state.lock().dir.clone();
+        let (dir, created) = {
+            let s = of.state.lock();
+            (s.dir.clone(), !s.pending_create)
+        };
         let mut snap = of.entry_for_commit();
         self.manifestize(of, &mut snap).await;
         // from here the filer may take what the snapshot carries: unless the commit is known
@@ -268,7 +291,7 @@ impl Fs {
             if attempt > 0 && of.state.lock().unlinked {
                 // removed while we retried: committing now would bring it back (an attempt
                 // before may still have landed: the guard keeps what it carried)
-                return Ok(());
+                return Ok(Pass::Done);
             }
             let snap = inflight.snap.as_mut().expect("just set");
             let link_news = of.state.lock().link_news;
@@ -276,7 +299,22 @@ impl Fs {
                 .take_link_group(of, &dir, &mut snap.entry, link_news)
                 .await
             {
-                Ok(()) => self.create_on_filer(&dir, &snap.entry, false).await,
+                // a file the filer has is stored only over its entry: after a removal
+                // elsewhere the commit would create the name again, listing chunks the
+                // removal deleted (a hard link's name given back is created, as before)
+                Ok(puts_back) => {
+                    let condition = (created && !puts_back).then(super::entries::must_exist);
+                    match self
+                        .create_on_filer_if(&dir, &snap.entry, false, condition)
+                        .await
+                    {
+                        Err(FilerError::Changed(m)) => {
+                            tracing::info!(path = %of.path(), m, "the name went away under a commit; checking it again");
+                            return Ok(Pass::NameGone);
+                        }
+                        r => r.map_err(super::FsError::from),
+                    }
+                }
                 Err(e) => Err(e),
             };
             if r.is_ok() {
@@ -301,7 +339,7 @@ impl Fs {
         let orphans = of.committed(&snap);
         self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
-        Ok(())
+        Ok(Pass::Done)
     }
 
     /// A hard-linked file's commit writes its link group's record whole, count included, and
@@ -320,14 +358,16 @@ impl Fs {
         dir: &str,
         e: &mut pb::Entry,
         link_news: u32,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let linked = !e.hard_link_id.is_empty();
         if !linked && link_news == 0 {
-            return Ok(());
+            return Ok(false);
         }
         let path = join(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
-        match self.filer.lookup_entry(dir, &e.name).await {
+        let looked = self.filer.lookup_entry(dir, &e.name).await;
+        let absent = matches!(looked, Err(FilerError::NotFound(_)));
+        match looked {
             Ok(cur) if linked && cur.hard_link_id == e.hard_link_id => {
                 e.hard_link_counter = cur.hard_link_counter.max(1);
             }
@@ -346,11 +386,12 @@ impl Fs {
                 if let Some((_, n)) = self.other_link(of, &path).await {
                     e.hard_link_counter = n.max(1).saturating_add(1);
                 }
+                return Ok(absent);
             }
             Ok(_) | Err(FilerError::NotFound(_)) => {}
             Err(err) => return Err(err.into()),
         }
-        Ok(())
+        Ok(false)
     }
 
     /// After a commit: the open file shows the link group it committed (with data to commit,
@@ -633,6 +674,16 @@ impl UploadDone {
         of.upload_done(id, r)
     }
 }
+
+/// What one pass of a commit came to.
+enum Pass {
+    Done,
+    /// The filer no longer had the file's name when the commit reached it.
+    NameGone,
+}
+
+/// Passes of a commit whose name goes away under it each time before it gives up (ESTALE).
+const NAME_GONE_PASSES: u32 = 3;
 
 /// A commit's snapshot while the filer may take it: dropped unsettled (failed, or the
 /// future dropped), the chunks it carries are given up (see [`OpenFile::keep_carried`]).
