@@ -232,9 +232,10 @@ async fn fids_at(f: &GrpcFiler, dir: &str, name: &str) -> Vec<String> {
 }
 
 /// The filer (4.41+) stores a create or update only if the entry still lists the chunks a
-/// `IF_CHUNKS_EQUAL` condition names, else nothing changes and the client sees
-/// `FilerError::Changed`; this is what makes a metadata change safe against a commit
-/// elsewhere between its lookup and its update. Over the stream and over unary calls.
+/// `IF_CHUNKS_EQUAL` condition names (or, `IF_EXISTS`, only over an entry it has), else
+/// nothing changes and the client sees `FilerError::Changed`: what makes a metadata change
+/// safe against a commit elsewhere between its lookup and its update, and a commit safe
+/// against a removal elsewhere. Over the stream and over unary calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_with_a_chunk_condition_store_only_onto_those_chunks() {
     let w = WeedServer::start();
@@ -297,6 +298,29 @@ async fn writes_with_a_chunk_condition_store_only_onto_those_chunks() {
         req.condition = Some(same_chunks(&[&b, &a]));
         f.create_entry(req).await.unwrap();
         assert_eq!(fids_at(&f, &dir, "f").await, vec![c.file_id.clone()]);
+
+        // a commit stored only over an entry the filer still has
+        let exists = pb::WriteCondition {
+            clauses: vec![pb::write_condition::Clause {
+                kind: pb::write_condition::Kind::IfExists as i32,
+                fids: Vec::new(),
+            }],
+        };
+        let mut req = create(&dir, file_entry("gone", b"x"));
+        req.condition = Some(exists.clone());
+        let r = f.create_entry(req).await;
+        assert!(
+            matches!(r, Err(FilerError::Changed(_))),
+            "stream {stream}: a create over no entry: {r:?}"
+        );
+        assert!(matches!(
+            f.lookup_entry(&dir, "gone").await,
+            Err(FilerError::NotFound(_))
+        ));
+        let mut req = create(&dir, file_entry("f", b"y"));
+        req.condition = Some(exists);
+        f.create_entry(req).await.unwrap();
+        assert_eq!(f.lookup_entry(&dir, "f").await.unwrap().content, b"y");
     }
 }
 
