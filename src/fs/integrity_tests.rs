@@ -2415,7 +2415,7 @@ async fn a_chmod_does_not_undo_a_commit_that_landed_after_its_lookup() {
 /// Another node removes a file this node has open with writes to commit, and its event has
 /// not arrived when the commit goes out: the commit must not create the name again (its
 /// entry would list chunks the removal deleted). It is stored only over an entry the filer
-/// still has; the removal is then taken as its event would be.
+/// still has; the commit then waits for the event and takes the removal as it says.
 #[tokio::test]
 async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() {
     let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
@@ -2423,7 +2423,7 @@ async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() 
     fs.write(fh, a.ino, 0, b"before").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     fs.write(fh, a.ino, 0, b"after!").await.unwrap();
-    filer
+    let removal = filer
         .other_client()
         .delete_entry(pb::DeleteEntryRequest {
             directory: "/".into(),
@@ -2432,9 +2432,64 @@ async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() 
             ..Default::default()
         })
         .await
-        .unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    assert!(filer.get("/f").is_none(), "the removed file was created again");
+        .unwrap()
+        .expect("the removal's event");
+    let flush = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.flush(fh, a.ino).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fs.apply_event(&removal);
+    flush.await.unwrap().unwrap();
+    assert!(
+        filer.get("/f").is_none(),
+        "the removed file was created again"
+    );
     let _ = fs.release(fh, a.ino).await;
     assert!(filer.get("/f").is_none(), "after the last close");
+}
+
+/// The same race with a rename: another node moves the file away and its event arrives
+/// after the commit was refused at the old name. The writes reach the new name (taken as a
+/// removal, they were dropped: found in review).
+#[tokio::test]
+async fn a_commit_refused_at_a_name_moved_away_reaches_the_new_name() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    let r = filer
+        .other_client()
+        .rename_entry(pb::StreamRenameEntryRequest {
+            old_directory: "/".into(),
+            old_name: "f".into(),
+            new_directory: "/".into(),
+            new_name: "g".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let moved = pb::SubscribeMetadataResponse {
+        directory: r.directory,
+        event_notification: r.event_notification,
+        ts_ns: r.ts_ns,
+        ..Default::default()
+    };
+    let flush = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.flush(fh, a.ino).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fs.apply_event(&moved);
+    flush.await.unwrap().unwrap();
+    assert!(filer.get("/f").is_none(), "the old name was created again");
+    let g = filer.get("/g").unwrap();
+    assert_eq!(
+        bytes_on_filer(&store, &g).await,
+        b"after!",
+        "/g on the filer"
+    );
+    fs.release(fh, a.ino).await.unwrap();
 }

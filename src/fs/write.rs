@@ -217,9 +217,11 @@ impl Fs {
                 Pass::Done => return Ok(()),
                 Pass::NameGone if pass < NAME_GONE_PASSES => {
                     // removed or moved away on the filer after the name was checked, its
-                    // event not here yet: decided as that event's re-read would (unlinked,
-                    // or moved to another name of its link group), then committed again
-                    of.state.lock().removal_doubt = true;
+                    // event not here yet: the name is in doubt, so the next pass waits a
+                    // little for that event (a removal unlinks the file, a move moves it)
+                    // and says ESTALE without one. Taken as a removal, a move elsewhere
+                    // would drop the writes.
+                    of.state.lock().name_doubt = true;
                 }
                 Pass::NameGone => break,
             }
