@@ -871,6 +871,50 @@ mod tests {
         (ino, fh)
     }
 
+    /// A hard-linked file's commit refused at its name (another node removed it between the
+    /// commit's look at the link group and the commit): the name is not given back; the
+    /// file moves to the other name of its group, which the filer confirms, and commits
+    /// there.
+    #[tokio::test]
+    async fn a_refused_commit_of_a_hard_link_moves_to_its_other_name() {
+        let (fs, other) = fs();
+        let (ino, fh) = linked_changed_here(&fs, &other).await;
+        let name = fs.open_file(ino).unwrap().state.lock().entry.name.clone();
+        let rest = if name == "f" { "l" } else { "f" };
+        fs.write(fh, ino, 4, b"-MORE").await.unwrap();
+        let hold = other.hold_next_lookup(&format!("/{name}"));
+        let flush = {
+            let fs = fs.clone();
+            tokio::spawn(async move { fs.flush(fh, ino).await })
+        };
+        hold.arrived().await;
+        other
+            .delete_entry(pb::DeleteEntryRequest {
+                directory: "/".into(),
+                name: name.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        // the filer's link record counts one name less (the mock keeps no record)
+        let mut e = other.get(&format!("/{rest}")).unwrap();
+        e.hard_link_counter = 1;
+        create(&other, e).await;
+        hold.release();
+        flush.await.unwrap().unwrap();
+        assert!(
+            other.get(&format!("/{name}")).is_none(),
+            "the removed name came back"
+        );
+        let kept = other.get(&format!("/{rest}")).unwrap();
+        assert_eq!(
+            kept.attributes.unwrap().file_size,
+            9,
+            "the writes at {rest}"
+        );
+        fs.release(fh, ino).await.unwrap();
+    }
+
     /// Opens `/name` read-only here: (ino, fh).
     async fn open(fs: &Arc<Fs>, name: &str) -> (u64, u64) {
         let ino = fs.lookup(ROOT_INO, name).await.unwrap().ino;

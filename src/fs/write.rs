@@ -213,15 +213,22 @@ impl Fs {
     /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
     async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
         for pass in 0.. {
-            match self.commit_pass(of).await? {
+            match self.commit_pass(of, pass > 0).await? {
                 Pass::Done => return Ok(()),
                 Pass::NameGone if pass < NAME_GONE_PASSES => {
                     // removed or moved away on the filer after the name was checked, its
                     // event not here yet: the name is in doubt, so the next pass waits a
                     // little for that event (a removal unlinks the file, a move moves it)
                     // and says ESTALE without one. Taken as a removal, a move elsewhere
-                    // would drop the writes.
-                    of.state.lock().name_doubt = true;
+                    // would drop the writes. A hard link moves to another name of its group
+                    // the filer confirms, as at a removal. (An answer asked for before is
+                    // stale now.)
+                    let mut s = of.state.lock();
+                    s.name_doubt = true;
+                    if super::attr::has_other_links(&s.entry) {
+                        s.removal_doubt = true;
+                    }
+                    s.epoch += 1;
                 }
                 Pass::NameGone => break,
             }
@@ -232,8 +239,9 @@ impl Fs {
         ))
     }
 
-    /// One try of [`Self::commit_file`].
-    async fn commit_pass(&self, of: &Arc<OpenFile>) -> Result<Pass> {
+    /// One try of [`Self::commit_file`]; `refused`: the filer refused the last one, its
+    /// name gone.
+    async fn commit_pass(&self, of: &Arc<OpenFile>, refused: bool) -> Result<Pass> {
         // what an earlier flush could not place is tried again first (same order stamps)
         let mut runs = of.retry_failed();
         runs.extend(of.seal_all());
@@ -266,7 +274,7 @@ impl Fs {
         if !dirty || unlinked {
             return Ok(Pass::Done);
         }
-        self.confirm_name(of).await?;
+        self.confirm_name(of, refused).await?;
         if of.state.lock().unlinked {
             // a removal by another client, confirmed by the check: not created again
             return Ok(Pass::Done);
@@ -432,7 +440,11 @@ impl Fs {
     ///
     /// [`FileState::name_doubt`]: super::file::FileState::name_doubt
     /// [`FileState::removal_doubt`]: super::file::FileState::removal_doubt
-    async fn confirm_name(&self, of: &OpenFile) -> Result<()> {
+    ///
+    /// After the filer `refused` a commit at the name, a hard link's name is not given back
+    /// either (removed elsewhere just now, it would come back): its file moves to another
+    /// name of its group or waits for the event like any other.
+    async fn confirm_name(&self, of: &OpenFile, refused: bool) -> Result<()> {
         const SETTLE: Duration = Duration::from_secs(3);
         let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
@@ -487,7 +499,8 @@ impl Fs {
                 // A hard-linked file's names share its content record: its data reaches the
                 // group at another name the filer confirms, or at this one while it is free
                 // (a name moved away unseen is given back). Never over another file there.
-                if current && found == Some(false) && linked && (moved_to.is_some() || !taken) {
+                let give_back = !taken && !refused;
+                if current && found == Some(false) && linked && (moved_to.is_some() || give_back) {
                     if moved_to.is_some() || s.removal_doubt {
                         Some(super::events::name_gone(&mut s, moved_to))
                     } else {
