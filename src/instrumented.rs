@@ -94,6 +94,9 @@ impl FilerApi for InstrumentedFiler {
     async fn statistics(&self, req: pb::StatisticsRequest) -> FilerResult<pb::StatisticsResponse> {
         timed!(filer_rpc, "Statistics", self.0.statistics(req))
     }
+    async fn link_group(&self, id: &[u8]) -> FilerResult<Option<pb::Entry>> {
+        timed!(filer_rpc, "KvGet", self.0.link_group(id))
+    }
     async fn configuration(&self) -> FilerResult<pb::GetFilerConfigurationResponse> {
         timed!(filer_rpc, "GetFilerConfiguration", self.0.configuration())
     }

@@ -324,6 +324,45 @@ async fn writes_with_a_chunk_condition_store_only_onto_those_chunks() {
     }
 }
 
+/// A hard link group's shared record on a real filer: read by its id, it carries the
+/// group's link count, one less at each removed name, and is gone with the last name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_groups_record_counts_its_names_and_goes_with_the_last() {
+    let w = WeedServer::start();
+    let f = client(&w).await;
+    f.create_entry(create("/", dir_entry("links")))
+        .await
+        .unwrap();
+    let id: Vec<u8> = (1..=16).chain([1]).collect();
+    for name in ["a", "b"] {
+        let mut e = file_entry(name, b"shared");
+        e.hard_link_id = id.clone();
+        e.hard_link_counter = 2;
+        f.create_entry(create("/links", e)).await.unwrap();
+    }
+    let count = |r: Option<pb::Entry>| r.map(|e| (e.hard_link_counter, e.content));
+    assert_eq!(
+        count(f.link_group(&id).await.unwrap()),
+        Some((2, b"shared".to_vec()))
+    );
+    let remove = |name: &'static str| {
+        f.delete_entry(pb::DeleteEntryRequest {
+            directory: "/links".into(),
+            name: name.into(),
+            is_delete_data: true,
+            ..Default::default()
+        })
+    };
+    remove("a").await.unwrap();
+    assert_eq!(
+        count(f.link_group(&id).await.unwrap()),
+        Some((1, b"shared".to_vec()))
+    );
+    remove("b").await.unwrap();
+    assert_eq!(count(f.link_group(&id).await.unwrap()), None);
+    assert_eq!(count(f.link_group(b"no such group").await.unwrap()), None);
+}
+
 async fn client_at(addresses: Vec<String>, security: SecurityConfig) -> GrpcFiler {
     GrpcFiler::connect(FilerClientOptions {
         addresses,

@@ -376,6 +376,9 @@ impl FilerApi for SessionFiler {
     async fn statistics(&self, req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
         self.shared.inner.statistics(req).await
     }
+    async fn link_group(&self, id: &[u8]) -> Result<Option<pb::Entry>> {
+        self.shared.inner.link_group(id).await
+    }
     /// Shared by the sessions for [`CONFIGURATION_TTL`]; failures are not remembered, so a
     /// filer that went away is noticed by the next caller.
     async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse> {

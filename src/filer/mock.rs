@@ -780,6 +780,18 @@ impl FilerApi for MockFiler {
         }
     }
 
+    /// The mock keeps no separate record: a group lives while an entry carries its id, and
+    /// that entry's count stands for the group's.
+    async fn link_group(&self, id: &[u8]) -> Result<Option<pb::Entry>> {
+        self.enter("link_group")?;
+        let st = self.shared.state.lock();
+        Ok(st
+            .entries
+            .values()
+            .find(|e| !id.is_empty() && e.hard_link_id == id)
+            .cloned())
+    }
+
     async fn statistics(&self, _req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
         self.enter("statistics")?;
         let st = self.shared.state.lock();

@@ -150,6 +150,13 @@ pub trait FilerApi: Send + Sync + 'static {
     /// `Statistics`.
     async fn statistics(&self, req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse>;
 
+    /// A hard link group's shared record (`KvGet` of its `hard_link_id`: the entry every
+    /// name of the group reads its content and link count from); `None` once the group's
+    /// last name is gone.
+    async fn link_group(&self, _id: &[u8]) -> Result<Option<pb::Entry>> {
+        Err(FilerError::Other("link groups cannot be read here".into()))
+    }
+
     /// `GetFilerConfiguration`.
     async fn configuration(&self) -> Result<pb::GetFilerConfigurationResponse>;
 

@@ -915,6 +915,33 @@ mod tests {
         fs.release(fh, ino).await.unwrap();
     }
 
+    /// A hard-linked file whose every name another node removed, the events not here yet:
+    /// its commit finds its name gone and the group's record gone too, so it must not give
+    /// the name back (the entry would list the chunks the group's removal deleted). It
+    /// waits for the events and, with none, says ESTALE.
+    #[tokio::test]
+    async fn a_commit_does_not_give_back_a_name_of_a_link_group_removed_elsewhere() {
+        let (fs, other) = fs();
+        let (ino, fh) = linked_changed_here(&fs, &other).await;
+        for name in ["f", "l"] {
+            other
+                .delete_entry(pb::DeleteEntryRequest {
+                    directory: "/".into(),
+                    name: name.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+        fs.write(fh, ino, 4, b"-MORE").await.unwrap();
+        let r = fs.flush(fh, ino).await;
+        assert_eq!(r.map_err(|e| e.errno), Err(libc::ESTALE));
+        let names = || (other.get("/f").is_some(), other.get("/l").is_some());
+        assert_eq!(names(), (false, false), "a removed name came back");
+        let _ = fs.release(fh, ino).await;
+        assert_eq!(names(), (false, false), "after the last close");
+    }
+
     /// Opens `/name` read-only here: (ino, fh).
     async fn open(fs: &Arc<Fs>, name: &str) -> (u64, u64) {
         let ino = fs.lookup(ROOT_INO, name).await.unwrap().ino;

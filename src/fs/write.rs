@@ -312,7 +312,12 @@ impl Fs {
                 // a file the filer has is stored only over its entry: after a removal
                 // elsewhere the commit would create the name again, listing chunks the
                 // removal deleted (a hard link's name given back is created, as before)
-                Ok(puts_back) => {
+                // its link group is gone with every name (removed elsewhere, the events
+                // not here yet): waited for like a refusal. Given back, the name would list
+                // the chunks the group's removal deleted.
+                Ok(Place::Gone) => return Ok(Pass::NameGone),
+                Ok(place) => {
+                    let puts_back = matches!(place, Place::PutBack);
                     let condition = (created && !puts_back).then(super::entries::must_exist);
                     match self
                         .create_on_filer_if(&dir, &snap.entry, false, condition)
@@ -368,10 +373,10 @@ impl Fs {
         dir: &str,
         e: &mut pb::Entry,
         link_news: u32,
-    ) -> Result<bool> {
+    ) -> Result<Place> {
         let linked = !e.hard_link_id.is_empty();
         if !linked && link_news == 0 {
-            return Ok(false);
+            return Ok(Place::Here);
         }
         let path = join(dir, &e.name);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
@@ -393,15 +398,32 @@ impl Fs {
             // the commit puts a hard link's name back (moved away unseen, which
             // `confirm_name` lets a hard link do): one name more than at another name
             Ok(_) | Err(FilerError::NotFound(_)) if linked => {
-                if let Some((_, n)) = self.other_link(of, &path).await {
+                let count = match self.other_link(of, &path).await {
+                    Some((_, n)) => Some(n),
+                    // no name known here leads to the group: its shared record says
+                    // whether it still has names (ones this node never met)
+                    None if absent => {
+                        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+                        match self.filer.link_group(&e.hard_link_id).await {
+                            Ok(Some(rec)) => Some(rec.hard_link_counter),
+                            Ok(None) => return Ok(Place::Gone),
+                            Err(err) => {
+                                tracing::warn!(path, error = %err, "reading a link group's record failed; giving its name back");
+                                None
+                            }
+                        }
+                    }
+                    None => None,
+                };
+                if let Some(n) = count {
                     e.hard_link_counter = n.max(1).saturating_add(1);
                 }
-                return Ok(absent);
+                return Ok(if absent { Place::PutBack } else { Place::Here });
             }
             Ok(_) | Err(FilerError::NotFound(_)) => {}
             Err(err) => return Err(err.into()),
         }
-        Ok(false)
+        Ok(Place::Here)
     }
 
     /// After a commit: the open file shows the link group it committed (with data to commit,
@@ -688,6 +710,16 @@ impl UploadDone {
         let (of, id) = self.0.take()?;
         of.upload_done(id, r)
     }
+}
+
+/// Where a hard-linked file's commit goes, as its link group on the filer says.
+enum Place {
+    /// Its own name, there on the filer.
+    Here,
+    /// Its own name, absent on the filer, given back as one more name of its group.
+    PutBack,
+    /// Nowhere: its name is absent and its group has no names left.
+    Gone,
 }
 
 /// What one pass of a commit came to.

@@ -330,6 +330,30 @@ impl FilerApi for GrpcFiler {
         .await
     }
 
+    async fn link_group(&self, id: &[u8]) -> Result<Option<pb::Entry>> {
+        use prost::Message;
+        self.call("kv get", |mut c| {
+            let req = pb::KvGetRequest { key: id.to_vec() };
+            async move {
+                let r = c
+                    .kv_get(req)
+                    .await
+                    .map_err(|s| status_err("kv get", s))?
+                    .into_inner();
+                if !r.error.is_empty() {
+                    return Err(FilerError::Other(format!("kv get: {}", r.error)));
+                }
+                if r.value.is_empty() {
+                    return Ok(None);
+                }
+                pb::Entry::decode(r.value.as_slice())
+                    .map(Some)
+                    .map_err(|e| FilerError::Other(format!("kv get: a link record: {e}")))
+            }
+        })
+        .await
+    }
+
     async fn statistics(&self, req: pb::StatisticsRequest) -> Result<pb::StatisticsResponse> {
         self.call("statistics", |mut c| {
             let req = req.clone();
