@@ -888,14 +888,7 @@ mod tests {
             tokio::spawn(async move { fs.flush(fh, ino).await })
         };
         hold.arrived().await;
-        other
-            .delete_entry(pb::DeleteEntryRequest {
-                directory: "/".into(),
-                name: name.clone(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        removed(&other, &name).await;
         // the filer's link record counts one name less (the mock keeps no record)
         let mut e = other.get(&format!("/{rest}")).unwrap();
         e.hard_link_counter = 1;
@@ -924,14 +917,7 @@ mod tests {
         let (fs, other) = fs();
         let (ino, fh) = linked_changed_here(&fs, &other).await;
         for name in ["f", "l"] {
-            other
-                .delete_entry(pb::DeleteEntryRequest {
-                    directory: "/".into(),
-                    name: name.into(),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
+            removed(&other, name).await;
         }
         fs.write(fh, ino, 4, b"-MORE").await.unwrap();
         let r = fs.flush(fh, ino).await;

@@ -2419,10 +2419,7 @@ async fn a_chmod_does_not_undo_a_commit_that_landed_after_its_lookup() {
 #[tokio::test]
 async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() {
     let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, b"before").await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    let (a, fh) = committed_then_written(&fs).await;
     let removal = filer
         .other_client()
         .delete_entry(pb::DeleteEntryRequest {
@@ -2455,10 +2452,7 @@ async fn a_commit_does_not_bring_back_a_file_removed_before_its_event_arrived() 
 #[tokio::test]
 async fn a_commit_refused_at_a_name_moved_away_reaches_the_new_name() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, b"before").await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    let (a, fh) = committed_then_written(&fs).await;
     let r = filer
         .other_client()
         .rename_entry(pb::StreamRenameEntryRequest {
@@ -2492,4 +2486,13 @@ async fn a_commit_refused_at_a_name_moved_away_reaches_the_new_name() {
         "/g on the filer"
     );
     fs.release(fh, a.ino).await.unwrap();
+}
+
+/// `/f` made, "before" committed, then "after!" written over it and not yet committed.
+async fn committed_then_written(fs: &Fs) -> (Attr, u64) {
+    let (a, fh) = create_f(fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"before").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 0, b"after!").await.unwrap();
+    (a, fh)
 }
