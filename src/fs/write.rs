@@ -309,14 +309,14 @@ impl Fs {
                 .take_link_group(of, &dir, &mut snap.entry, link_news)
                 .await
             {
-                // a file the filer has is stored only over its entry: after a removal
-                // elsewhere the commit would create the name again, listing chunks the
-                // removal deleted (a hard link's name given back is created, as before)
                 // its link group is gone with every name (removed elsewhere, the events
                 // not here yet): waited for like a refusal. Given back, the name would list
                 // the chunks the group's removal deleted.
                 Ok(Place::Gone) => return Ok(Pass::NameGone),
                 Ok(place) => {
+                    // a file the filer has is stored only over its entry: after a removal
+                    // elsewhere the commit would create the name again, listing chunks the
+                    // removal deleted (a hard link's name given back is created, as before)
                     let puts_back = matches!(place, Place::PutBack);
                     let condition = (created && !puts_back).then(super::entries::must_exist);
                     match self
