@@ -506,8 +506,8 @@ impl Fs {
         let _turn = self.entry_lock(&dir, &name).lock().await;
         // A chunk condition cannot guard an extended attribute: another writer of the entry
         // (another node, or another PV's session on this directory) that read it before this
-        // update stores its copy without the record. Read back after each update and write it again.
-        // (one more read than updates: the last update is checked too)
+        // update stores its copy without the record. Read back after each update and write
+        // it again (one more read than updates: the last update is checked too).
         for round in 0..=CAPACITY_ROUNDS {
             // a fresh copy: the update carries every other attribute of the directory as it is
             let mut e = self.filer.lookup_entry(&dir, &name).await?;
