@@ -898,13 +898,8 @@ fn condition_holds(cond: Option<&pb::WriteCondition>, current: Option<&pb::Entry
             Kind::IfExists => current.is_some(),
             Kind::IfNotExists => current.is_none(),
             Kind::IfChunksEqual => {
-                let mut stored: Vec<String> = current
-                    .map(|e| {
-                        e.chunks
-                            .iter()
-                            .map(|c| crate::volume::fid::chunk_file_id(c).unwrap_or_default())
-                            .collect()
-                    })
+                let mut stored = current
+                    .map(|e| crate::volume::fid::chunk_file_ids(&e.chunks))
                     .unwrap_or_default();
                 let mut want = cl.fids.clone();
                 stored.sort();

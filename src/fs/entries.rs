@@ -884,10 +884,7 @@ pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
     pb::WriteCondition {
         clauses: vec![pb::write_condition::Clause {
             kind: pb::write_condition::Kind::IfChunksEqual as i32,
-            fids: chunks
-                .iter()
-                .map(|c| crate::volume::fid::chunk_file_id(c).unwrap_or_default())
-                .collect(),
+            fids: crate::volume::fid::chunk_file_ids(chunks),
         }],
     }
 }

@@ -2392,15 +2392,7 @@ async fn a_chmod_does_not_undo_a_commit_that_landed_after_its_lookup() {
     c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
     theirs.chunks = vec![c];
     theirs.attributes.as_mut().unwrap().file_size = 6;
-    filer
-        .other_client()
-        .create_entry(pb::CreateEntryRequest {
-            directory: "/".into(),
-            entry: Some(theirs),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    store_root(&filer, theirs).await;
     held.release();
     change.await.unwrap().unwrap();
     let e = filer.get("/f").unwrap();

@@ -98,6 +98,15 @@ pub fn chunk_file_id(chunk: &pb::FileChunk) -> Result<String> {
     }
 }
 
+/// The chunks' ids as the filer compares them in a `WriteCondition` (its
+/// `GetFileIdString`: "" for a chunk with neither form).
+pub fn chunk_file_ids(chunks: &[pb::FileChunk]) -> Vec<String> {
+    chunks
+        .iter()
+        .map(|c| chunk_file_id(c).unwrap_or_default())
+        .collect()
+}
+
 /// The chunk's parsed id (from `file_id`, else `fid`).
 pub fn chunk_fid(chunk: &pb::FileChunk) -> Result<FileId> {
     if !chunk.file_id.is_empty() {
