@@ -694,3 +694,97 @@ fn metadata_changes_on_one_node_keep_anothers_fresh_writes() {
     );
     assert!(n > 40, "only {n} chmods raced the writes");
 }
+
+/// Two nodes write different parts of one file through handles they keep open, and fsync:
+/// every round, `b` writes first and holds its bytes, `a` writes and commits, then `b`
+/// commits onto an entry it no longer has the latest of. Both nodes' bytes must be on the
+/// filer and read back through both mounts. (Before, `b`'s commit listed the chunks of the
+/// entry it had started from, and the filer deleted `a`'s new chunk: last writer wins.)
+/// Then `b` truncates while `a` writes on both sides of the cut: `a`'s bytes below the cut
+/// stay, those past it go, as if `a`'s write had come first.
+#[test]
+fn concurrent_writes_to_one_file_on_two_nodes_both_land() {
+    let w = shared_server();
+    let root = unique_path("merge");
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    let path = format!("{root}/f");
+    let mut want = vec![b'.'; 3 << 20];
+    fs::write(a.join("f"), &want).unwrap();
+    eventually("b sees f whole", || {
+        fs::metadata(b.join("f")).is_ok_and(|m| m.len() == want.len() as u64)
+    });
+    let fa = OpenOptions::new().write(true).open(a.join("f")).unwrap();
+    let fb = OpenOptions::new().write(true).open(b.join("f")).unwrap();
+    let put = |want: &mut Vec<u8>, off: usize, data: &[u8]| {
+        if want.len() < off + data.len() {
+            want.resize(off + data.len(), 0);
+        }
+        want[off..off + data.len()].copy_from_slice(data);
+    };
+    let check = |want: &[u8], what: &str| {
+        let got = w.filer_get(&path).unwrap_or_default();
+        assert!(
+            got == want,
+            "{what}: the filer has {} bytes, {} differ from both nodes' writes (first at {:?})",
+            got.len(),
+            got.iter().zip(want).filter(|(x, y)| x != y).count() + got.len().abs_diff(want.len()),
+            got.iter().zip(want).position(|(x, y)| x != y)
+        );
+        let through_b = fs::read(b.join("f")).unwrap();
+        assert!(
+            through_b == want,
+            "{what}: b reads other bytes than the filer has"
+        );
+        eventually(&format!("{what}: a reads what the filer has"), || {
+            fs::read(a.join("f")).is_ok_and(|d| d == want)
+        });
+    };
+    for round in 0..8u8 {
+        let (da, db) = (vec![b'a' + round; 5000], vec![b'A' + round; 7000]);
+        let ob = (2 << 20) + usize::from(round) * 9000;
+        // a's last write appends: b's commit must keep the longer size too
+        let oa = if round == 7 {
+            want.len()
+        } else {
+            usize::from(round) * 9000
+        };
+        fb.write_all_at(&db, ob as u64).unwrap();
+        fa.write_all_at(&da, oa as u64).unwrap();
+        fa.sync_all().unwrap();
+        fb.sync_all().unwrap();
+        put(&mut want, ob, &db);
+        put(&mut want, oa, &da);
+        check(&want, &format!("round {round}"));
+    }
+    // b writes at the start, a writes below and past 1 MiB and commits, then b cuts the
+    // file at 1 MiB (committed at once): a's bytes below the cut stay, those past it go
+    fb.write_all_at(b"cut by b", 0).unwrap();
+    fa.write_all_at(&[b'x'; 3000], 512 << 10).unwrap();
+    fa.write_all_at(&[b'y'; 3000], 2 << 20).unwrap();
+    fa.sync_all().unwrap();
+    fb.set_len(1 << 20).unwrap();
+    put(&mut want, 512 << 10, &[b'x'; 3000]);
+    put(&mut want, 0, b"cut by b");
+    want.truncate(1 << 20);
+    check(&want, "after b's truncate");
+    // b rewrites the file (O_TRUNC, a truncate the kernel sends apart and that is committed
+    // at once) while a writes into the emptied file and commits: b's close keeps a's write
+    // past b's content
+    let mut fb2 = OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(b.join("f"))
+        .unwrap();
+    want.clear();
+    let rewritten = vec![b'n'; 1536 << 10];
+    fb2.write_all(&rewritten).unwrap();
+    fa.write_all_at(&[b'z'; 3000], 100 << 10).unwrap();
+    fa.write_all_at(&[b'z'; 3000], 3 << 20).unwrap();
+    fa.sync_all().unwrap();
+    drop(fb2);
+    put(&mut want, 100 << 10, &[b'z'; 3000]);
+    put(&mut want, 3 << 20, &[b'z'; 3000]);
+    put(&mut want, 0, &rewritten);
+    check(&want, "after b's rewrite");
+}

@@ -889,6 +889,17 @@ pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
     }
 }
 
+/// The condition that the filer has an entry at the name and it lists exactly the chunks
+/// `fids` (an absent entry counts as one without chunks, hence both clauses).
+pub(super) fn exists_with_chunks(fids: &[String]) -> pb::WriteCondition {
+    let mut c = must_exist();
+    c.clauses.push(pb::write_condition::Clause {
+        kind: pb::write_condition::Kind::IfChunksEqual as i32,
+        fids: fids.to_vec(),
+    });
+    c
+}
+
 /// The condition that the filer has an entry at the name.
 pub(super) fn must_exist() -> pb::WriteCondition {
     pb::WriteCondition {

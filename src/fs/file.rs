@@ -317,6 +317,34 @@ pub struct FileState {
     /// The file was fsynced with data to upload: its appends are hashed as they come, and
     /// its uploads take reserved file ids (an fsync waits for both).
     pub syncs: bool,
+    /// The ids of the chunks the filer's entry lists as this node last knew it (opened,
+    /// taken from an event, committed): a commit is stored only onto exactly those, and is
+    /// otherwise rebased onto the filer's newer entry first ([`OpenFile::rebase`]).
+    pub filer_chunks: Vec<String>,
+    /// This node's data changes that no commit snapshot has taken yet.
+    pub ops: DataOps,
+}
+
+/// What this node did to a file's data since a commit snapshot, as far as a rebase onto
+/// another client's newer entry needs it: the other client's bytes survive except where
+/// these changes put their own or cut them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DataOps {
+    /// The lowest size a truncation set (the other client's bytes past it are cut).
+    pub cut: Option<u64>,
+    /// The end of the furthest write or extension (the file is at least this long).
+    pub end: u64,
+}
+
+impl DataOps {
+    /// Both `self` and `o`, as one set of changes.
+    pub fn merge(&mut self, o: DataOps) {
+        self.cut = match (self.cut, o.cut) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.end = self.end.max(o.end);
+    }
 }
 
 /// Chunks' worth a file that fsyncs may write between two commits and still count as one
@@ -431,6 +459,8 @@ impl FileState {
     /// Takes `e` (newer, from the filer) as the file's entry. Callers check [`is_clean`].
     pub fn replace_entry(&mut self, e: pb::Entry, resolved: Vec<pb::FileChunk>) {
         self.epoch += 1;
+        self.filer_chunks = crate::volume::fid::chunk_file_ids(&e.chunks);
+        self.ops = DataOps::default();
         self.size = entry_size(&e);
         self.max_ts = max_ts(&resolved);
         self.resolved = Arc::new(resolved);
@@ -507,6 +537,7 @@ impl OpenFile {
         let size = entry_size(&entry);
         let max_ts = max_ts(&entry.chunks);
         let resolved = Arc::new(entry.chunks.clone());
+        let filer_chunks = crate::volume::fid::chunk_file_ids(&entry.chunks);
         OpenFile {
             ino,
             state: Mutex::new(FileState {
@@ -539,6 +570,8 @@ impl OpenFile {
                 link_names: Vec::new(),
                 deferred_attrs: None,
                 syncs: false,
+                filer_chunks,
+                ops: DataOps::default(),
             }),
             settle: Arc::default(),
             commit: tokio::sync::Mutex::new(()),
@@ -573,6 +606,7 @@ impl OpenFile {
         write_slots(&mut s, cs, offset, buf, &self.budget);
         s.uncommitted += buf.len() as u64;
         s.size = s.size.max(offset + buf.len() as u64);
+        s.ops.end = s.ops.end.max(offset + buf.len() as u64);
         s.touch();
         let mut sealed = Vec::new();
         let full: Vec<u64> = s
@@ -735,6 +769,10 @@ impl OpenFile {
             let ready = !s.inflight.iter().any(past);
             if ready {
                 self.truncate_locked(s, size);
+                s.ops.merge(DataOps {
+                    cut: Some(size),
+                    end: 0,
+                });
             }
             ready
         })
@@ -766,6 +804,7 @@ impl OpenFile {
         if s.size < size {
             self.truncate_locked(&mut s, size);
         }
+        s.ops.end = s.ops.end.max(size);
     }
 
     fn truncate_locked(&self, s: &mut FileState, size: u64) {
@@ -983,14 +1022,90 @@ impl OpenFile {
             uncommitted: s.uncommitted,
             folded: Vec::new(),
             manifests: Vec::new(),
+            base: s.filer_chunks.clone(),
+            ops: std::mem::take(&mut s.ops),
         }
     }
 
-    /// See [`FileState::forget_carried`].
+    /// A commit of `snap` did not (or may not) land: see [`FileState::forget_carried`];
+    /// its changes are still to be carried, and replayed by a rebase.
     pub fn keep_carried(&self, snap: &CommitSnapshot) {
         let mut s = self.state.lock();
         s.forget_carried(&snap.entry.chunks);
         s.forget_carried(&snap.folded);
+        s.ops.merge(snap.ops);
+    }
+
+    /// Another client changed the file on the filer since this node last knew its entry,
+    /// and this node has changes to commit: takes `fresh` (the filer's entry, `resolved`
+    /// its chunks with manifests expanded) as the base and replays this node's changes onto
+    /// it. Its chunks, cut where this node truncated, then this node's chunks over them (the
+    /// later write wins where both wrote, as at every read); at least as long as it is
+    /// unless this node truncated. False if the two cannot be merged (inline content, hard
+    /// links): the next commit then replaces it, the last writer winning.
+    pub fn rebase(&self, fresh: &pb::Entry, resolved: Vec<pb::FileChunk>) -> Rebased {
+        use crate::volume::fid::{chunk_file_id, chunk_file_ids};
+        let mut s = self.state.lock();
+        let fresh_ids = chunk_file_ids(&fresh.chunks);
+        let mergeable = fresh.content.is_empty()
+            && s.entry.content.is_empty()
+            && !fresh.is_directory
+            && fresh.hard_link_id.is_empty()
+            && s.entry.hard_link_id.is_empty();
+        s.epoch += 1;
+        if !mergeable {
+            s.filer_chunks = fresh_ids;
+            return Rebased::Replaces;
+        }
+        // ours: every data chunk not from the filer (manifests are only ever the filer's,
+        // folded by a commit it took)
+        let known: HashSet<&str> = s
+            .filer_chunks
+            .iter()
+            .chain(&fresh_ids)
+            .map(String::as_str)
+            .collect();
+        let mine: Vec<pb::FileChunk> = s
+            .entry
+            .chunks
+            .iter()
+            .filter(|c| {
+                !c.is_chunk_manifest
+                    && !known.contains(chunk_file_id(c).unwrap_or_default().as_str())
+            })
+            .cloned()
+            .collect();
+        let refill = s
+            .ops
+            .cut
+            .and_then(|cut| Some((cut_start(&resolved, cut)?, cut)));
+        let (mut top, mut all) = match s.ops.cut {
+            Some(cut) => {
+                let all = chunks::truncate(&resolved, cut).0;
+                let top = if chunks::cuts_manifest(&fresh.chunks, cut) {
+                    all.clone()
+                } else {
+                    chunks::truncate(&fresh.chunks, cut).0
+                };
+                (top, all)
+            }
+            None => (fresh.chunks.clone(), resolved),
+        };
+        if s.ops.cut.is_none() {
+            s.size = entry_size(fresh).max(s.ops.end);
+        }
+        s.max_ts = s.max_ts.max(max_ts(&all));
+        top.extend(mine.iter().cloned());
+        all.extend(mine);
+        s.entry.chunks = top;
+        s.resolved = Arc::new(all);
+        s.visible = None;
+        let size = s.size;
+        if let Some(a) = s.entry.attributes.as_mut() {
+            a.file_size = size;
+        }
+        s.filer_chunks = fresh_ids;
+        Rebased::Merged { refill }
     }
 
     /// A commit of `snap` succeeded: clear what it covered, and only that (a write that
@@ -1009,6 +1124,7 @@ impl OpenFile {
         }
         s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
         s.pending_create = false;
+        s.filer_chunks = crate::volume::fid::chunk_file_ids(&snap.entry.chunks);
         let carried: HashSet<&str> = snap
             .entry
             .chunks
@@ -1029,6 +1145,18 @@ impl OpenFile {
     }
 }
 
+/// What [`OpenFile::rebase`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Rebased {
+    /// This node's changes now lie over the other client's entry; `refill`: a range
+    /// `[start, cut)` of it that ends in the middle of one of its chunks, whose bytes must
+    /// be written again (a chunk recorded shorter than its needle is unreadable to the
+    /// filer's HTTP and S3 readers).
+    Merged { refill: Option<(u64, u64)> },
+    /// Not mergeable: this node's commit replaces the other client's entry.
+    Replaces,
+}
+
 /// What one commit sends and covers.
 pub struct CommitSnapshot {
     pub entry: pb::Entry,
@@ -1038,6 +1166,10 @@ pub struct CommitSnapshot {
     pub folded: Vec<pb::FileChunk>,
     /// Manifest chunks made for this commit.
     pub manifests: Vec<pb::FileChunk>,
+    /// The ids of the filer's chunks `entry` was built on (what the commit's condition asks).
+    pub base: Vec<String>,
+    /// This node's data changes the commit carries (see [`DataOps`]).
+    pub ops: DataOps,
 }
 
 impl OpenFile {

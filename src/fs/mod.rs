@@ -316,6 +316,8 @@ pub struct FsStats {
     pub uploads: AtomicU64,
     pub upload_bytes: AtomicU64,
     pub upload_errors: AtomicU64,
+    /// Commits rebased onto another client's change of the file ([`Fs::rebase`]).
+    pub rebases: AtomicU64,
 }
 
 pub struct Fs {

@@ -321,6 +321,12 @@ impl Fs {
                 return Ok(None);
             }
             self.refresh_if_clean(ino, of).await?;
+            if !of.state.lock().is_clean() {
+                // its changes first, rebased onto other clients' commits if need be: the
+                // kept bytes of a chunk the cut goes through are read back and written
+                // again below, and read from a stale base they would undo a newer write
+                self.flush_file(of).await?;
+            }
             let runs = of.seal_all();
             self.store.expedite();
             self.start_uploads(of, runs, true).await;

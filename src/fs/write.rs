@@ -2,7 +2,7 @@
 //! through short outages), and commits of the entry to the filer (chunk manifests, orphans).
 
 use super::events::Identity;
-use super::file::{CommitSnapshot, OpenFile, SealedRun};
+use super::file::{CommitSnapshot, OpenFile, Rebased, SealedRun};
 use super::inode::join;
 use super::{errno, now_parts, Fs, Result};
 use crate::filer::FilerError;
@@ -212,10 +212,39 @@ impl Fs {
 
     /// Uploads everything dirty and commits the entry. Data acknowledged here is on the filer.
     async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
-        for pass in 0.. {
-            match self.commit_pass(of, pass > 0).await? {
+        let mut rebases = 0;
+        let mut pass = 0;
+        loop {
+            let refused = pass > 0;
+            let outcome = self.commit_pass(of, refused).await?;
+            let outcome = match outcome {
+                Pass::Changed if rebases < MAX_REBASES => {
+                    rebases += 1;
+                    if rebases > 1 {
+                        // written again and again elsewhere: let a commit through
+                        tokio::time::sleep(Duration::from_millis(u64::from(rebases))).await;
+                    }
+                    match self.rebase(of).await? {
+                        true => continue,
+                        // (its name is gone, or holds a directory now)
+                        false => Pass::NameGone,
+                    }
+                }
+                Pass::Changed => {
+                    return Err(errno(
+                        libc::EIO,
+                        format!(
+                            "{}: changed by other clients under each of {MAX_REBASES} commits",
+                            of.path()
+                        ),
+                    ))
+                }
+                other => other,
+            };
+            pass += 1;
+            match outcome {
                 Pass::Done => return Ok(()),
-                Pass::NameGone if pass < NAME_GONE_PASSES => {
+                Pass::NameGone if pass <= NAME_GONE_PASSES => {
                     // removed or moved away on the filer after the name was checked, its
                     // event not here yet: the name is in doubt, so the next pass waits a
                     // little for that event (a removal unlinks the file, a move moves it)
@@ -230,7 +259,7 @@ impl Fs {
                     }
                     s.epoch += 1;
                 }
-                Pass::NameGone => break,
+                Pass::NameGone | Pass::Changed => break,
             }
         }
         Err(errno(
@@ -316,13 +345,29 @@ impl Fs {
                 Ok(place) => {
                     // a file the filer has is stored only over its entry: after a removal
                     // elsewhere the commit would create the name again, listing chunks the
-                    // removal deleted (a hard link's name given back is created, as before)
-                    let puts_back = matches!(place, Place::PutBack);
-                    let condition = (created && !puts_back).then(super::entries::must_exist);
+                    // removal deleted (a hard link's name given back is created, as before).
+                    // A plain file's is stored only over the chunks it was built on: another
+                    // node's commit since would lose its chunks (the filer deletes what a
+                    // commit leaves out), so that one is rebased onto it first.
+                    let plain = snap.entry.hard_link_id.is_empty() && link_news == 0;
+                    let condition = match place {
+                        Place::Here if created && plain => {
+                            Some(super::entries::exists_with_chunks(&snap.base))
+                        }
+                        Place::Here if created => Some(super::entries::must_exist()),
+                        _ => None,
+                    };
                     match self
                         .create_on_filer_if(&dir, &snap.entry, false, condition)
                         .await
                     {
+                        Err(FilerError::Changed(m)) if created && plain => {
+                            tracing::info!(path = %of.path(), m, "the file changed on the filer under a commit; rebasing onto it");
+                            // refused: nothing of it was stored (its changes go back to the
+                            // file, to be carried by the rebased commit)
+                            drop(inflight);
+                            return Ok(Pass::Changed);
+                        }
                         Err(FilerError::Changed(m)) => {
                             tracing::info!(path = %of.path(), m, "the name went away under a commit; checking it again");
                             return Ok(Pass::NameGone);
@@ -548,6 +593,73 @@ impl Fs {
         }
     }
 
+    /// After the filer refused a commit because another client changed the file since this
+    /// node knew its entry: takes the filer's entry as the base of this node's changes
+    /// ([`OpenFile::rebase`]). False if the name is gone or holds a directory now (the
+    /// caller then treats it as a name gone under the commit).
+    async fn rebase(&self, of: &Arc<OpenFile>) -> Result<bool> {
+        // not while a commit of this file is in flight: its success sets the base too
+        let _commit = of.commit.lock().await;
+        let (dir, name) = {
+            let s = of.state.lock();
+            (s.dir.clone(), s.entry.name.clone())
+        };
+        let path = join(&dir, &name);
+        let start = Instant::now();
+        let mut pauses = crate::retry::STORAGE.pauses();
+        let fresh = loop {
+            self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+            match self.filer.lookup_entry(&dir, &name).await {
+                Ok(e) if e.is_directory => return Ok(false),
+                Ok(e) => break e,
+                Err(FilerError::NotFound(_)) => return Ok(false),
+                Err(e) if start.elapsed() < self.cfg.upload_retry => {
+                    tracing::warn!(path, error = %e, "reading the entry to rebase a commit onto failed; retrying");
+                    tokio::time::sleep(pauses.next_pause()).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let resolved = if crate::chunks::has_manifest(&fresh.chunks) {
+            crate::chunks::expand_manifests(&fresh.chunks, self.store.as_ref())
+                .await
+                .map_err(|e| {
+                    errno(
+                        libc::EIO,
+                        format!("{path}: manifest of the entry to rebase onto: {e}"),
+                    )
+                })?
+        } else {
+            fresh.chunks.clone()
+        };
+        let rebased = of.rebase(&fresh, resolved);
+        self.stats.rebases.fetch_add(1, Ordering::Relaxed);
+        // what the kernel read of the file before holds neither side's latest bytes
+        self.bump_content_gen(of.ino);
+        if let Some(nt) = self.notifier() {
+            nt.inval_inode(of.ino);
+        }
+        match rebased {
+            Rebased::Merged { refill } => {
+                tracing::info!(
+                    path,
+                    "rebased this node's changes onto another client's commit"
+                );
+                if let Some((lo, cut)) = refill {
+                    // as a truncate of this node's own does (setattr): the kept bytes of a
+                    // chunk cut in the middle become a chunk of their own, over it
+                    let kept = self.read_range(of, lo, cut - lo).await?;
+                    let runs = of.write(lo, &kept);
+                    self.start_uploads(of, runs, true).await;
+                }
+            }
+            Rebased::Replaces => {
+                tracing::warn!(path, "another client's change cannot be merged with this node's (inline content or hard links); this node's commit replaces it");
+            }
+        }
+        Ok(true)
+    }
+
     /// Deletes chunks of ours that no entry references, in the background.
     pub(super) fn delete_orphans(&self, fids: Vec<String>) {
         if !fids.is_empty() {
@@ -727,7 +839,12 @@ enum Pass {
     Done,
     /// The filer no longer had the file's name when the commit reached it.
     NameGone,
+    /// The filer's entry was changed by another client since this node knew it.
+    Changed,
 }
+
+/// Rebases of one commit onto the changes of other clients before it gives up (EIO).
+const MAX_REBASES: u32 = 16;
 
 /// Passes of a commit whose name goes away under it each time before it gives up (ESTALE).
 const NAME_GONE_PASSES: u32 = 3;
