@@ -242,6 +242,7 @@ pub struct Metrics {
     volume: LatencyFamily<KindLabels>,
     uploads: Counter,
     upload_errors: Counter,
+    commit_rebases: Counter,
     pub staged_volumes: Gauge,
     pub published_targets: Gauge,
     /// Live [`FuseOps`] per volume: the last one's drop removes the volume's op series (a
@@ -267,6 +268,7 @@ impl Metrics {
             "volume-server HTTP requests",
         );
         let (uploads, upload_errors) = (Counter::default(), Counter::default());
+        let commit_rebases = Counter::default();
         let (staged_volumes, published_targets) = (Gauge::default(), Gauge::default());
         r.register(
             "seaweedfs_csi_uploads",
@@ -277,6 +279,11 @@ impl Metrics {
             "seaweedfs_csi_upload_errors",
             "Chunk uploads that failed",
             upload_errors.clone(),
+        );
+        r.register(
+            "seaweedfs_csi_commit_rebases",
+            "Commits rebased onto another client's change of the file",
+            commit_rebases.clone(),
         );
         r.register(
             "seaweedfs_csi_staged_volumes",
@@ -295,6 +302,7 @@ impl Metrics {
             volume,
             uploads,
             upload_errors,
+            commit_rebases,
             staged_volumes,
             published_targets,
             fuse_users: Default::default(),
@@ -307,6 +315,11 @@ impl Metrics {
         } else {
             self.upload_errors.inc();
         }
+    }
+
+    /// A commit was refused because another client had changed the file, and rebased.
+    pub fn commit_rebased(&self) {
+        self.commit_rebases.inc();
     }
 
     /// The op series of the FUSE session serving `volume` (its filer path).
@@ -583,7 +596,8 @@ mod tests {
             assert!(text.contains(&format!("# TYPE {f}\n")), "{f}:\n{text}");
         }
         assert!(
-            text.contains("\nseaweedfs_csi_upload_errors_total 0\n"),
+            text.contains("\nseaweedfs_csi_upload_errors_total 0\n")
+                && text.contains("\nseaweedfs_csi_commit_rebases_total 0\n"),
             "{text}"
         );
     }

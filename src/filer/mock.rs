@@ -57,6 +57,10 @@ struct Shared {
     total_size: AtomicU64,
     /// Lookups to hold after they read (see [`MockFiler::hold_next_lookup`]).
     holds: Mutex<Vec<(String, Arc<LookupHold>)>>,
+    /// Conditions checked as SeaweedFS 4.29-4.40 does (see [`MockFiler::conditions_as_4_40`]).
+    conditions_as_4_40: std::sync::atomic::AtomicBool,
+    /// Creates to answer with `Unavailable` after storing them.
+    lost_replies: std::sync::atomic::AtomicU32,
 }
 
 /// A lookup held between reading its entry and answering, as a slow network holds it.
@@ -285,6 +289,8 @@ impl MockFiler {
                 next_key: AtomicU64::new(1),
                 total_size: AtomicU64::new(1 << 40),
                 holds: Mutex::new(Vec::new()),
+                conditions_as_4_40: Default::default(),
+                lost_replies: Default::default(),
             }),
             signature: random_signature(),
         }
@@ -316,6 +322,29 @@ impl MockFiler {
     /// How many times `op` (the trait method name, e.g. `"lookup_entry"`) was called.
     pub fn calls(&self, op: &str) -> u64 {
         self.shared.calls.lock().get(op).copied().unwrap_or(0)
+    }
+
+    /// Checks write conditions as SeaweedFS 4.29-4.40 does: on creates only (updates ignore
+    /// them), and a clause kind it does not know (`IF_CHUNKS_EQUAL`, 4.41) never holds.
+    pub fn conditions_as_4_40(&self) {
+        self.shared.conditions_as_4_40.store(true, Ordering::SeqCst);
+    }
+
+    /// The next create is stored, and its caller gets `Unavailable` instead of the answer
+    /// (a connection lost after the filer acted).
+    pub fn lose_next_create_reply(&self) {
+        self.shared.lost_replies.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn take_lost_reply(&self) -> bool {
+        self.shared
+            .lost_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    fn old_conditions(&self) -> bool {
+        self.shared.conditions_as_4_40.load(Ordering::SeqCst)
     }
 
     /// The next lookup of `path` (full path) reads the entry, then waits for
@@ -365,7 +394,7 @@ impl MockFiler {
         let Some(old) = st.entries.get(&path).cloned() else {
             return Err(FilerError::NotFound(path));
         };
-        if !condition_holds(req.condition.as_ref(), Some(&old)) {
+        if !self.old_conditions() && !condition_holds(req.condition.as_ref(), Some(&old)) {
             return Err(FilerError::Changed(format!(
                 "update {path}: precondition failed"
             )));
@@ -544,41 +573,8 @@ fn check_name(name: &str, path: &str) -> Result<()> {
     Ok(())
 }
 
-#[async_trait::async_trait]
-impl FilerApi for MockFiler {
-    async fn lookup_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
-        self.enter("lookup_entry")?;
-        let path = join(&norm_dir(dir), name);
-        let found = self.shared.state.lock().entries.get(&path).cloned();
-        self.wait_at_hold("lookup_entry", &path).await;
-        found.ok_or(FilerError::NotFound(path))
-    }
-
-    async fn list_page(
-        &self,
-        dir: &str,
-        start_from: &str,
-        inclusive: bool,
-        limit: u32,
-    ) -> Result<Vec<pb::Entry>> {
-        self.enter("list_page")?;
-        let dir = norm_dir(dir);
-        let limit = if limit == 0 { 100_000 } else { limit as usize };
-        let st = self.shared.state.lock();
-        let prefix = child_prefix(&dir);
-        let start_key = format!("{prefix}{start_from}");
-        Ok(st
-            .entries
-            .range(start_key.clone()..)
-            .take_while(|(k, _)| k.starts_with(&prefix))
-            .filter(|(k, _)| !k[prefix.len()..].contains('/'))
-            .filter(|(k, _)| inclusive || start_from.is_empty() || **k != start_key)
-            .take(limit)
-            .map(|(_, e)| e.clone())
-            .collect())
-    }
-
-    async fn create_entry(
+impl MockFiler {
+    async fn create_entry_now(
         &self,
         req: pb::CreateEntryRequest,
     ) -> Result<Option<pb::SubscribeMetadataResponse>> {
@@ -598,7 +594,16 @@ impl FilerApi for MockFiler {
             )));
         }
         let old = st.entries.get(&path).cloned();
-        if !condition_holds(req.condition.as_ref(), old.as_ref()) {
+        let mut cond = req.condition.clone();
+        if let Some(c) = cond.as_mut().filter(|_| self.old_conditions()) {
+            for cl in &mut c.clauses {
+                if cl.kind() == pb::write_condition::Kind::IfChunksEqual {
+                    // unknown there: never holds
+                    cl.kind = i32::MAX;
+                }
+            }
+        }
+        if !condition_holds(cond.as_ref(), old.as_ref()) {
             return Err(FilerError::Changed(format!(
                 "create {path}: precondition failed"
             )));
@@ -679,6 +684,54 @@ impl FilerApi for MockFiler {
             &sigs,
             false,
         )))
+    }
+}
+
+#[async_trait::async_trait]
+impl FilerApi for MockFiler {
+    async fn lookup_entry(&self, dir: &str, name: &str) -> Result<pb::Entry> {
+        self.enter("lookup_entry")?;
+        let path = join(&norm_dir(dir), name);
+        let found = self.shared.state.lock().entries.get(&path).cloned();
+        self.wait_at_hold("lookup_entry", &path).await;
+        found.ok_or(FilerError::NotFound(path))
+    }
+
+    async fn list_page(
+        &self,
+        dir: &str,
+        start_from: &str,
+        inclusive: bool,
+        limit: u32,
+    ) -> Result<Vec<pb::Entry>> {
+        self.enter("list_page")?;
+        let dir = norm_dir(dir);
+        let limit = if limit == 0 { 100_000 } else { limit as usize };
+        let st = self.shared.state.lock();
+        let prefix = child_prefix(&dir);
+        let start_key = format!("{prefix}{start_from}");
+        Ok(st
+            .entries
+            .range(start_key.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .filter(|(k, _)| !k[prefix.len()..].contains('/'))
+            .filter(|(k, _)| inclusive || start_from.is_empty() || **k != start_key)
+            .take(limit)
+            .map(|(_, e)| e.clone())
+            .collect())
+    }
+
+    async fn create_entry(
+        &self,
+        req: pb::CreateEntryRequest,
+    ) -> Result<Option<pb::SubscribeMetadataResponse>> {
+        let r = self.create_entry_now(req).await;
+        if r.is_ok() && self.take_lost_reply() {
+            return Err(FilerError::Unavailable(
+                "injected: the reply was lost".into(),
+            ));
+        }
+        r
     }
 
     async fn update_entry(
@@ -893,11 +946,11 @@ impl FilerApi for MockFiler {
 fn condition_holds(cond: Option<&pb::WriteCondition>, current: Option<&pb::Entry>) -> bool {
     use pb::write_condition::Kind;
     cond.is_none_or(|c| {
-        c.clauses.iter().all(|cl| match cl.kind() {
-            Kind::None => true,
-            Kind::IfExists => current.is_some(),
-            Kind::IfNotExists => current.is_none(),
-            Kind::IfChunksEqual => {
+        c.clauses.iter().all(|cl| match Kind::try_from(cl.kind) {
+            Ok(Kind::None) => true,
+            Ok(Kind::IfExists) => current.is_some(),
+            Ok(Kind::IfNotExists) => current.is_none(),
+            Ok(Kind::IfChunksEqual) => {
                 let mut stored = current
                     .map(|e| crate::volume::fid::chunk_file_ids(&e.chunks))
                     .unwrap_or_default();

@@ -595,15 +595,31 @@ impl OpenFile {
 
     /// Buffers a write; returns runs that must now be uploaded.
     pub fn write(&self, offset: u64, buf: &[u8]) -> Vec<SealedRun> {
-        let cs = self.chunk_size as u64;
         let mut s = self.state.lock();
+        self.write_locked(&mut s, offset, buf)
+    }
+
+    /// [`Self::write`] of bytes read from the file itself when its `seq` was `seq`: None,
+    /// nothing written, if anything changed it since (the bytes read may be stale).
+    pub fn rewrite_unless_changed(
+        &self,
+        seq: u64,
+        offset: u64,
+        buf: &[u8],
+    ) -> Option<Vec<SealedRun>> {
+        let mut s = self.state.lock();
+        (s.seq == seq).then(|| self.write_locked(&mut s, offset, buf))
+    }
+
+    fn write_locked(&self, s: &mut FileState, offset: u64, buf: &[u8]) -> Vec<SealedRun> {
+        let cs = self.chunk_size as u64;
         if !s.entry.content.is_empty() {
             // Move inline content into the dirty buffer first, so a partial overwrite keeps it
             // (weed mount drops it).
             let content = std::mem::take(&mut s.entry.content);
-            write_slots(&mut s, cs, 0, &content, &self.budget);
+            write_slots(s, cs, 0, &content, &self.budget);
         }
-        write_slots(&mut s, cs, offset, buf, &self.budget);
+        write_slots(s, cs, offset, buf, &self.budget);
         s.uncommitted += buf.len() as u64;
         s.size = s.size.max(offset + buf.len() as u64);
         s.ops.end = s.ops.end.max(offset + buf.len() as u64);
@@ -616,7 +632,7 @@ impl OpenFile {
             .map(|(k, _)| *k)
             .collect();
         for k in full {
-            sealed.extend(seal_slot(&mut s, k, cs, &self.settle));
+            sealed.extend(seal_slot(s, k, cs, &self.settle));
         }
         while s.slots.len() > self.max_slots {
             let fullest = s
@@ -625,7 +641,7 @@ impl OpenFile {
                 .max_by_key(|(_, sl)| sl.written())
                 .map(|(k, _)| *k);
             match fullest {
-                Some(k) => sealed.extend(seal_slot(&mut s, k, cs, &self.settle)),
+                Some(k) => sealed.extend(seal_slot(s, k, cs, &self.settle)),
                 None => break,
             }
         }
@@ -1037,14 +1053,21 @@ impl OpenFile {
     }
 
     /// Another client changed the file on the filer since this node last knew its entry,
-    /// and this node has changes to commit: takes `fresh` (the filer's entry, `resolved`
-    /// its chunks with manifests expanded) as the base and replays this node's changes onto
-    /// it. Its chunks, cut where this node truncated, then this node's chunks over them (the
-    /// later write wins where both wrote, as at every read); at least as long as it is
-    /// unless this node truncated. False if the two cannot be merged (inline content, hard
-    /// links): the next commit then replaces it, the last writer winning.
-    pub fn rebase(&self, fresh: &pb::Entry, resolved: Vec<pb::FileChunk>) -> Rebased {
+    /// and this node has changes to commit: takes `fresh` (the filer's entry) as the base
+    /// and replays this node's changes onto it. Each chunk by where it is: in both lists, as
+    /// this node has it (cut by its own truncates already; also a chunk of a commit of ours
+    /// that landed unanswered); in the base and gone from one list, gone (dropped by that
+    /// side); new in the filer's, the other client's, cut where this node truncated; new
+    /// here, ours. Where both wrote, the later chunk stamp wins, as at every read. The file
+    /// is at least as long as the other client left it, unless this node truncated it.
+    /// `inner`: the data chunks of each manifest chunk of either list, by id.
+    pub fn rebase(
+        &self,
+        fresh: &pb::Entry,
+        inner: &std::collections::HashMap<String, Vec<pb::FileChunk>>,
+    ) -> Rebased {
         use crate::volume::fid::{chunk_file_id, chunk_file_ids};
+        let id = |c: &pb::FileChunk| chunk_file_id(c).unwrap_or_default();
         let mut s = self.state.lock();
         let fresh_ids = chunk_file_ids(&fresh.chunks);
         let mergeable = fresh.content.is_empty()
@@ -1052,51 +1075,66 @@ impl OpenFile {
             && !fresh.is_directory
             && fresh.hard_link_id.is_empty()
             && s.entry.hard_link_id.is_empty();
-        s.epoch += 1;
         if !mergeable {
+            s.epoch += 1;
             s.filer_chunks = fresh_ids;
             return Rebased::Replaces;
         }
-        // ours: every data chunk not from the filer (manifests are only ever the filer's,
-        // folded by a commit it took)
-        let known: HashSet<&str> = s
-            .filer_chunks
+        let expand = |list: &[pb::FileChunk]| -> Option<Vec<pb::FileChunk>> {
+            let mut out = Vec::with_capacity(list.len());
+            for c in list {
+                if c.is_chunk_manifest {
+                    out.extend(inner.get(&id(c))?.iter().cloned());
+                } else {
+                    out.push(c.clone());
+                }
+            }
+            Some(out)
+        };
+        let base: HashSet<&str> = s.filer_chunks.iter().map(String::as_str).collect();
+        let here: HashSet<String> = s.entry.chunks.iter().map(id).collect();
+        let there: HashSet<&str> = fresh_ids.iter().map(String::as_str).collect();
+        let theirs: Vec<pb::FileChunk> = fresh
+            .chunks
             .iter()
-            .chain(&fresh_ids)
-            .map(String::as_str)
+            .filter(|c| {
+                let i = id(c);
+                !here.contains(&i) && !base.contains(i.as_str())
+            })
+            .cloned()
             .collect();
-        let mine: Vec<pb::FileChunk> = s
+        let kept: Vec<pb::FileChunk> = s
             .entry
             .chunks
             .iter()
             .filter(|c| {
-                !c.is_chunk_manifest
-                    && !known.contains(chunk_file_id(c).unwrap_or_default().as_str())
+                let i = id(c);
+                there.contains(i.as_str()) || !base.contains(i.as_str())
             })
             .cloned()
             .collect();
-        let refill = s
-            .ops
-            .cut
-            .and_then(|cut| Some((cut_start(&resolved, cut)?, cut)));
-        let (mut top, mut all) = match s.ops.cut {
+        let cut = s.ops.cut;
+        let (mut top, refill) = match cut {
+            // a cut through the other client's manifests lists their chunks instead (the
+            // next commit folds them again)
             Some(cut) => {
-                let all = chunks::truncate(&resolved, cut).0;
-                let top = if chunks::cuts_manifest(&fresh.chunks, cut) {
-                    all.clone()
-                } else {
-                    chunks::truncate(&fresh.chunks, cut).0
+                let Some(theirs) = expand(&theirs) else {
+                    return Rebased::Again;
                 };
-                (top, all)
+                let refill = cut_start(&theirs, cut).map(|lo| (lo, cut));
+                (chunks::truncate(&theirs, cut).0, refill)
             }
-            None => (fresh.chunks.clone(), resolved),
+            None => (theirs, None),
         };
-        if s.ops.cut.is_none() {
+        top.extend(kept);
+        let Some(all) = expand(&top) else {
+            return Rebased::Again;
+        };
+        s.epoch += 1;
+        if cut.is_none() {
             s.size = entry_size(fresh).max(s.ops.end);
         }
         s.max_ts = s.max_ts.max(max_ts(&all));
-        top.extend(mine.iter().cloned());
-        all.extend(mine);
         s.entry.chunks = top;
         s.resolved = Arc::new(all);
         s.visible = None;
@@ -1155,6 +1193,9 @@ pub enum Rebased {
     Merged { refill: Option<(u64, u64)> },
     /// Not mergeable: this node's commit replaces the other client's entry.
     Replaces,
+    /// Nothing done: a manifest chunk of either list is missing from `inner` (one of this
+    /// node's was made meanwhile); to be tried again.
+    Again,
 }
 
 /// What one commit sends and covers.

@@ -2488,3 +2488,175 @@ async fn committed_then_written(fs: &Fs) -> (Attr, u64) {
     fs.write(fh, a.ino, 0, b"after!").await.unwrap();
     (a, fh)
 }
+
+/// Another node commits new bytes of a file this node has open with writes of its own: this
+/// node's commit is refused (the filer's chunk list is not the one it was built on) and
+/// rebased, so both nodes' bytes stay, and the file keeps the other node's longer size. The
+/// other node's chunk names its id in the `fid` form only, as other clients may. Before,
+/// the commit replaced the list (last writer wins) and the filer deleted the other chunk.
+#[tokio::test]
+async fn a_commit_rebased_onto_another_nodes_commit_keeps_both_writes() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 2, b"AB").await.unwrap();
+    let mut theirs = filer.get("/f").unwrap();
+    let mut c = store.insert(&b"xyzzz"[..]);
+    c.offset = 7;
+    c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
+    c.file_id.clear();
+    theirs.chunks.push(c);
+    theirs.attributes.as_mut().unwrap().file_size = 12;
+    store_root(&filer, theirs).await;
+    fs.flush(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456xyzzz");
+    assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
+    let read = fs.read(fh, a.ino, 0, 100).await.unwrap();
+    assert_eq!(&read[..], b"01AB456xyzzz", "what this node reads");
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+/// One writer's commits are never refused: the chunk list this node keeps as the filer's
+/// follows its own commits, through truncates and commits that fold chunks into manifests
+/// (each refusal would cost a lookup and a second commit).
+#[tokio::test]
+async fn one_writers_commits_are_never_rebased() {
+    let mut cfg = FsConfig::from_mount_options(&MountOptions {
+        chunk_size_limit_mb: 1,
+        ..Default::default()
+    });
+    cfg.manifest_batch = 4;
+    let store = Arc::new(MockChunkStore::new());
+    let filer = Arc::new(MockFiler::new());
+    let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    let mut size = 0u64;
+    for i in 0..24u8 {
+        fs.write(fh, a.ino, size, &[b'a' + i; 1000]).await.unwrap();
+        size += 1000;
+        fs.fsync(fh, a.ino).await.unwrap();
+        if i % 8 == 7 {
+            size -= 1500;
+            let cut = SetAttr {
+                size: Some(size),
+                ..Default::default()
+            };
+            fs.setattr(a.ino, cut).await.unwrap();
+        }
+    }
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert!(
+        e.chunks.iter().any(|c| c.is_chunk_manifest),
+        "no manifest was made"
+    );
+    assert_eq!(crate::chunks::file_size(&e), size);
+    assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 0);
+}
+
+/// A filer of SeaweedFS 4.29-4.40 checks conditions on creates but fails `IF_CHUNKS_EQUAL`,
+/// which it does not know: the first refusal of a condition that holds turns the chunk
+/// condition off for the session, and every commit lands (the last writer wins there, as
+/// before). Without that, every commit of an existing file was refused, rebased 16 times
+/// and failed with EIO.
+#[tokio::test]
+async fn commits_land_on_a_filer_that_does_not_know_the_chunk_condition() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    filer.conditions_as_4_40();
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    for i in 0..5u8 {
+        fs.write(fh, a.ino, u64::from(i) * 10, &[b'a' + i; 10])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+    }
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(
+        bytes_on_filer(&store, &e).await,
+        b"aaaaaaaaaabbbbbbbbbbccccccccccddddddddddeeeeeeeeee"
+    );
+    assert!(fs.no_chunk_condition.load(Ordering::Relaxed));
+    assert_eq!(filer.calls("create_entry"), 6, "five commits, one refused");
+}
+
+/// A commit is stored but its answer is lost; the retry is refused (the filer's entry is
+/// that commit now, not the one it was built on) and rebased onto the filer's entry, which
+/// is the commit itself: the file keeps exactly what was written. The commit carries an
+/// O_TRUNC's cut, which a rebase must not apply to the file's own chunks.
+#[tokio::test]
+async fn a_commit_stored_unanswered_is_rebased_onto_itself_intact() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(5));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, &[b'o'; 3000]).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let fh = fs.open(a.ino, libc::O_RDWR | libc::O_TRUNC).await.unwrap();
+    fs.write(fh, a.ino, 0, b"new").await.unwrap();
+    fs.write(fh, a.ino, 1000, b"later").await.unwrap();
+    filer.lose_next_create_reply();
+    fs.flush(fh, a.ino).await.unwrap();
+    let mut want = b"new".to_vec();
+    want.resize(1000, 0);
+    want.extend_from_slice(b"later");
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, want);
+    assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
+    fs.release(fh, a.ino).await.unwrap();
+    assert_eq!(
+        bytes_on_filer(&store, &filer.get("/f").unwrap()).await,
+        want
+    );
+}
+
+/// The other node's commit folded the file's chunks (ours among them, from an earlier
+/// commit) into a manifest and added a chunk: this node's rebased commit lists the manifest,
+/// not the chunks again, and keeps both nodes' new bytes.
+#[tokio::test]
+async fn a_commit_rebased_onto_a_manifest_the_other_node_made_keeps_both_writes() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    for i in 0..6u8 {
+        fs.write(fh, a.ino, u64::from(i) * 10, &[b'0' + i; 10])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+    }
+    fs.write(fh, a.ino, 70, b"OURS").await.unwrap();
+    let mut theirs = filer.get("/f").unwrap();
+    let opts = fs.upload_options("/f");
+    let mut folded =
+        crate::chunks::maybe_manifestize(theirs.chunks.clone(), store.as_ref(), &opts, 4)
+            .await
+            .unwrap();
+    assert!(folded.iter().any(|c| c.is_chunk_manifest));
+    let mut c = store.insert(&b"xx"[..]);
+    c.offset = 2;
+    c.modified_ts_ns = theirs
+        .chunks
+        .iter()
+        .map(|c| c.modified_ts_ns)
+        .max()
+        .unwrap()
+        + 1;
+    folded.push(c);
+    theirs.chunks = folded;
+    store_root(&filer, theirs).await;
+    fs.flush(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert!(e.chunks.iter().any(|c| c.is_chunk_manifest), "the manifest");
+    let data = crate::chunks::expand_manifests(&e.chunks, store.as_ref())
+        .await
+        .unwrap();
+    let whole = pb::Entry {
+        chunks: data,
+        ..e.clone()
+    };
+    let mut want =
+        b"00xx000000111111111122222222223333333333444444444455555555550000000000OURS".to_vec();
+    want[60..70].fill(0);
+    assert_eq!(bytes_on_filer(&store, &whole).await, want);
+    assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
+    fs.release(fh, a.ino).await.unwrap();
+}

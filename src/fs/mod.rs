@@ -344,6 +344,9 @@ pub struct Fs {
     /// Filer lookups of open files re-read after events, at once (a resync asks for all).
     rereads: Semaphore,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The filer failed a chunk list condition that held (see [`Fs::rebase`]): commits send
+    /// none.
+    no_chunk_condition: AtomicBool,
     /// Serialize this node's read-modify-write cycles of one filer entry (see
     /// [`Fs::update_fresh`]); striped by path, so memory stays fixed.
     entry_locks: Box<[tokio::sync::Mutex<()>]>,
@@ -436,6 +439,7 @@ impl Fs {
                 .map(|d| d.as_nanos() as i64)
                 .unwrap_or(0),
             dir_locks: Mutex::new(HashMap::new()),
+            no_chunk_condition: AtomicBool::new(false),
             entry_locks: (0..ENTRY_LOCK_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),

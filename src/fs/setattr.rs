@@ -321,17 +321,11 @@ impl Fs {
                 return Ok(None);
             }
             self.refresh_if_clean(ino, of).await?;
-            if !of.state.lock().is_clean() {
-                // its changes first, rebased onto other clients' commits if need be: the
-                // kept bytes of a chunk the cut goes through are read back and written
-                // again below, and read from a stale base they would undo a newer write
-                self.flush_file(of).await?;
-            }
             let runs = of.seal_all();
             self.store.expedite();
             self.start_uploads(of, runs, true).await;
             of.wait_uploads().await;
-            let cut = {
+            let cut_at = || {
                 let s = of.state.lock();
                 if s.entry.content.is_empty() {
                     cut_start(&s.resolved, size)
@@ -339,6 +333,15 @@ impl Fs {
                     None
                 }
             };
+            let mut cut = cut_at();
+            if cut.is_some() && !of.state.lock().is_clean() {
+                // The kept bytes of the chunk the cut goes through are read back and
+                // written again below: read over a base another client has committed over
+                // since, they would undo its newer bytes. So this file's changes go first,
+                // rebased onto such commits.
+                self.flush_file(of).await?;
+                cut = cut_at();
+            }
             self.store.expedite();
             of.truncate(size).await;
             if let Some(lo) = cut {

@@ -218,19 +218,19 @@ impl Fs {
             let refused = pass > 0;
             let outcome = self.commit_pass(of, refused).await?;
             let outcome = match outcome {
-                Pass::Changed if rebases < MAX_REBASES => {
+                Pass::Changed(base) if rebases < MAX_REBASES => {
                     rebases += 1;
                     if rebases > 1 {
                         // written again and again elsewhere: let a commit through
                         tokio::time::sleep(Duration::from_millis(u64::from(rebases))).await;
                     }
-                    match self.rebase(of).await? {
+                    match self.rebase(of, &base).await? {
                         true => continue,
                         // (its name is gone, or holds a directory now)
                         false => Pass::NameGone,
                     }
                 }
-                Pass::Changed => {
+                Pass::Changed(_) => {
                     return Err(errno(
                         libc::EIO,
                         format!(
@@ -259,7 +259,7 @@ impl Fs {
                     }
                     s.epoch += 1;
                 }
-                Pass::NameGone | Pass::Changed => break,
+                Pass::NameGone | Pass::Changed(_) => break,
             }
         }
         Err(errno(
@@ -350,8 +350,12 @@ impl Fs {
                     // node's commit since would lose its chunks (the filer deletes what a
                     // commit leaves out), so that one is rebased onto it first.
                     let plain = snap.entry.hard_link_id.is_empty() && link_news == 0;
+                    let on_chunks = matches!(place, Place::Here)
+                        && created
+                        && plain
+                        && !self.no_chunk_condition.load(Ordering::Relaxed);
                     let condition = match place {
-                        Place::Here if created && plain => {
+                        Place::Here if on_chunks => {
                             Some(super::entries::exists_with_chunks(&snap.base))
                         }
                         Place::Here if created => Some(super::entries::must_exist()),
@@ -361,12 +365,15 @@ impl Fs {
                         .create_on_filer_if(&dir, &snap.entry, false, condition)
                         .await
                     {
-                        Err(FilerError::Changed(m)) if created && plain => {
+                        // (also after an attempt that failed unanswered and landed: the
+                        // rebase keeps every chunk the file has here as it is)
+                        Err(FilerError::Changed(m)) if on_chunks => {
                             tracing::info!(path = %of.path(), m, "the file changed on the filer under a commit; rebasing onto it");
+                            let base = snap.base.clone();
                             // refused: nothing of it was stored (its changes go back to the
                             // file, to be carried by the rebased commit)
                             drop(inflight);
-                            return Ok(Pass::Changed);
+                            return Ok(Pass::Changed(base));
                         }
                         Err(FilerError::Changed(m)) => {
                             tracing::info!(path = %of.path(), m, "the name went away under a commit; checking it again");
@@ -597,7 +604,12 @@ impl Fs {
     /// node knew its entry: takes the filer's entry as the base of this node's changes
     /// ([`OpenFile::rebase`]). False if the name is gone or holds a directory now (the
     /// caller then treats it as a name gone under the commit).
-    async fn rebase(&self, of: &Arc<OpenFile>) -> Result<bool> {
+    ///
+    /// A filer of SeaweedFS 4.29-4.40 checks conditions on creates but not `IF_CHUNKS_EQUAL`
+    /// (4.41), and fails a clause it does not know: its entry still lists the chunks of
+    /// `refused_base`. From then on this session's commits carry `IF_EXISTS` alone (the
+    /// last writer wins, as before the condition).
+    async fn rebase(&self, of: &Arc<OpenFile>, refused_base: &[String]) -> Result<bool> {
         // not while a commit of this file is in flight: its success sets the base too
         let _commit = of.commit.lock().await;
         let (dir, name) = {
@@ -620,20 +632,31 @@ impl Fs {
                 Err(e) => return Err(e.into()),
             }
         };
-        let resolved = if crate::chunks::has_manifest(&fresh.chunks) {
-            crate::chunks::expand_manifests(&fresh.chunks, self.store.as_ref())
-                .await
-                .map_err(|e| {
-                    errno(
-                        libc::EIO,
-                        format!("{path}: manifest of the entry to rebase onto: {e}"),
-                    )
-                })?
-        } else {
-            fresh.chunks.clone()
-        };
-        let rebased = of.rebase(&fresh, resolved);
+        let mut there = crate::volume::fid::chunk_file_ids(&fresh.chunks);
+        let mut asked = refused_base.to_vec();
+        there.sort_unstable();
+        asked.sort_unstable();
+        if there == asked {
+            if !self.no_chunk_condition.swap(true, Ordering::Relaxed) {
+                tracing::warn!(path, "the filer refuses a chunk list condition that holds (SeaweedFS before 4.41?): commits of this volume no longer merge concurrent writers' chunks, the last writer wins");
+            }
+            return Ok(true);
+        }
+        let mut rebased = Rebased::Again;
+        for _ in 0..3 {
+            let inner = self.manifests_of(&fresh, of).await.map_err(|e| {
+                errno(
+                    libc::EIO,
+                    format!("{path}: manifests of the entry to rebase onto: {e}"),
+                )
+            })?;
+            rebased = of.rebase(&fresh, &inner);
+            if rebased != Rebased::Again {
+                break;
+            }
+        }
         self.stats.rebases.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::global().commit_rebased();
         // what the kernel read of the file before holds neither side's latest bytes
         self.bump_content_gen(of.ino);
         if let Some(nt) = self.notifier() {
@@ -647,17 +670,66 @@ impl Fs {
                 );
                 if let Some((lo, cut)) = refill {
                     // as a truncate of this node's own does (setattr): the kept bytes of a
-                    // chunk cut in the middle become a chunk of their own, over it
-                    let kept = self.read_range(of, lo, cut - lo).await?;
-                    let runs = of.write(lo, &kept);
-                    self.start_uploads(of, runs, true).await;
+                    // chunk cut in the middle become a chunk of their own, over it. Not over
+                    // a write that came in while they were read. (Left as it is, the chunk
+                    // is recorded shorter than its needle: fine for this client and `weed
+                    // mount`, not for the filer's HTTP and S3 readers.)
+                    for _ in 0..3 {
+                        let seq = of.state.lock().seq;
+                        let kept = self.read_range(of, lo, cut - lo).await?;
+                        if let Some(runs) = of.rewrite_unless_changed(seq, lo, &kept) {
+                            self.start_uploads(of, runs, true).await;
+                            break;
+                        }
+                    }
                 }
             }
             Rebased::Replaces => {
                 tracing::warn!(path, "another client's change cannot be merged with this node's (inline content or hard links); this node's commit replaces it");
             }
+            Rebased::Again => {
+                return Err(errno(
+                    libc::EIO,
+                    format!("{path}: its manifests kept changing under a rebase"),
+                ))
+            }
         }
         Ok(true)
+    }
+
+    /// The data chunks of every manifest chunk of `fresh` and of `of`'s entry, by id (each
+    /// fetched once per rebase; none for files below `manifest_batch` chunks).
+    async fn manifests_of(
+        &self,
+        fresh: &pb::Entry,
+        of: &OpenFile,
+    ) -> std::result::Result<std::collections::HashMap<String, Vec<pb::FileChunk>>, VolumeError>
+    {
+        let local: Vec<pb::FileChunk> = of
+            .state
+            .lock()
+            .entry
+            .chunks
+            .iter()
+            .filter(|c| c.is_chunk_manifest)
+            .cloned()
+            .collect();
+        let mut inner = std::collections::HashMap::new();
+        for m in fresh
+            .chunks
+            .iter()
+            .filter(|c| c.is_chunk_manifest)
+            .chain(&local)
+        {
+            let key = crate::volume::fid::chunk_file_id(m).unwrap_or_default();
+            if let std::collections::hash_map::Entry::Vacant(v) = inner.entry(key) {
+                v.insert(
+                    crate::chunks::expand_manifests(std::slice::from_ref(m), self.store.as_ref())
+                        .await?,
+                );
+            }
+        }
+        Ok(inner)
     }
 
     /// Deletes chunks of ours that no entry references, in the background.
@@ -839,8 +911,9 @@ enum Pass {
     Done,
     /// The filer no longer had the file's name when the commit reached it.
     NameGone,
-    /// The filer's entry was changed by another client since this node knew it.
-    Changed,
+    /// The filer's entry was changed by another client since this node knew it: its chunks
+    /// were not the ones the commit was built on (these).
+    Changed(Vec<String>),
 }
 
 /// Rebases of one commit onto the changes of other clients before it gives up (EIO).
