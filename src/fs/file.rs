@@ -323,6 +323,10 @@ pub struct FileState {
     pub filer_chunks: Vec<String>,
     /// This node's data changes that no commit snapshot has taken yet.
     pub ops: DataOps,
+    /// Data chunks the filer's entry holds inside manifests of `filer_chunks` while this
+    /// node's list has them unfolded (a commit folded them, but a truncate meanwhile kept
+    /// the list from taking its manifests): the filer's, for a rebase.
+    pub filer_folded: Vec<String>,
 }
 
 /// What this node did to a file's data since a commit snapshot, as far as a rebase onto
@@ -460,6 +464,7 @@ impl FileState {
     pub fn replace_entry(&mut self, e: pb::Entry, resolved: Vec<pb::FileChunk>) {
         self.epoch += 1;
         self.filer_chunks = crate::volume::fid::chunk_file_ids(&e.chunks);
+        self.filer_folded.clear();
         self.ops = DataOps::default();
         self.size = entry_size(&e);
         self.max_ts = max_ts(&resolved);
@@ -572,6 +577,7 @@ impl OpenFile {
                 syncs: false,
                 filer_chunks,
                 ops: DataOps::default(),
+                filer_folded: Vec::new(),
             }),
             settle: Arc::default(),
             commit: tokio::sync::Mutex::new(()),
@@ -784,11 +790,21 @@ impl OpenFile {
             let past = |i: &Inflight| !i.failed && i.offset + i.data.len() as u64 > size;
             let ready = !s.inflight.iter().any(past);
             if ready {
+                // one that cuts nothing here (to the size or past it) is no cut of another
+                // client's bytes either: the file is at least that long
+                let op = if size < s.size {
+                    DataOps {
+                        cut: Some(size),
+                        end: 0,
+                    }
+                } else {
+                    DataOps {
+                        cut: None,
+                        end: size,
+                    }
+                };
                 self.truncate_locked(s, size);
-                s.ops.merge(DataOps {
-                    cut: Some(size),
-                    end: 0,
-                });
+                s.ops.merge(op);
             }
             ready
         })
@@ -1052,6 +1068,14 @@ impl OpenFile {
         s.ops.merge(snap.ops);
     }
 
+    /// The filer refused a commit of `snap` (its condition did not hold): nothing of it was
+    /// stored, so its chunks stay this node's and its changes go back to the file. Returns
+    /// the manifest chunks made for it, which nothing references.
+    pub fn refused(&self, snap: CommitSnapshot) -> Vec<String> {
+        self.state.lock().ops.merge(snap.ops);
+        snap.manifests.iter().map(|c| c.file_id.clone()).collect()
+    }
+
     /// Another client changed the file on the filer since this node last knew its entry,
     /// and this node has changes to commit: takes `fresh` (the filer's entry) as the base
     /// and replays this node's changes onto it. Each chunk by where it is: in both lists, as
@@ -1091,9 +1115,22 @@ impl OpenFile {
             }
             Some(out)
         };
-        let base: HashSet<&str> = s.filer_chunks.iter().map(String::as_str).collect();
-        let here: HashSet<String> = s.entry.chunks.iter().map(id).collect();
-        let there: HashSet<&str> = fresh_ids.iter().map(String::as_str).collect();
+        // (a chunk inside a manifest counts as in its list, as does one the filer holds folded)
+        let base: HashSet<&str> = s
+            .filer_chunks
+            .iter()
+            .chain(&s.filer_folded)
+            .map(String::as_str)
+            .collect();
+        let folded_in = |list: &[pb::FileChunk]| -> HashSet<String> {
+            let mut ids: HashSet<String> = list.iter().map(id).collect();
+            for m in list.iter().filter(|c| c.is_chunk_manifest) {
+                ids.extend(inner.get(&id(m)).into_iter().flatten().map(id));
+            }
+            ids
+        };
+        let here = folded_in(&s.entry.chunks);
+        let there = folded_in(&fresh.chunks);
         let theirs: Vec<pb::FileChunk> = fresh
             .chunks
             .iter()
@@ -1109,7 +1146,7 @@ impl OpenFile {
             .iter()
             .filter(|c| {
                 let i = id(c);
-                there.contains(i.as_str()) || !base.contains(i.as_str())
+                there.contains(&i) || !base.contains(i.as_str())
             })
             .cloned()
             .collect();
@@ -1143,6 +1180,7 @@ impl OpenFile {
             a.file_size = size;
         }
         s.filer_chunks = fresh_ids;
+        s.filer_folded.clear();
         Rebased::Merged { refill }
     }
 
@@ -1163,6 +1201,7 @@ impl OpenFile {
         s.uncommitted = s.uncommitted.saturating_sub(snap.uncommitted);
         s.pending_create = false;
         s.filer_chunks = crate::volume::fid::chunk_file_ids(&snap.entry.chunks);
+        s.filer_folded.clear();
         let carried: HashSet<&str> = snap
             .entry
             .chunks

@@ -2579,7 +2579,11 @@ async fn commits_land_on_a_filer_that_does_not_know_the_chunk_condition() {
         b"aaaaaaaaaabbbbbbbbbbccccccccccddddddddddeeeeeeeeee"
     );
     assert!(fs.no_chunk_condition.load(Ordering::Relaxed));
-    assert_eq!(filer.calls("create_entry"), 6, "five commits, one refused");
+    assert_eq!(
+        filer.calls("create_entry"),
+        7,
+        "five commits, one refused twice"
+    );
 }
 
 /// A commit is stored but its answer is lost; the retry is refused (the filer's entry is
@@ -2658,5 +2662,53 @@ async fn a_commit_rebased_onto_a_manifest_the_other_node_made_keeps_both_writes(
     want[60..70].fill(0);
     assert_eq!(bytes_on_filer(&store, &whole).await, want);
     assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+/// Another client moves another file over the name of a file this node has open with
+/// changes: the commit is refused, and its changes are not merged into the file that took
+/// the name (nor written over it); without the event that says what happened, it is
+/// ESTALE after a while, as for a name that went away.
+#[tokio::test]
+async fn a_commit_is_not_rebased_onto_another_file_moved_over_its_name() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = committed_then_written(&fs).await;
+    let (g, gfh) = fs
+        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
+    fs.release(gfh, g.ino).await.unwrap();
+    rename_unseen(&filer, "g", "f").await;
+    let e = fs.flush(fh, a.ino).await.unwrap_err();
+    assert_eq!(e.errno, libc::ESTALE, "{e}");
+    let f = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &f).await, b"the other file");
+    let _ = fs.release(fh, a.ino).await;
+}
+
+/// A truncate that cuts nothing here (to the file's size) is no cut of the bytes another
+/// node appended meanwhile: after the rebase the file keeps them.
+#[tokio::test]
+async fn a_truncate_to_the_size_does_not_cut_another_nodes_append() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 2, b"AB").await.unwrap();
+    let mut theirs = filer.get("/f").unwrap();
+    let mut c = store.insert(&b"xyz"[..]);
+    c.offset = 10;
+    c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
+    theirs.chunks.push(c);
+    theirs.attributes.as_mut().unwrap().file_size = 13;
+    store_root(&filer, theirs).await;
+    let to_size = SetAttr {
+        size: Some(10),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, to_size).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456789xyz");
     fs.release(fh, a.ino).await.unwrap();
 }

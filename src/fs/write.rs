@@ -214,6 +214,7 @@ impl Fs {
     async fn commit_file(&self, of: &Arc<OpenFile>) -> Result<()> {
         let mut rebases = 0;
         let mut pass = 0;
+        let mut held_but_refused = false;
         loop {
             let refused = pass > 0;
             let outcome = self.commit_pass(of, refused).await?;
@@ -225,9 +226,20 @@ impl Fs {
                         tokio::time::sleep(Duration::from_millis(u64::from(rebases))).await;
                     }
                     match self.rebase(of, &base).await? {
-                        true => continue,
-                        // (its name is gone, or holds a directory now)
-                        false => Pass::NameGone,
+                        Rebase::Done => continue,
+                        Rebase::HeldButRefused if !held_but_refused => {
+                            // (once may be a move away and back between the two)
+                            held_but_refused = true;
+                            continue;
+                        }
+                        Rebase::HeldButRefused => {
+                            if !self.no_chunk_condition.swap(true, Ordering::Relaxed) {
+                                tracing::warn!(path = %of.path(), "the filer refuses a chunk list condition that holds (SeaweedFS before 4.41?): commits of this volume no longer merge concurrent writers' chunks, the last writer wins");
+                            }
+                            continue;
+                        }
+                        // (its name is gone, or holds a directory or another file now)
+                        Rebase::NameGone => Pass::NameGone,
                     }
                 }
                 Pass::Changed(_) => {
@@ -372,7 +384,8 @@ impl Fs {
                             let base = snap.base.clone();
                             // refused: nothing of it was stored (its changes go back to the
                             // file, to be carried by the rebased commit)
-                            drop(inflight);
+                            let refused = inflight.snap.take().expect("not settled yet");
+                            self.delete_orphans(of.refused(refused));
                             return Ok(Pass::Changed(base));
                         }
                         Err(FilerError::Changed(m)) => {
@@ -400,10 +413,12 @@ impl Fs {
             }
         }
         let snap = inflight.snap.take().expect("settled once");
-        if !snap.folded.is_empty() {
-            of.manifestized(&snap.folded, snap.manifests.clone());
-        }
+        let unfolded =
+            !snap.folded.is_empty() && !of.manifestized(&snap.folded, snap.manifests.clone());
         let orphans = of.committed(&snap);
+        if unfolded {
+            of.state.lock().filer_folded = crate::volume::fid::chunk_file_ids(&snap.folded);
+        }
         self.delete_orphans(orphans);
         self.meta.upsert(&dir, Arc::new(snap.entry));
         Ok(Pass::Done)
@@ -602,19 +617,17 @@ impl Fs {
 
     /// After the filer refused a commit because another client changed the file since this
     /// node knew its entry: takes the filer's entry as the base of this node's changes
-    /// ([`OpenFile::rebase`]). False if the name is gone or holds a directory now (the
-    /// caller then treats it as a name gone under the commit).
+    /// ([`OpenFile::rebase`]).
     ///
     /// A filer of SeaweedFS 4.29-4.40 checks conditions on creates but not `IF_CHUNKS_EQUAL`
     /// (4.41), and fails a clause it does not know: its entry still lists the chunks of
-    /// `refused_base`. From then on this session's commits carry `IF_EXISTS` alone (the
-    /// last writer wins, as before the condition).
-    async fn rebase(&self, of: &Arc<OpenFile>, refused_base: &[String]) -> Result<bool> {
+    /// `refused_base` (see [`Rebase::HeldButRefused`]).
+    async fn rebase(&self, of: &Arc<OpenFile>, refused_base: &[String]) -> Result<Rebase> {
         // not while a commit of this file is in flight: its success sets the base too
         let _commit = of.commit.lock().await;
-        let (dir, name) = {
+        let (dir, name, known) = {
             let s = of.state.lock();
-            (s.dir.clone(), s.entry.name.clone())
+            (s.dir.clone(), s.entry.name.clone(), Identity::of(&s.entry))
         };
         let path = join(&dir, &name);
         let start = Instant::now();
@@ -622,9 +635,14 @@ impl Fs {
         let fresh = loop {
             self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
             match self.filer.lookup_entry(&dir, &name).await {
-                Ok(e) if e.is_directory => return Ok(false),
+                Ok(e) if e.is_directory => return Ok(Rebase::NameGone),
+                // another file took the name (moved over it, or removed and made again):
+                // this one's data is not merged into it; its events decide
+                Ok(e) if !self.is_node(&path, &e, of.ino) && !known.is_inodeless_match(&e) => {
+                    return Ok(Rebase::NameGone)
+                }
                 Ok(e) => break e,
-                Err(FilerError::NotFound(_)) => return Ok(false),
+                Err(FilerError::NotFound(_)) => return Ok(Rebase::NameGone),
                 Err(e) if start.elapsed() < self.cfg.upload_retry => {
                     tracing::warn!(path, error = %e, "reading the entry to rebase a commit onto failed; retrying");
                     tokio::time::sleep(pauses.next_pause()).await;
@@ -637,10 +655,7 @@ impl Fs {
         there.sort_unstable();
         asked.sort_unstable();
         if there == asked {
-            if !self.no_chunk_condition.swap(true, Ordering::Relaxed) {
-                tracing::warn!(path, "the filer refuses a chunk list condition that holds (SeaweedFS before 4.41?): commits of this volume no longer merge concurrent writers' chunks, the last writer wins");
-            }
-            return Ok(true);
+            return Ok(Rebase::HeldButRefused);
         }
         let mut rebased = Rebased::Again;
         for _ in 0..3 {
@@ -674,13 +689,18 @@ impl Fs {
                     // a write that came in while they were read. (Left as it is, the chunk
                     // is recorded shorter than its needle: fine for this client and `weed
                     // mount`, not for the filer's HTTP and S3 readers.)
+                    let mut rewritten = false;
                     for _ in 0..3 {
                         let seq = of.state.lock().seq;
                         let kept = self.read_range(of, lo, cut - lo).await?;
                         if let Some(runs) = of.rewrite_unless_changed(seq, lo, &kept) {
                             self.start_uploads(of, runs, true).await;
+                            rewritten = true;
                             break;
                         }
+                    }
+                    if !rewritten {
+                        tracing::warn!(path, lo, cut, "written to while the kept part of a chunk cut by a truncate was read; left recorded shorter than its needle (the filer's HTTP and S3 readers cannot read it)");
                     }
                 }
             }
@@ -694,7 +714,7 @@ impl Fs {
                 ))
             }
         }
-        Ok(true)
+        Ok(Rebase::Done)
     }
 
     /// The data chunks of every manifest chunk of `fresh` and of `of`'s entry, by id (each
@@ -914,6 +934,19 @@ enum Pass {
     /// The filer's entry was changed by another client since this node knew it: its chunks
     /// were not the ones the commit was built on (these).
     Changed(Vec<String>),
+}
+
+/// What [`Fs::rebase`] came to.
+enum Rebase {
+    /// The file's changes lie on the filer's entry now: commit again.
+    Done,
+    /// Its name is gone, or holds a directory or another file now.
+    NameGone,
+    /// The filer's entry lists the chunks the refused condition asked for. A filer of
+    /// SeaweedFS 4.29-4.40 fails `IF_CHUNKS_EQUAL` on creates (it does not know it): the
+    /// second time in one commit, this session's commits carry `IF_EXISTS` alone (the last
+    /// writer wins, as before the condition). Once may be a move away and back.
+    HeldButRefused,
 }
 
 /// Rebases of one commit onto the changes of other clients before it gives up (EIO).
