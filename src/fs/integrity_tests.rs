@@ -2497,18 +2497,8 @@ async fn committed_then_written(fs: &Fs) -> (Attr, u64) {
 #[tokio::test]
 async fn a_commit_rebased_onto_another_nodes_commit_keeps_both_writes() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    fs.write(fh, a.ino, 2, b"AB").await.unwrap();
-    let mut theirs = filer.get("/f").unwrap();
-    let mut c = store.insert(&b"xyzzz"[..]);
-    c.offset = 7;
-    c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
-    c.file_id.clear();
-    theirs.chunks.push(c);
-    theirs.attributes.as_mut().unwrap().file_size = 12;
-    store_root(&filer, theirs).await;
+    let (a, fh) = written_over_a_commit(&fs).await;
+    written_elsewhere(&filer, &store, 7, b"xyzzz").await;
     fs.flush(fh, a.ino).await.unwrap();
     let e = filer.get("/f").unwrap();
     assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456xyzzz");
@@ -2516,6 +2506,35 @@ async fn a_commit_rebased_onto_another_nodes_commit_keeps_both_writes() {
     let read = fs.read(fh, a.ino, 0, 100).await.unwrap();
     assert_eq!(&read[..], b"01AB456xyzzz", "what this node reads");
     fs.release(fh, a.ino).await.unwrap();
+}
+
+/// "/f" committed as "0123456789", then "AB" written over bytes 2..4 and not committed.
+async fn written_over_a_commit(fs: &Fs) -> (Attr, u64) {
+    let (a, fh) = create_f(fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 2, b"AB").await.unwrap();
+    (a, fh)
+}
+
+/// Another node's commit of `data` at `at` into "/f", unseen here. Its chunk names its id
+/// in the `fid` form only, as other clients may.
+async fn written_elsewhere(filer: &MockFiler, store: &MockChunkStore, at: i64, data: &[u8]) {
+    let mut theirs = filer.get("/f").unwrap();
+    let mut c = store.insert(data.to_vec());
+    c.offset = at;
+    c.modified_ts_ns = theirs
+        .chunks
+        .iter()
+        .map(|c| c.modified_ts_ns)
+        .max()
+        .unwrap()
+        + 1;
+    c.file_id.clear();
+    let a = theirs.attributes.as_mut().unwrap();
+    a.file_size = a.file_size.max(at as u64 + data.len() as u64);
+    theirs.chunks.push(c);
+    store_root(filer, theirs).await;
 }
 
 /// One writer's commits are never refused: the chunk list this node keeps as the filer's
@@ -2692,17 +2711,8 @@ async fn a_commit_is_not_rebased_onto_another_file_moved_over_its_name() {
 #[tokio::test]
 async fn a_truncate_to_the_size_does_not_cut_another_nodes_append() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    fs.write(fh, a.ino, 2, b"AB").await.unwrap();
-    let mut theirs = filer.get("/f").unwrap();
-    let mut c = store.insert(&b"xyz"[..]);
-    c.offset = 10;
-    c.modified_ts_ns = theirs.chunks[0].modified_ts_ns + 1;
-    theirs.chunks.push(c);
-    theirs.attributes.as_mut().unwrap().file_size = 13;
-    store_root(&filer, theirs).await;
+    let (a, fh) = written_over_a_commit(&fs).await;
+    written_elsewhere(&filer, &store, 10, b"xyz").await;
     let to_size = SetAttr {
         size: Some(10),
         ..Default::default()
