@@ -1102,6 +1102,7 @@ impl OpenFile {
         if !mergeable {
             s.epoch += 1;
             s.filer_chunks = fresh_ids;
+            s.filer_folded.clear();
             return Rebased::Replaces;
         }
         let expand = |list: &[pb::FileChunk]| -> Option<Vec<pb::FileChunk>> {

@@ -382,10 +382,16 @@ impl Fs {
                         Err(FilerError::Changed(m)) if on_chunks => {
                             tracing::info!(path = %of.path(), m, "the file changed on the filer under a commit; rebasing onto it");
                             let base = snap.base.clone();
-                            // refused: nothing of it was stored (its changes go back to the
-                            // file, to be carried by the rebased commit)
-                            let refused = inflight.snap.take().expect("not settled yet");
-                            self.delete_orphans(of.refused(refused));
+                            // refused: this attempt stored nothing (its changes go back to
+                            // the file, to be carried by the rebased commit). An attempt
+                            // before that failed unanswered may have landed, listing what
+                            // it carried: then the guard gives those chunks up instead.
+                            if attempt == 0 {
+                                let refused = inflight.snap.take().expect("not settled yet");
+                                self.delete_orphans(of.refused(refused));
+                            } else {
+                                drop(inflight);
+                            }
                             return Ok(Pass::Changed(base));
                         }
                         Err(FilerError::Changed(m)) => {
