@@ -2722,3 +2722,43 @@ async fn a_truncate_to_the_size_does_not_cut_another_nodes_append() {
     assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456789xyz");
     fs.release(fh, a.ino).await.unwrap();
 }
+
+/// A commit that folds the file's chunks into a new manifest is stored, but its answer is
+/// lost, and its retry is refused (the filer's list is that commit's now). The manifest is
+/// the filer's: it must not be deleted as a refused commit's would be, and the file reads
+/// back whole.
+#[tokio::test]
+async fn a_refused_retry_keeps_the_manifest_its_unanswered_attempt_stored() {
+    let mut cfg = FsConfig::from_mount_options(&MountOptions {
+        chunk_size_limit_mb: 1,
+        ..Default::default()
+    });
+    cfg.manifest_batch = 4;
+    cfg.upload_retry = Duration::from_secs(5);
+    let store = Arc::new(MockChunkStore::new());
+    let filer = Arc::new(MockFiler::new());
+    let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    let mut want = Vec::new();
+    for i in 0..4u8 {
+        let data = [b'a' + i; 10];
+        fs.write(fh, a.ino, want.len() as u64, &data).await.unwrap();
+        want.extend_from_slice(&data);
+        if i == 3 {
+            filer.lose_next_create_reply();
+        }
+        fs.flush(fh, a.ino).await.unwrap();
+    }
+    settle().await;
+    let e = filer.get("/f").unwrap();
+    assert!(e.chunks.iter().any(|c| c.is_chunk_manifest), "no manifest");
+    let data = crate::chunks::expand_manifests(&e.chunks, store.as_ref())
+        .await
+        .expect("the entry's manifests");
+    let whole = pb::Entry {
+        chunks: data,
+        ..e.clone()
+    };
+    assert_eq!(bytes_on_filer(&store, &whole).await, want);
+    fs.release(fh, a.ino).await.unwrap();
+}
