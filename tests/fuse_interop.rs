@@ -788,3 +788,44 @@ fn concurrent_writes_to_one_file_on_two_nodes_both_land() {
     put(&mut want, 0, &rewritten);
     check(&want, "after b's rewrite");
 }
+
+/// The same with `weed mount` as the other writer: its commits carry no condition, and ours
+/// are rebased onto them, so `weed mount`'s bytes and ours both stay.
+#[test]
+fn concurrent_writes_with_weed_mount_on_one_file_both_land() {
+    let w = shared_server();
+    let root = unique_path("mergeweed");
+    let ours = mount_ours(&w, &root, &[]);
+    let weed = mount_weed(&w, &root);
+    let path = format!("{root}/f");
+    let mut want = vec![b'.'; 3 << 20];
+    fs::write(ours.join("f"), &want).unwrap();
+    eventually("weed mount sees f whole", || {
+        fs::metadata(weed.join("f")).is_ok_and(|m| m.len() == want.len() as u64)
+    });
+    let f_ours = OpenOptions::new().write(true).open(ours.join("f")).unwrap();
+    for round in 0..4u8 {
+        let (dw, dour) = (vec![b'w' - round; 6000], vec![b'O' + round; 6000]);
+        let (ow, oour) = (
+            usize::from(round) * 10_000,
+            (2 << 20) + usize::from(round) * 10_000,
+        );
+        f_ours.write_all_at(&dour, oour as u64).unwrap();
+        {
+            let f_weed = OpenOptions::new().write(true).open(weed.join("f")).unwrap();
+            f_weed.write_all_at(&dw, ow as u64).unwrap();
+            f_weed.sync_all().unwrap();
+        }
+        f_ours.sync_all().unwrap();
+        want[ow..ow + dw.len()].copy_from_slice(&dw);
+        want[oour..oour + dour.len()].copy_from_slice(&dour);
+        let got = w.filer_get(&path).unwrap_or_default();
+        assert!(
+            got == want,
+            "round {round}: the filer has {} bytes, {} differ from both clients' writes (first at {:?})",
+            got.len(),
+            got.iter().zip(&want).filter(|(x, y)| x != y).count() + got.len().abs_diff(want.len()),
+            got.iter().zip(&want).position(|(x, y)| x != y)
+        );
+    }
+}
