@@ -1141,6 +1141,14 @@ impl OpenFile {
             })
             .cloned()
             .collect();
+        // a chunk both lists have was cut by whichever side truncated it (a record only
+        // ever gets shorter): the shorter of the two
+        let sizes: std::collections::HashMap<String, u64> = fresh
+            .chunks
+            .iter()
+            .filter(|c| !c.is_chunk_manifest)
+            .map(|c| (id(c), c.size))
+            .collect();
         let kept: Vec<pb::FileChunk> = s
             .entry
             .chunks
@@ -1149,7 +1157,13 @@ impl OpenFile {
                 let i = id(c);
                 there.contains(&i) || !base.contains(i.as_str())
             })
-            .cloned()
+            .map(|c| {
+                let mut c = c.clone();
+                if let Some(&theirs) = sizes.get(&id(&c)).filter(|_| !c.is_chunk_manifest) {
+                    c.size = c.size.min(theirs);
+                }
+                c
+            })
             .collect();
         let cut = s.ops.cut;
         let (mut top, refill) = match cut {

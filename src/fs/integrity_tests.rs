@@ -2762,3 +2762,29 @@ async fn a_refused_retry_keeps_the_manifest_its_unanswered_attempt_stored() {
     assert_eq!(bytes_on_filer(&store, &whole).await, want);
     fs.release(fh, a.ino).await.unwrap();
 }
+
+/// Another node truncates into a chunk this node's list also has, while this node has a
+/// write past the cut to commit: the rebased list keeps that chunk cut, so its old bytes
+/// past the other node's cut do not come back between it and this node's write.
+#[tokio::test]
+async fn a_rebase_keeps_another_nodes_cut_of_a_shared_chunk() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"0123456789").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.write(fh, a.ino, 12, b"AB").await.unwrap();
+    // their truncate to 5, as this driver makes it: the chunk's record cut, and its kept
+    // bytes written again as a chunk of their own
+    let mut theirs = filer.get("/f").unwrap();
+    theirs.chunks[0].size = 5;
+    theirs.attributes.as_mut().unwrap().file_size = 5;
+    store_root(&filer, theirs).await;
+    written_elsewhere(&filer, &store, 0, b"01234").await;
+    fs.flush(fh, a.ino).await.unwrap();
+    assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
+    let e = filer.get("/f").unwrap();
+    assert_eq!(crate::chunks::file_size(&e), 14);
+    let read = fs.read(fh, a.ino, 0, 100).await.unwrap();
+    assert_eq!(&read[..], b"01234\0\0\0\0\0\0\0AB");
+    fs.release(fh, a.ino).await.unwrap();
+}
