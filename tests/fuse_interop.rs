@@ -723,14 +723,7 @@ fn concurrent_writes_to_one_file_on_two_nodes_both_land() {
         want[off..off + data.len()].copy_from_slice(data);
     };
     let check = |want: &[u8], what: &str| {
-        let got = w.filer_get(&path).unwrap_or_default();
-        assert!(
-            got == want,
-            "{what}: the filer has {} bytes, {} differ from both nodes' writes (first at {:?})",
-            got.len(),
-            got.iter().zip(want).filter(|(x, y)| x != y).count() + got.len().abs_diff(want.len()),
-            got.iter().zip(want).position(|(x, y)| x != y)
-        );
+        assert_filer_has(&w, &path, want, what);
         let through_b = fs::read(b.join("f")).unwrap();
         assert!(
             through_b == want,
@@ -789,6 +782,18 @@ fn concurrent_writes_to_one_file_on_two_nodes_both_land() {
     check(&want, "after b's rewrite");
 }
 
+/// The filer serves `want` at `path` (over HTTP), else says how much of it differs.
+fn assert_filer_has(w: &common::WeedServer, path: &str, want: &[u8], what: &str) {
+    let got = w.filer_get(path).unwrap_or_default();
+    assert!(
+        got == want,
+        "{what}: the filer has {} bytes, {} differ from both clients' writes (first at {:?})",
+        got.len(),
+        got.iter().zip(want).filter(|(x, y)| x != y).count() + got.len().abs_diff(want.len()),
+        got.iter().zip(want).position(|(x, y)| x != y)
+    );
+}
+
 /// The same with `weed mount` as the other writer: its commits carry no condition, and ours
 /// are rebased onto them, so `weed mount`'s bytes and ours both stay.
 #[test]
@@ -819,13 +824,6 @@ fn concurrent_writes_with_weed_mount_on_one_file_both_land() {
         f_ours.sync_all().unwrap();
         want[ow..ow + dw.len()].copy_from_slice(&dw);
         want[oour..oour + dour.len()].copy_from_slice(&dour);
-        let got = w.filer_get(&path).unwrap_or_default();
-        assert!(
-            got == want,
-            "round {round}: the filer has {} bytes, {} differ from both clients' writes (first at {:?})",
-            got.len(),
-            got.iter().zip(&want).filter(|(x, y)| x != y).count() + got.len().abs_diff(want.len()),
-            got.iter().zip(&want).position(|(x, y)| x != y)
-        );
+        assert_filer_has(&w, &path, &want, &format!("round {round}"));
     }
 }

@@ -882,10 +882,15 @@ const CHANGED_RETRIES: u32 = 8;
 /// The condition that the filer's entry still lists exactly `chunks` (ids as a multiset).
 pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
     pb::WriteCondition {
-        clauses: vec![pb::write_condition::Clause {
-            kind: pb::write_condition::Kind::IfChunksEqual as i32,
-            fids: crate::volume::fid::chunk_file_ids(chunks),
-        }],
+        clauses: vec![chunks_equal(crate::volume::fid::chunk_file_ids(chunks))],
+    }
+}
+
+/// The clause that the entry lists exactly the chunks `fids` (as a multiset).
+fn chunks_equal(fids: Vec<String>) -> pb::write_condition::Clause {
+    pb::write_condition::Clause {
+        kind: pb::write_condition::Kind::IfChunksEqual as i32,
+        fids,
     }
 }
 
@@ -893,10 +898,7 @@ pub(super) fn chunks_unchanged(chunks: &[pb::FileChunk]) -> pb::WriteCondition {
 /// `fids` (an absent entry counts as one without chunks, hence both clauses).
 pub(super) fn exists_with_chunks(fids: &[String]) -> pb::WriteCondition {
     let mut c = must_exist();
-    c.clauses.push(pb::write_condition::Clause {
-        kind: pb::write_condition::Kind::IfChunksEqual as i32,
-        fids: fids.to_vec(),
-    });
+    c.clauses.push(chunks_equal(fids.to_vec()));
     c
 }
 

@@ -17,11 +17,22 @@ use std::time::Duration;
 const MIB: usize = 1 << 20;
 
 fn fs_and_store(upload_retry: Duration) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+    fs_folding(upload_retry, None)
+}
+
+/// [`fs_and_store`] whose commits fold every `manifest_batch` data chunks into a manifest.
+fn fs_folding(
+    upload_retry: Duration,
+    manifest_batch: Option<usize>,
+) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
     let mut cfg = FsConfig::from_mount_options(&MountOptions {
         chunk_size_limit_mb: 1,
         ..Default::default()
     });
     cfg.upload_retry = upload_retry;
+    if let Some(batch) = manifest_batch {
+        cfg.manifest_batch = batch;
+    }
     let store = Arc::new(MockChunkStore::new());
     let filer = Arc::new(MockFiler::new());
     let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
@@ -889,7 +900,9 @@ async fn bytes_on_filer(store: &MockChunkStore, e: &pb::Entry) -> Vec<u8> {
         return e.content.clone();
     }
     let mut out = vec![0u8; crate::chunks::file_size(e) as usize];
-    let mut chunks = e.chunks.clone();
+    let mut chunks = crate::chunks::expand_manifests(&e.chunks, store)
+        .await
+        .expect("the entry's manifests");
     chunks.sort_by_key(|c| c.modified_ts_ns);
     for c in &chunks {
         let data = store.fetch_chunk(c).await.unwrap();
@@ -2542,14 +2555,7 @@ async fn written_elsewhere(filer: &MockFiler, store: &MockChunkStore, at: i64, d
 /// (each refusal would cost a lookup and a second commit).
 #[tokio::test]
 async fn one_writers_commits_are_never_rebased() {
-    let mut cfg = FsConfig::from_mount_options(&MountOptions {
-        chunk_size_limit_mb: 1,
-        ..Default::default()
-    });
-    cfg.manifest_batch = 4;
-    let store = Arc::new(MockChunkStore::new());
-    let filer = Arc::new(MockFiler::new());
-    let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+    let (fs, _store, filer) = fs_folding(Duration::from_secs(1), Some(4));
     let (a, fh) = create_f(&fs, libc::O_RDWR).await;
     let mut size = 0u64;
     for i in 0..24u8 {
@@ -2669,17 +2675,10 @@ async fn a_commit_rebased_onto_a_manifest_the_other_node_made_keeps_both_writes(
     fs.flush(fh, a.ino).await.unwrap();
     let e = filer.get("/f").unwrap();
     assert!(e.chunks.iter().any(|c| c.is_chunk_manifest), "the manifest");
-    let data = crate::chunks::expand_manifests(&e.chunks, store.as_ref())
-        .await
-        .unwrap();
-    let whole = pb::Entry {
-        chunks: data,
-        ..e.clone()
-    };
     let mut want =
         b"00xx000000111111111122222222223333333333444444444455555555550000000000OURS".to_vec();
     want[60..70].fill(0);
-    assert_eq!(bytes_on_filer(&store, &whole).await, want);
+    assert_eq!(bytes_on_filer(&store, &e).await, want);
     assert_eq!(fs.stats.rebases.load(Ordering::Relaxed), 1);
     fs.release(fh, a.ino).await.unwrap();
 }
@@ -2729,15 +2728,7 @@ async fn a_truncate_to_the_size_does_not_cut_another_nodes_append() {
 /// back whole.
 #[tokio::test]
 async fn a_refused_retry_keeps_the_manifest_its_unanswered_attempt_stored() {
-    let mut cfg = FsConfig::from_mount_options(&MountOptions {
-        chunk_size_limit_mb: 1,
-        ..Default::default()
-    });
-    cfg.manifest_batch = 4;
-    cfg.upload_retry = Duration::from_secs(5);
-    let store = Arc::new(MockChunkStore::new());
-    let filer = Arc::new(MockFiler::new());
-    let fs = Fs::new(cfg, filer.clone(), store.clone(), ChunkCache::new(1 << 20));
+    let (fs, store, filer) = fs_folding(Duration::from_secs(5), Some(4));
     let (a, fh) = create_f(&fs, libc::O_RDWR).await;
     let mut want = Vec::new();
     for i in 0..4u8 {
@@ -2752,14 +2743,7 @@ async fn a_refused_retry_keeps_the_manifest_its_unanswered_attempt_stored() {
     settle().await;
     let e = filer.get("/f").unwrap();
     assert!(e.chunks.iter().any(|c| c.is_chunk_manifest), "no manifest");
-    let data = crate::chunks::expand_manifests(&e.chunks, store.as_ref())
-        .await
-        .expect("the entry's manifests");
-    let whole = pb::Entry {
-        chunks: data,
-        ..e.clone()
-    };
-    assert_eq!(bytes_on_filer(&store, &whole).await, want);
+    assert_eq!(bytes_on_filer(&store, &e).await, want);
     fs.release(fh, a.ino).await.unwrap();
 }
 
