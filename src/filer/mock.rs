@@ -59,6 +59,8 @@ struct Shared {
     holds: Mutex<Vec<(String, Arc<LookupHold>)>>,
     /// Conditions checked as SeaweedFS 4.29-4.40 does (see [`MockFiler::conditions_as_4_40`]).
     conditions_as_4_40: std::sync::atomic::AtomicBool,
+    /// See [`MockFiler::away_for_next_conditional_creates`].
+    away_creates: std::sync::atomic::AtomicU32,
     /// Creates to answer with `Unavailable` after storing them.
     lost_replies: std::sync::atomic::AtomicU32,
 }
@@ -290,6 +292,7 @@ impl MockFiler {
                 total_size: AtomicU64::new(1 << 40),
                 holds: Mutex::new(Vec::new()),
                 conditions_as_4_40: Default::default(),
+                away_creates: Default::default(),
                 lost_replies: Default::default(),
             }),
             signature: random_signature(),
@@ -328,6 +331,12 @@ impl MockFiler {
     /// them), and a clause kind it does not know (`IF_CHUNKS_EQUAL`, 4.41) never holds.
     pub fn conditions_as_4_40(&self) {
         self.shared.conditions_as_4_40.store(true, Ordering::SeqCst);
+    }
+
+    /// The next `n` conditional creates find no entry at their name, as if another client
+    /// had moved it away just then and back right after.
+    pub fn away_for_next_conditional_creates(&self, n: u32) {
+        self.shared.away_creates.fetch_add(n, Ordering::SeqCst);
     }
 
     /// The next create is stored, and its caller gets `Unavailable` instead of the answer
@@ -603,7 +612,13 @@ impl MockFiler {
                 }
             }
         }
-        if !condition_holds(cond.as_ref(), old.as_ref()) {
+        let away = cond.is_some()
+            && self
+                .shared
+                .away_creates
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        if !condition_holds(cond.as_ref(), old.as_ref().filter(|_| !away)) {
             return Err(FilerError::Changed(format!(
                 "create {path}: precondition failed"
             )));

@@ -7,7 +7,7 @@ use crate::cache::ChunkCache;
 use crate::config::MountOptions;
 use crate::filer::mock::MockFiler;
 use crate::filer::FilerApi;
-use crate::fs::FsConfig;
+use crate::fs::{ChunkCondition, FsConfig};
 use crate::pb::filer as pb;
 use crate::volume::mock::MockChunkStore;
 use std::sync::atomic::Ordering;
@@ -25,11 +25,25 @@ fn fs_folding(
     upload_retry: Duration,
     manifest_batch: Option<usize>,
 ) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+    fs_built(upload_retry, manifest_batch, ChunkCondition::default())
+}
+
+/// [`fs_and_store`] on a filer whose version says `condition` of the chunk list condition.
+fn fs_told(condition: ChunkCondition) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+    fs_built(Duration::from_secs(1), None, condition)
+}
+
+fn fs_built(
+    upload_retry: Duration,
+    manifest_batch: Option<usize>,
+    condition: ChunkCondition,
+) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
     let mut cfg = FsConfig::from_mount_options(&MountOptions {
         chunk_size_limit_mb: 1,
         ..Default::default()
     });
     cfg.upload_retry = upload_retry;
+    cfg.chunk_condition = condition;
     if let Some(batch) = manifest_batch {
         cfg.manifest_batch = batch;
     }
@@ -2609,6 +2623,63 @@ async fn commits_land_on_a_filer_that_does_not_know_the_chunk_condition() {
         7,
         "five commits, one refused twice"
     );
+}
+
+/// A filer of 4.40 by its version gets no chunk list condition from the first commit on, so
+/// none is refused (the last writer wins there).
+#[tokio::test]
+async fn a_filer_older_than_4_41_by_its_version_gets_no_chunk_condition() {
+    let (fs, store, filer) = fs_told(ChunkCondition::of_version(4, 40));
+    filer.conditions_as_4_40();
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    for i in 0..3u8 {
+        fs.write(fh, a.ino, u64::from(i) * 2, &[b'a' + i; 2])
+            .await
+            .unwrap();
+        fs.flush(fh, a.ino).await.unwrap();
+    }
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"aabbcc");
+    assert_eq!(
+        filer.calls("create_entry"),
+        3,
+        "three commits, none refused"
+    );
+}
+
+/// On a filer whose version says it checks the chunk list condition, commits refused while
+/// another client has the file's name away (moved away and back, again and again) are
+/// taken as just that, never as a filer that does not know the condition: the next write
+/// elsewhere is still merged, not deleted by this node's commit.
+#[tokio::test]
+async fn moves_away_and_back_never_turn_the_chunk_condition_off() {
+    let (fs, store, filer) = fs_told(ChunkCondition::of_version(4, 48));
+    let (a, fh) = written_over_a_commit(&fs).await;
+    filer.away_for_next_conditional_creates(3);
+    fs.flush(fh, a.ino).await.unwrap();
+    assert_eq!(
+        filer.calls("create_entry"),
+        2 + 3,
+        "refused three times, then stored"
+    );
+    fs.write(fh, a.ino, 0, b"Z").await.unwrap();
+    written_elsewhere(&filer, &store, 7, b"xyzzz").await;
+    fs.flush(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"Z1AB456xyzzz");
+    assert!(!fs.no_chunk_condition.load(Ordering::Relaxed));
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+/// What a filer's version numbers say of the chunk list condition.
+#[test]
+fn the_chunk_condition_is_known_from_4_41_on() {
+    assert_eq!(ChunkCondition::of_version(0, 0), ChunkCondition::Untold);
+    assert_eq!(ChunkCondition::of_version(3, 99), ChunkCondition::Unknown);
+    assert_eq!(ChunkCondition::of_version(4, 40), ChunkCondition::Unknown);
+    assert_eq!(ChunkCondition::of_version(4, 41), ChunkCondition::Checked);
+    assert_eq!(ChunkCondition::of_version(5, 0), ChunkCondition::Checked);
 }
 
 /// A commit is stored but its answer is lost; the retry is refused (the filer's entry is

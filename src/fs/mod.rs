@@ -241,6 +241,36 @@ pub struct FsConfig {
     pub selinux_label_unsupported: bool,
     /// The node's memory budget, shared by every session (dirty write data is charged to it).
     pub budget: Arc<MemoryBudget>,
+    /// Whether the filer checks a commit's chunk list condition, as its version says.
+    pub chunk_condition: ChunkCondition,
+}
+
+/// Whether the filer checks `IF_CHUNKS_EQUAL` (SeaweedFS 4.41+), the condition that keeps a
+/// commit from deleting another node's new chunks (see `Fs::rebase`). SeaweedFS 4.29-4.40
+/// fail a clause they do not know, so every commit carrying it would be refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChunkCondition {
+    /// 4.41 or later: every plain file's commit carries it, and a refusal is always a
+    /// change on the filer (a move away and back counts too): never taken for ignorance.
+    Checked,
+    /// Before 4.41: commits carry `IF_EXISTS` alone, and the last writer wins.
+    Unknown,
+    /// The filer did not say its version: carried, and given up for the session if the
+    /// filer refuses it twice in one commit while its entry still lists those chunks.
+    #[default]
+    Untold,
+}
+
+impl ChunkCondition {
+    /// From `GetFilerConfiguration`'s version numbers (0.0 from a filer that does not send
+    /// them).
+    pub fn of_version(major: i32, minor: i32) -> Self {
+        match (major, minor) {
+            (0, 0) => ChunkCondition::Untold,
+            v if v >= (4, 41) => ChunkCondition::Checked,
+            _ => ChunkCondition::Unknown,
+        }
+    }
 }
 
 /// SELinux is enabled when its filesystem is mounted (what libselinux checks).
@@ -280,6 +310,7 @@ impl FsConfig {
             upload_retry: Duration::from_secs(60),
             selinux_label_unsupported: !selinux_enabled(),
             budget: MemoryBudget::global().clone(),
+            chunk_condition: ChunkCondition::default(),
         }
     }
 }
@@ -344,8 +375,8 @@ pub struct Fs {
     /// Filer lookups of open files re-read after events, at once (a resync asks for all).
     rereads: Semaphore,
     dir_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// The filer failed a chunk list condition that held (see [`Fs::rebase`]): commits send
-    /// none.
+    /// The filer does not know the chunk list condition (its version, or it failed one that
+    /// held, see [`ChunkCondition`]): commits send none.
     no_chunk_condition: AtomicBool,
     /// Serialize this node's read-modify-write cycles of one filer entry (see
     /// [`Fs::update_fresh`]); striped by path, so memory stays fixed.
@@ -398,6 +429,7 @@ impl Fs {
         cache: ChunkCache,
     ) -> Arc<Self> {
         let now = SystemTime::now();
+        let no_chunk_condition = cfg.chunk_condition == ChunkCondition::Unknown;
         let root_attr = Attr {
             ino: inode::ROOT_INO,
             size: 4096,
@@ -439,7 +471,7 @@ impl Fs {
                 .map(|d| d.as_nanos() as i64)
                 .unwrap_or(0),
             dir_locks: Mutex::new(HashMap::new()),
-            no_chunk_condition: AtomicBool::new(false),
+            no_chunk_condition: AtomicBool::new(no_chunk_condition),
             entry_locks: (0..ENTRY_LOCK_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),

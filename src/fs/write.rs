@@ -4,7 +4,7 @@
 use super::events::Identity;
 use super::file::{CommitSnapshot, OpenFile, Rebased, SealedRun};
 use super::inode::join;
-use super::{errno, now_parts, Fs, Result};
+use super::{errno, now_parts, ChunkCondition, Fs, Result};
 use crate::filer::FilerError;
 use crate::pb::filer as pb;
 use crate::volume::VolumeError;
@@ -227,6 +227,13 @@ impl Fs {
                     }
                     match self.rebase(of, &base).await? {
                         Rebase::Done => continue,
+                        // a filer that checks the condition refused it for a reason:
+                        // the name was away just then (moved away and back)
+                        Rebase::HeldButRefused
+                            if self.cfg.chunk_condition == ChunkCondition::Checked =>
+                        {
+                            continue
+                        }
                         Rebase::HeldButRefused if !held_but_refused => {
                             // (once may be a move away and back between the two)
                             held_but_refused = true;
@@ -948,10 +955,11 @@ enum Rebase {
     Done,
     /// Its name is gone, or holds a directory or another file now.
     NameGone,
-    /// The filer's entry lists the chunks the refused condition asked for. A filer of
-    /// SeaweedFS 4.29-4.40 fails `IF_CHUNKS_EQUAL` on creates (it does not know it): the
-    /// second time in one commit, this session's commits carry `IF_EXISTS` alone (the last
-    /// writer wins, as before the condition). Once may be a move away and back.
+    /// The filer's entry lists the chunks the refused condition asked for: the name was
+    /// away when the commit came (moved away and back), or the filer does not know
+    /// `IF_CHUNKS_EQUAL` (SeaweedFS 4.29-4.40 fail it on creates). Unless its version says
+    /// it does ([`ChunkCondition::Checked`]), the second time in one commit this session's
+    /// commits carry `IF_EXISTS` alone (the last writer wins, as before the condition).
     HeldButRefused,
 }
 
@@ -959,7 +967,10 @@ enum Rebase {
 const MAX_REBASES: u32 = 16;
 
 /// Passes of a commit whose name goes away under it each time before it gives up (ESTALE).
-const NAME_GONE_PASSES: u32 = 3;
+/// Each pass first finds the file at its name again (`confirm_name` waits for the move's
+/// event, and says ESTALE itself when the name leads nowhere), so many passes mean a file
+/// moved again and again, not a lost one.
+const NAME_GONE_PASSES: u32 = 12;
 
 /// A commit's snapshot while the filer may take it: dropped unsettled (failed, or the
 /// future dropped), the chunks it carries are given up (see [`OpenFile::keep_carried`]).

@@ -194,6 +194,10 @@ fn log_err(op: &str, e: &FsError) {
             tracing::trace!(op, error = %e, "fuse op failed")
         }
         libc::EIO => tracing::warn!(op, error = %e, "fuse op failed"),
+        // data the application asked to be stored is not
+        libc::ESTALE if matches!(op, "fsync" | "flush") => {
+            tracing::warn!(op, error = %e, "fuse op failed")
+        }
         _ => tracing::debug!(op, error = %e, "fuse op failed"),
     }
 }

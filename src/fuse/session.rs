@@ -10,7 +10,7 @@ use crate::filer::grpc::FilerClientOptions;
 use crate::filer::hub::{FilerHub, SessionFiler};
 use crate::filer::subscribe::SubscriptionEvent;
 use crate::filer::{FilerApi, FilerError};
-use crate::fs::{Fs, FsConfig, FsError};
+use crate::fs::{ChunkCondition, Fs, FsConfig, FsError};
 use crate::security::SecurityConfig;
 use crate::volume::http::{VolumeClient, VolumeClientOptions};
 use crate::volume::VolumeError;
@@ -201,6 +201,10 @@ pub async fn build_fs(
     )?;
     let mut cfg = FsConfig::from_mount_options(opts);
     cfg.cipher = conf.cipher;
+    cfg.chunk_condition = ChunkCondition::of_version(conf.major_version, conf.minor_version);
+    if cfg.chunk_condition == ChunkCondition::Unknown {
+        tracing::warn!(version = %conf.version, "the filer is older than SeaweedFS 4.41 and cannot check a commit's chunk list: nodes writing one file at once are not merged, the last commit wins");
+    }
     tune_allocator();
     let cache = with_disk_tier(ChunkCache::for_node(cache_bytes(opts)), opts, conf.cipher).await;
     let store = Arc::new(crate::instrumented::InstrumentedStore(Arc::new(store)));
