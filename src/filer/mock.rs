@@ -328,7 +328,8 @@ impl MockFiler {
     }
 
     /// Checks write conditions as SeaweedFS 4.29-4.40 does: on creates only (updates ignore
-    /// them), and a clause kind it does not know (`IF_CHUNKS_EQUAL`, 4.41) never holds.
+    /// them), and a clause kind it does not know (`IF_CHUNKS_EQUAL`, 4.41) never holds. Its
+    /// configuration says 4.40 from now on.
     pub fn conditions_as_4_40(&self) {
         self.shared.conditions_as_4_40.store(true, Ordering::SeqCst);
     }
@@ -886,9 +887,14 @@ impl FilerApi for MockFiler {
             max_mb: 4,
             dir_buckets: "/buckets".into(),
             signature: MOCK_FILER_SIGNATURE,
-            version: "mock 4.48".into(),
+            version: if self.old_conditions() {
+                "mock 4.40"
+            } else {
+                "mock 4.48"
+            }
+            .into(),
             major_version: 4,
-            minor_version: 48,
+            minor_version: if self.old_conditions() { 40 } else { 48 },
             ..Default::default()
         })
     }

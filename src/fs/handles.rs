@@ -68,6 +68,12 @@ impl Fs {
                 self.adopt_if_clean(ino, of, e).await;
                 Ok(())
             }
+            // moved elsewhere, its event not here yet, and a lookup since found it at its
+            // new name (the kernel opens what that lookup gave it): it is there now. Said
+            // ESTALE, the kernel's second walk finds the same node and fails for good.
+            Err(e) if e.errno == libc::ENOENT && self.found_moved(ino, of, &dir, &name).await => {
+                Ok(())
+            }
             // deleted elsewhere (its event not here yet): a commit would bring it back with
             // chunks the filer already deleted. ESTALE makes the kernel walk the path again
             // (an O_CREAT open then creates a new file instead of failing).
@@ -84,6 +90,36 @@ impl Fs {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether open file `of` (node `ino`), gone from `dir/name`, is at the name the node
+    /// table has for it now (a lookup found it there), as the filer confirms: then it is
+    /// moved there, with the filer's entry taken if it has nothing of its own.
+    async fn found_moved(&self, ino: u64, of: &Arc<OpenFile>, dir: &str, name: &str) -> bool {
+        let Ok(now) = self.path_of(ino) else {
+            return false;
+        };
+        if now == super::inode::join(dir, name) {
+            return false;
+        }
+        let (ndir, nname) = split(&now);
+        let turn = self.entry_lock(&ndir, &nname).lock().await;
+        let fresh = match self.fresh_entry(&ndir, &nname).await {
+            Ok(e) if e.hard_link_id.is_empty() && self.is_node(&now, &e, ino) => e,
+            _ => return false,
+        };
+        {
+            let s = of.state.lock();
+            // changed meanwhile (an event moved it, or it was written): that decides
+            if (s.dir.as_str(), s.entry.name.as_str()) != (dir, name) || s.unlinked {
+                return false;
+            }
+        }
+        tracing::debug!(from = %super::inode::join(dir, name), to = %now, "an open file moved elsewhere was found at its new name");
+        self.moved_node(ino, &now);
+        self.adopt_if_clean(ino, of, fresh).await;
+        drop(turn);
+        true
     }
 
     /// Counts one more handle on `ino`'s open-file state and returns that state. The count

@@ -2672,6 +2672,38 @@ async fn moves_away_and_back_never_turn_the_chunk_condition_off() {
     fs.release(fh, a.ino).await.unwrap();
 }
 
+/// A name away under every one of a commit's tries: EIO after 16, with nothing lost (the
+/// next flush stores it all), and the condition still on.
+#[tokio::test]
+async fn a_name_away_under_every_try_is_eio_and_loses_nothing() {
+    let (fs, store, filer) = fs_told(ChunkCondition::of_version(4, 48));
+    let (a, fh) = written_over_a_commit(&fs).await;
+    filer.away_for_next_conditional_creates(17);
+    let e = fs.flush(fh, a.ino).await.unwrap_err();
+    assert_eq!(e.errno, libc::EIO, "{e}");
+    assert_eq!(filer.calls("create_entry"), 1 + 17);
+    fs.flush(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456789");
+    assert!(!fs.no_chunk_condition.load(Ordering::Relaxed));
+    fs.release(fh, a.ino).await.unwrap();
+}
+
+/// A session mounted on a filer of 4.48 that fails over to one of 4.40 (which fails the
+/// clause it does not know): the refusals are not taken for moves for ever; the second in
+/// one commit turns the condition off, as on a filer that never said its version.
+#[tokio::test]
+async fn a_session_failed_over_to_a_filer_older_than_4_41_still_commits() {
+    let (fs, store, filer) = fs_told(ChunkCondition::of_version(4, 48));
+    let (a, fh) = written_over_a_commit(&fs).await;
+    filer.conditions_as_4_40();
+    fs.flush(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &e).await, b"01AB456789");
+    assert!(fs.no_chunk_condition.load(Ordering::Relaxed));
+    fs.release(fh, a.ino).await.unwrap();
+}
+
 /// What a filer's version numbers say of the chunk list condition.
 #[test]
 fn the_chunk_condition_is_known_from_4_41_on() {
@@ -2842,4 +2874,31 @@ async fn a_rebase_keeps_another_nodes_cut_of_a_shared_chunk() {
     let read = fs.read(fh, a.ino, 0, 100).await.unwrap();
     assert_eq!(&read[..], b"01234\0\0\0\0\0\0\0AB");
     fs.release(fh, a.ino).await.unwrap();
+}
+
+/// An open file moved away (its event seen here) and back (its event not here yet): the
+/// kernel looks the old name up again, gets the file, and opens it. The open finds it there
+/// and follows, where it said ESTALE (gone from the name its event gave), and the kernel's
+/// second walk got the same node and failed the open for good. Its next commit goes to that
+/// name; the name the event gave is not created.
+#[tokio::test]
+async fn an_open_file_moved_back_unseen_opens_at_the_name_a_lookup_found() {
+    let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"data").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    rename_unseen(&filer, "f", "g").await;
+    fs.apply_event(filer.events().last().unwrap());
+    rename_unseen(&filer, "g", "f").await;
+    assert_eq!(fs.lookup(ROOT_INO, "f").await.unwrap().ino, a.ino);
+    let fh2 = fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    fs.write(fh2, a.ino, 4, b" more").await.unwrap();
+    fs.release(fh2, a.ino).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let e = filer.get("/f").unwrap();
+    assert_eq!(crate::chunks::file_size(&e), 9);
+    assert!(
+        filer.get("/g").is_none(),
+        "the name the event gave was created"
+    );
 }

@@ -229,11 +229,7 @@ impl Fs {
                         Rebase::Done => continue,
                         // a filer that checks the condition refused it for a reason:
                         // the name was away just then (moved away and back)
-                        Rebase::HeldButRefused
-                            if self.cfg.chunk_condition == ChunkCondition::Checked =>
-                        {
-                            continue
-                        }
+                        Rebase::HeldButRefused if self.filer_checks_chunks().await => continue,
                         Rebase::HeldButRefused if !held_but_refused => {
                             // (once may be a move away and back between the two)
                             held_but_refused = true;
@@ -615,6 +611,12 @@ impl Fs {
                         libc::ESTALE,
                         format!("{path}: moved or removed by another client while this node missed its events; not created again"),
                     ));
+                } else if start.elapsed() >= SETTLE * 10 {
+                    // (its name or events kept changing under every answer)
+                    return Err(errno(
+                        libc::ESTALE,
+                        format!("{path}: its name kept changing while it was checked"),
+                    ));
                 } else {
                     None
                 }
@@ -625,6 +627,23 @@ impl Fs {
                 return Ok(());
             }
             tokio::time::sleep(pauses.next_pause()).await;
+        }
+    }
+
+    /// Whether the filer says, by its version, that it checks `IF_CHUNKS_EQUAL`. Asked again
+    /// at each refusal of a chunk list that matched (rare): the session may have failed
+    /// over to another filer since the mount, one older than 4.41 during a rolling change.
+    async fn filer_checks_chunks(&self) -> bool {
+        self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
+        match self.filer.configuration().await {
+            Ok(c) => {
+                ChunkCondition::of_version(c.major_version, c.minor_version)
+                    == ChunkCondition::Checked
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "asking the filer's version failed");
+                false
+            }
         }
     }
 
@@ -958,8 +977,9 @@ enum Rebase {
     /// The filer's entry lists the chunks the refused condition asked for: the name was
     /// away when the commit came (moved away and back), or the filer does not know
     /// `IF_CHUNKS_EQUAL` (SeaweedFS 4.29-4.40 fail it on creates). Unless its version says
-    /// it does ([`ChunkCondition::Checked`]), the second time in one commit this session's
-    /// commits carry `IF_EXISTS` alone (the last writer wins, as before the condition).
+    /// it does ([`ChunkCondition::Checked`], asked again each time), the second time in one
+    /// commit this session's commits carry `IF_EXISTS` alone (the last writer wins, as
+    /// before the condition).
     HeldButRefused,
 }
 
