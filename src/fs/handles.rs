@@ -94,12 +94,14 @@ impl Fs {
 
     /// Whether open file `of` (node `ino`), gone from `dir/name`, is at the name the node
     /// table has for it now (a lookup found it there), as the filer confirms: then it is
-    /// moved there, with the filer's entry taken if it has nothing of its own.
+    /// moved there, with the filer's entry taken if it has nothing of its own, and its old
+    /// name is forgotten here (cached entry, the kernel's dentry).
     async fn found_moved(&self, ino: u64, of: &Arc<OpenFile>, dir: &str, name: &str) -> bool {
+        let old = super::inode::join(dir, name);
         let Ok(now) = self.path_of(ino) else {
             return false;
         };
-        if now == super::inode::join(dir, name) {
+        if now == old {
             return false;
         }
         let (ndir, nname) = split(&now);
@@ -109,14 +111,22 @@ impl Fs {
             _ => return false,
         };
         {
-            let s = of.state.lock();
-            // changed meanwhile (an event moved it, or it was written): that decides
-            if (s.dir.as_str(), s.entry.name.as_str()) != (dir, name) || s.unlinked {
+            let mut s = of.state.lock();
+            // changed meanwhile (an event moved or removed it, a lookup numbered it
+            // elsewhere): that decides. Checked and moved in one step.
+            let still = (s.dir.as_str(), s.entry.name.as_str()) == (dir, name)
+                && !s.unlinked
+                && self.inodes.path(ino).as_deref() == Some(now.as_str());
+            if !still {
                 return false;
             }
+            (s.dir, s.entry.name) = split(&now);
         }
-        tracing::debug!(from = %super::inode::join(dir, name), to = %now, "an open file moved elsewhere was found at its new name");
-        self.moved_node(ino, &now);
+        tracing::debug!(from = %old, to = %now, "an open file moved elsewhere was found at its new name");
+        self.meta.remove(dir, name);
+        if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(dir)) {
+            nt.inval_entry(pino, name);
+        }
         self.adopt_if_clean(ino, of, fresh).await;
         drop(turn);
         true

@@ -611,8 +611,10 @@ impl Fs {
                         libc::ESTALE,
                         format!("{path}: moved or removed by another client while this node missed its events; not created again"),
                     ));
-                } else if start.elapsed() >= SETTLE * 10 {
-                    // (its name or events kept changing under every answer)
+                } else if found.is_some() && s.local_inflight == 0 && start.elapsed() >= SETTLE * 10
+                {
+                    // (its name or events kept changing under every answer; a filer that
+                    // does not answer is waited for as long as a commit's own retries)
                     return Err(errno(
                         libc::ESTALE,
                         format!("{path}: its name kept changing while it was checked"),
@@ -633,6 +635,8 @@ impl Fs {
     /// Whether the filer says, by its version, that it checks `IF_CHUNKS_EQUAL`. Asked again
     /// at each refusal of a chunk list that matched (rare): the session may have failed
     /// over to another filer since the mount, one older than 4.41 during a rolling change.
+    /// (The node's connection keeps the answer for a few seconds: commits in that window
+    /// after such a failover fail with EIO, their bytes kept for the next flush.)
     async fn filer_checks_chunks(&self) -> bool {
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         match self.filer.configuration().await {
@@ -641,8 +645,8 @@ impl Fs {
                     == ChunkCondition::Checked
             }
             Err(e) => {
-                tracing::warn!(error = %e, "asking the filer's version failed");
-                false
+                tracing::warn!(error = %e, "asking the filer's version failed; taking the one it said at the mount");
+                self.cfg.chunk_condition == ChunkCondition::Checked
             }
         }
     }
