@@ -642,6 +642,12 @@ async fn volumes_statistics_configuration() {
     assert!(s.total_size > 0, "{s:?}");
     let c = f.configuration().await.unwrap();
     assert!(c.version.contains("4.48"), "{c:?}");
+    // its version numbers tell that it checks a commit's chunk list (IF_CHUNKS_EQUAL)
+    assert_eq!(
+        seaweedfs_csi_driver::fs::ChunkCondition::of_version(c.major_version, c.minor_version),
+        seaweedfs_csi_driver::fs::ChunkCondition::Checked,
+        "{c:?}"
+    );
     assert_ne!(c.signature, 0);
     assert_eq!(c.masters, vec![w.master_addr()]);
     assert_eq!(f.http_address(), w.filer_addr());
