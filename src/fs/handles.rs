@@ -68,21 +68,23 @@ impl Fs {
                 self.adopt_if_clean(ino, of, e).await;
                 Ok(())
             }
-            // moved elsewhere, its event not here yet, and a lookup since found it at its
-            // new name (the kernel opens what that lookup gave it): it is there now. Said
-            // ESTALE, the kernel's second walk finds the same node and fails for good.
-            Err(e) if e.errno == libc::ENOENT && self.found_moved(ino, of, &dir, &name).await => {
-                Ok(())
-            }
-            // deleted elsewhere (its event not here yet): a commit would bring it back with
-            // chunks the filer already deleted. ESTALE makes the kernel walk the path again
-            // (an O_CREAT open then creates a new file instead of failing).
+            // gone from this name on the filer: forgotten here, the kernel's entry too
             Err(e) if e.errno == libc::ENOENT => {
                 self.meta.remove(&dir, &name);
                 self.note_name_gone();
                 if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir)) {
                     nt.inval_entry(pino, &name);
                 }
+                // moved elsewhere, its event not here yet, and a lookup since found it at
+                // its new name (the kernel opens what that lookup gave it): it is there
+                // now. Said ESTALE, the kernel's second walk finds the same node and fails
+                // for good.
+                if self.found_moved(ino, of, &dir, &name).await {
+                    return Ok(());
+                }
+                // deleted elsewhere (its event not here yet): a commit would bring it back
+                // with chunks the filer already deleted. ESTALE makes the kernel walk the
+                // path again (an O_CREAT open then creates a new file instead of failing).
                 Err(errno(
                     libc::ESTALE,
                     format!("{dir}/{name} was deleted elsewhere"),
@@ -94,8 +96,7 @@ impl Fs {
 
     /// Whether open file `of` (node `ino`), gone from `dir/name`, is at the name the node
     /// table has for it now (a lookup found it there), as the filer confirms: then it is
-    /// moved there, with the filer's entry taken if it has nothing of its own, and its old
-    /// name is forgotten here (cached entry, the kernel's dentry).
+    /// moved there, with the filer's entry taken if it has nothing of its own.
     async fn found_moved(&self, ino: u64, of: &Arc<OpenFile>, dir: &str, name: &str) -> bool {
         let old = super::inode::join(dir, name);
         let Ok(now) = self.path_of(ino) else {
@@ -123,10 +124,6 @@ impl Fs {
             (s.dir, s.entry.name) = split(&now);
         }
         tracing::debug!(from = %old, to = %now, "an open file moved elsewhere was found at its new name");
-        self.meta.remove(dir, name);
-        if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(dir)) {
-            nt.inval_entry(pino, name);
-        }
         self.adopt_if_clean(ino, of, fresh).await;
         drop(turn);
         true
