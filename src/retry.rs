@@ -34,6 +34,20 @@ pub const RECONNECT: Policy = Policy {
     max: Duration::from_millis(2500),
 };
 
+/// Looking for an open file at the name the metadata events give it, while its name moves
+/// (5-10 ms at first, 100-200 ms at most): the events are usually milliseconds behind.
+pub const NAME_EVENTS: Policy = Policy {
+    first: Duration::from_millis(5),
+    max: Duration::from_millis(100),
+};
+
+/// A commit refused again and again because other clients keep changing the file (1-2 ms
+/// at first, 50-100 ms at most): the writers' retries drift apart.
+pub const REBASE: Policy = Policy {
+    first: Duration::from_millis(1),
+    max: Duration::from_millis(50),
+};
+
 /// Repairs of recorded volumes after a plugin restart (1-2 s at first, 15-30 s at most).
 pub const REPAIR: Policy = Policy {
     first: Duration::from_secs(1),
@@ -73,7 +87,14 @@ mod tests {
 
     #[test]
     fn pauses_double_within_jitter_bounds_and_stop_growing_at_max() {
-        for p in [STORAGE, UPLOAD_ATTEMPT, RECONNECT, REPAIR] {
+        for p in [
+            STORAGE,
+            UPLOAD_ATTEMPT,
+            RECONNECT,
+            NAME_EVENTS,
+            REBASE,
+            REPAIR,
+        ] {
             let mut s = p.pauses();
             let mut step = p.first;
             for _ in 0..40 {

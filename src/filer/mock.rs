@@ -63,6 +63,8 @@ struct Shared {
     away_creates: std::sync::atomic::AtomicU32,
     /// Creates to answer with `Unavailable` after storing them.
     lost_replies: std::sync::atomic::AtomicU32,
+    /// See [`MockFiler::commits_before_next_conditional_creates`].
+    commits_first: Mutex<std::collections::VecDeque<(String, pb::Entry)>>,
 }
 
 /// A lookup held between reading its entry and answering, as a slow network holds it.
@@ -293,6 +295,7 @@ impl MockFiler {
                 holds: Mutex::new(Vec::new()),
                 conditions_as_4_40: Default::default(),
                 away_creates: Default::default(),
+                commits_first: Default::default(),
                 lost_replies: Default::default(),
             }),
             signature: random_signature(),
@@ -335,9 +338,16 @@ impl MockFiler {
     }
 
     /// The next `n` conditional creates find no entry at their name, as if another client
-    /// had moved it away just then and back right after.
+    /// had moved it away just then and back right after (0: none from now on).
     pub fn away_for_next_conditional_creates(&self, n: u32) {
-        self.shared.away_creates.fetch_add(n, Ordering::SeqCst);
+        self.shared.away_creates.store(n, Ordering::SeqCst);
+    }
+
+    /// Each of the next conditional creates first finds one of `entries` stored at
+    /// `dir/name` by another client, in turn (a file busy with other writers' commits).
+    pub fn commits_before_next_conditional_creates(&self, dir: &str, entries: Vec<pb::Entry>) {
+        let mut q = self.shared.commits_first.lock();
+        q.extend(entries.into_iter().map(|e| (dir.to_string(), e)));
     }
 
     /// The next create is stored, and its caller gets `Unavailable` instead of the answer
@@ -602,6 +612,11 @@ impl MockFiler {
             return Err(FilerError::NotADirectory(format!(
                 "parent of {path} is a file"
             )));
+        }
+        if req.condition.is_some() {
+            if let Some((d, e)) = self.shared.commits_first.lock().pop_front() {
+                st.entries.insert(join(&d, &e.name), e);
+            }
         }
         let old = st.entries.get(&path).cloned();
         let mut cond = req.condition.clone();

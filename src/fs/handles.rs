@@ -7,10 +7,14 @@ use super::{errno, now_parts, Fs, Handle, OpenEntry, Result};
 use crate::pb::filer as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Flushes a last close makes at most while changes keep reaching the file (each one
 /// commits what arrived during the one before).
 const CLOSE_ROUNDS: u32 = 16;
+
+/// How long an open waits for the events that say where a name it found gone went.
+const NAME_SETTLE: Duration = Duration::from_secs(2);
 
 impl Fs {
     /// Takes the filer's entry `e` into an open file that has nothing of its own to commit.
@@ -41,56 +45,94 @@ impl Fs {
 
     /// Before an open file's data changes: if it has nothing of its own, start from the
     /// filer's current entry (another node may have rewritten it since it was opened).
+    ///
+    /// A name gone from the filer is a move or a removal this node has not seen yet (or a
+    /// rename of its own running meanwhile). The events say which: until they do, the file
+    /// is looked for again at the name they (or a lookup) give it, for at most
+    /// [`NAME_SETTLE`]. A removal, or no answer in that time, is ESTALE.
     pub(super) async fn refresh_if_clean(&self, ino: u64, of: &Arc<OpenFile>) -> Result<()> {
-        let (dir, name, clean) = {
-            let s = of.state.lock();
-            (
-                s.dir.clone(),
-                s.entry.name.clone(),
-                s.is_clean() && !s.pending_create && !s.unlinked,
-            )
-        };
-        if !clean {
-            return Ok(());
-        }
-        // the read and the adoption take the entry's turn: a chmod (or xattr change) that
-        // reached the filer between them would be undone by the stale entry adopted here,
-        // which this file's next commit carries
-        let turn = self.entry_lock(&dir, &name).lock().await;
-        let fresh = self.fresh_entry(&dir, &name).await;
-        if fresh.is_err() {
-            // not held across the invalidation below: it waits for the directory's lock,
-            // which a rename or link there may hold while its handler waits for this turn
-            drop(turn);
-        }
-        match fresh {
-            Ok(e) => {
-                self.adopt_if_clean(ino, of, e).await;
-                Ok(())
+        // (the runtime's clock, as the pauses' own)
+        let start = tokio::time::Instant::now();
+        let mut pauses = crate::retry::NAME_EVENTS.pauses();
+        let mut first = true;
+        let mut forgotten: Option<(String, String)> = None;
+        loop {
+            let (dir, name, clean, unlinked) = {
+                let s = of.state.lock();
+                (
+                    s.dir.clone(),
+                    s.entry.name.clone(),
+                    s.is_clean() && !s.pending_create && !s.unlinked,
+                    s.unlinked,
+                )
+            };
+            if unlinked && !first {
+                // an event said the name we missed was a removal
+                return Err(errno(
+                    libc::ESTALE,
+                    format!("{} was deleted elsewhere", super::inode::join(&dir, &name)),
+                ));
             }
-            // gone from this name on the filer: forgotten here, the kernel's entry too
-            Err(e) if e.errno == libc::ENOENT => {
-                self.meta.remove(&dir, &name);
-                self.note_name_gone();
-                if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir)) {
-                    nt.inval_entry(pino, &name);
-                }
-                // moved elsewhere, its event not here yet, and a lookup since found it at
-                // its new name (the kernel opens what that lookup gave it): it is there
-                // now. Said ESTALE, the kernel's second walk finds the same node and fails
-                // for good.
-                if self.found_moved(ino, of, &dir, &name).await {
+            if !clean {
+                return Ok(());
+            }
+            first = false;
+            // the read and the adoption take the entry's turn: a chmod (or xattr change) that
+            // reached the filer between them would be undone by the stale entry adopted here,
+            // which this file's next commit carries
+            let turn = self.entry_lock(&dir, &name).lock().await;
+            let fresh = self.fresh_entry(&dir, &name).await;
+            if fresh.is_err() {
+                // not held across the invalidation below: it waits for the directory's lock,
+                // which a rename or link there may hold while its handler waits for this turn
+                drop(turn);
+            }
+            match fresh {
+                Ok(e) => {
+                    self.adopt_if_clean(ino, of, e).await;
                     return Ok(());
                 }
-                // deleted elsewhere (its event not here yet): a commit would bring it back
-                // with chunks the filer already deleted. ESTALE makes the kernel walk the
-                // path again (an O_CREAT open then creates a new file instead of failing).
-                Err(errno(
-                    libc::ESTALE,
-                    format!("{dir}/{name} was deleted elsewhere"),
-                ))
+                // gone from this name on the filer: forgotten here, the kernel's entry too
+                Err(e) if e.errno == libc::ENOENT => {
+                    // (once per name: each time drops cached listings)
+                    let gone = Some((dir.clone(), name.clone()));
+                    if forgotten != gone {
+                        self.meta.remove(&dir, &name);
+                        self.note_name_gone();
+                        if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir))
+                        {
+                            nt.inval_entry(pino, &name);
+                        }
+                        forgotten = gone;
+                    }
+                    // moved elsewhere, its event not here yet, and a lookup since found it at
+                    // its new name (the kernel opens what that lookup gave it): it is there
+                    // now. Said ESTALE, the kernel's second walk finds the same node and fails
+                    // for good.
+                    if self.found_moved(ino, of, &dir, &name).await {
+                        return Ok(());
+                    }
+                    // deleted elsewhere and its event lost, or a name that keeps moving: a
+                    // commit would bring it back with chunks the filer already deleted.
+                    // ESTALE makes the kernel walk the path again (an O_CREAT open then
+                    // creates a new file instead of failing).
+                    if start.elapsed() >= NAME_SETTLE {
+                        return Err(errno(
+                            libc::ESTALE,
+                            format!("{} was deleted elsewhere", super::inode::join(&dir, &name)),
+                        ));
+                    }
+                    let renamed = {
+                        let s = of.state.lock();
+                        (s.dir.as_str(), s.entry.name.as_str()) != (dir.as_str(), name.as_str())
+                    };
+                    // moved by a rename of this node or an event meanwhile: look there at once
+                    if !renamed {
+                        tokio::time::sleep(pauses.next_pause()).await;
+                    }
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => Err(e),
         }
     }
 

@@ -215,21 +215,45 @@ impl Fs {
         let mut rebases = 0;
         let mut pass = 0;
         let mut held_but_refused = false;
+        let mut held_refusals = 0;
+        // (the runtime's clock, as the pauses' own)
+        let start = tokio::time::Instant::now();
+        let mut rebase_pauses = crate::retry::REBASE.pauses();
         loop {
             let refused = pass > 0;
             let outcome = self.commit_pass(of, refused).await?;
             let outcome = match outcome {
-                Pass::Changed(base) if rebases < MAX_REBASES => {
+                // (every refusal is another client's commit or move that got through: a busy
+                // file is retried as long as an unreachable filer would be, never failed
+                // for being busy)
+                Pass::Changed(base)
+                    if rebases < MIN_REBASES || start.elapsed() < self.cfg.upload_retry =>
+                {
                     rebases += 1;
                     if rebases > 1 {
-                        // written again and again elsewhere: let a commit through
-                        tokio::time::sleep(Duration::from_millis(u64::from(rebases))).await;
+                        // written (or moved) again and again elsewhere: let a commit
+                        // through, at moments spread apart from the other writers'
+                        tokio::time::sleep(rebase_pauses.next_pause()).await;
                     }
                     match self.rebase(of, &base).await? {
                         Rebase::Done => continue,
-                        // a filer that checks the condition refused it for a reason:
-                        // the name was away just then (moved away and back)
-                        Rebase::HeldButRefused if self.filer_checks_chunks().await => continue,
+                        // a filer that checks the condition refused it for a reason: the
+                        // name was away just then (moved away and back). Bounded by count:
+                        // a filer refusing a condition that holds for some other reason must
+                        // not hold each flush for the whole retry time.
+                        Rebase::HeldButRefused if self.filer_checks_chunks().await => {
+                            held_refusals += 1;
+                            if held_refusals > MAX_HELD_REFUSALS {
+                                return Err(errno(
+                                    libc::EIO,
+                                    format!(
+                                        "{}: the filer refused {MAX_HELD_REFUSALS} commits onto the chunk list it has (the name away each time?)",
+                                        of.path()
+                                    ),
+                                ));
+                            }
+                            continue;
+                        }
                         Rebase::HeldButRefused if !held_but_refused => {
                             // (once may be a move away and back between the two)
                             held_but_refused = true;
@@ -249,8 +273,9 @@ impl Fs {
                     return Err(errno(
                         libc::EIO,
                         format!(
-                            "{}: changed by other clients under each of {MAX_REBASES} commits",
-                            of.path()
+                            "{}: changed by other clients under each of {rebases} commits in {:?}",
+                            of.path(),
+                            start.elapsed()
                         ),
                     ))
                 }
@@ -544,8 +569,11 @@ impl Fs {
     /// name of its group or waits for the event like any other.
     async fn confirm_name(&self, of: &OpenFile, refused: bool) -> Result<()> {
         const SETTLE: Duration = Duration::from_secs(3);
-        let start = Instant::now();
+        let start = tokio::time::Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
+        // (a filer that answered is asked again soon: the event that moves the name is
+        // usually milliseconds away, and a name that keeps moving matches only briefly)
+        let mut name_pauses = crate::retry::NAME_EVENTS.pauses();
         loop {
             let (dir, name, epoch, known, removal, linked) = {
                 let s = of.state.lock();
@@ -589,6 +617,7 @@ impl Fs {
                 let current = s.epoch == epoch
                     && s.local_inflight == 0
                     && (s.dir.as_str(), s.entry.name.as_str()) == (&dir, &name);
+                tracing::debug!(path, ?found, taken, current, epoch_now = s.epoch, epoch, inflight = s.local_inflight, now = %super::inode::join(&s.dir, &s.entry.name), "checked an open file's name before its commit");
                 if current && found == Some(true) {
                     s.name_doubt = false;
                     s.removal_doubt = false;
@@ -628,7 +657,11 @@ impl Fs {
                 self.moved_by_link(of.ino, moved);
                 return Ok(());
             }
-            tokio::time::sleep(pauses.next_pause()).await;
+            let pause = match found {
+                None => pauses.next_pause(),
+                Some(_) => name_pauses.next_pause(),
+            };
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -987,8 +1020,13 @@ enum Rebase {
     HeldButRefused,
 }
 
-/// Rebases of one commit onto the changes of other clients before it gives up (EIO).
-const MAX_REBASES: u32 = 16;
+/// Rebases of one commit onto the changes of other clients before it may give up (EIO):
+/// at least this many, and more for as long as a commit retries a failing filer.
+const MIN_REBASES: u32 = 16;
+
+/// Refusals of a chunk list that matched (a name away just then) one commit takes as moves
+/// before it gives up (EIO), on a filer that checks the condition.
+const MAX_HELD_REFUSALS: u32 = 64;
 
 /// Passes of a commit whose name goes away under it each time before it gives up (ESTALE).
 /// Each pass first finds the file at its name again (`confirm_name` waits for the move's
