@@ -344,7 +344,8 @@ impl MockFiler {
     }
 
     /// Each of the next conditional creates first finds one of `entries` stored at
-    /// `dir/name` by another client, in turn (a file busy with other writers' commits).
+    /// `dir/name` by another client, in turn (a file busy with other writers' commits; no
+    /// event is sent for them).
     pub fn commits_before_next_conditional_creates(&self, dir: &str, entries: Vec<pb::Entry>) {
         let mut q = self.shared.commits_first.lock();
         q.extend(entries.into_iter().map(|e| (dir.to_string(), e)));
@@ -614,8 +615,10 @@ impl MockFiler {
             )));
         }
         if req.condition.is_some() {
-            if let Some((d, e)) = self.shared.commits_first.lock().pop_front() {
-                st.entries.insert(join(&d, &e.name), e);
+            let mut q = self.shared.commits_first.lock();
+            if q.front().is_some_and(|(d, e)| join(d, &e.name) == path) {
+                let (_, e) = q.pop_front().expect("checked");
+                st.entries.insert(path.clone(), e);
             }
         }
         let old = st.entries.get(&path).cloned();

@@ -33,6 +33,11 @@ fn fs_told(condition: ChunkCondition) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<Mock
     fs_built(Duration::from_secs(1), None, condition)
 }
 
+/// [`fs_built`] on a filer whose version says it checks the chunk list condition.
+fn fs_on_4_48(upload_retry: Duration) -> (Arc<Fs>, Arc<MockChunkStore>, Arc<MockFiler>) {
+    fs_built(upload_retry, None, ChunkCondition::of_version(4, 48))
+}
+
 fn fs_built(
     upload_retry: Duration,
     manifest_batch: Option<usize>,
@@ -2677,11 +2682,7 @@ async fn moves_away_and_back_never_turn_the_chunk_condition_off() {
 /// flush stores it all), and the condition still on.
 #[tokio::test(start_paused = true)]
 async fn a_name_away_under_every_try_is_eio_and_loses_nothing() {
-    let (fs, store, filer) = fs_built(
-        Duration::from_secs(60),
-        None,
-        ChunkCondition::of_version(4, 48),
-    );
+    let (fs, store, filer) = fs_on_4_48(Duration::from_secs(60));
     let (a, fh) = written_over_a_commit(&fs).await;
     filer.away_for_next_conditional_creates(1_000_000);
     let t = tokio::time::Instant::now();
@@ -2700,13 +2701,9 @@ async fn a_name_away_under_every_try_is_eio_and_loses_nothing() {
 /// A file other clients keep changing (or moving) under more commits than a few: the
 /// commit is rebased until it gets through, not failed with EIO for the file being busy
 /// (three busy nodes and a mover refused one 16 times in a row).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_file_busy_under_many_commits_still_commits() {
-    let (fs, store, filer) = fs_built(
-        Duration::from_secs(30),
-        None,
-        ChunkCondition::of_version(4, 48),
-    );
+    let (fs, store, filer) = fs_on_4_48(Duration::from_secs(30));
     let (a, fh) = written_over_a_commit(&fs).await;
     filer.away_for_next_conditional_creates(40);
     fs.flush(fh, a.ino).await.unwrap();
@@ -2721,11 +2718,7 @@ async fn a_file_busy_under_many_commits_still_commits() {
 /// commit gets through with this node's bytes and all of theirs.
 #[tokio::test(start_paused = true)]
 async fn a_file_committed_to_under_many_commits_is_rebased_until_it_lands() {
-    let (fs, store, filer) = fs_built(
-        Duration::from_secs(60),
-        None,
-        ChunkCondition::of_version(4, 48),
-    );
+    let (fs, store, filer) = fs_on_4_48(Duration::from_secs(60));
     let (a, fh) = written_over_a_commit(&fs).await;
     // theirs: one byte each, past this node's bytes, each commit on top of the one before
     let mut theirs = filer.get("/f").unwrap();

@@ -10,7 +10,9 @@ use crate::pb::filer as pb;
 use crate::volume::VolumeError;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// (deadlines on the runtime's clock, as the retry pauses' own: paused-time tests stay exact)
+use tokio::time::Instant;
 
 /// A write on its way into an open file: [`Fs::write_target`] found the file (it may wait,
 /// but does not hold the bytes), [`Fs::write_into`] copies the bytes in without waiting.
@@ -216,8 +218,7 @@ impl Fs {
         let mut pass = 0;
         let mut held_but_refused = false;
         let mut held_refusals = 0;
-        // (the runtime's clock, as the pauses' own)
-        let start = tokio::time::Instant::now();
+        let start = Instant::now();
         let mut rebase_pauses = crate::retry::REBASE.pauses();
         loop {
             let refused = pass > 0;
@@ -569,7 +570,7 @@ impl Fs {
     /// name of its group or waits for the event like any other.
     async fn confirm_name(&self, of: &OpenFile, refused: bool) -> Result<()> {
         const SETTLE: Duration = Duration::from_secs(3);
-        let start = tokio::time::Instant::now();
+        let start = Instant::now();
         let mut pauses = crate::retry::STORAGE.pauses();
         // (a filer that answered is asked again soon: the event that moves the name is
         // usually milliseconds away, and a name that keeps moving matches only briefly)
@@ -957,7 +958,7 @@ impl BackgroundDeletes {
 
     /// Waits up to `limit` until no delete runs; false if some still did then.
     async fn drain(&self, limit: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + limit;
+        let deadline = Instant::now() + limit;
         loop {
             let idle = self.idle.notified();
             tokio::pin!(idle);
