@@ -56,6 +56,12 @@ impl Fs {
         let mut pauses = crate::retry::NAME_EVENTS.pauses();
         let mut first = true;
         let mut forgotten: Option<(String, String)> = None;
+        let deleted = |dir: &str, name: &str| {
+            errno(
+                libc::ESTALE,
+                format!("{} was deleted elsewhere", super::inode::join(dir, name)),
+            )
+        };
         loop {
             let (dir, name, clean, unlinked) = {
                 let s = of.state.lock();
@@ -68,10 +74,7 @@ impl Fs {
             };
             if unlinked && !first {
                 // an event said the name we missed was a removal
-                return Err(errno(
-                    libc::ESTALE,
-                    format!("{} was deleted elsewhere", super::inode::join(&dir, &name)),
-                ));
+                return Err(deleted(&dir, &name));
             }
             if !clean {
                 return Ok(());
@@ -117,10 +120,7 @@ impl Fs {
                     // ESTALE makes the kernel walk the path again (an O_CREAT open then
                     // creates a new file instead of failing).
                     if start.elapsed() >= NAME_SETTLE {
-                        return Err(errno(
-                            libc::ESTALE,
-                            format!("{} was deleted elsewhere", super::inode::join(&dir, &name)),
-                        ));
+                        return Err(deleted(&dir, &name));
                     }
                     let renamed = {
                         let s = of.state.lock();

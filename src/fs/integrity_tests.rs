@@ -202,6 +202,19 @@ pub(super) fn event(
     }
 }
 
+/// Applies another client's event here `ms` milliseconds from now (an event a moment late).
+fn apply_later(
+    fs: &Arc<Fs>,
+    ev: pb::SubscribeMetadataResponse,
+    ms: u64,
+) -> tokio::task::JoinHandle<()> {
+    let fs = fs.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        fs.apply_event(&ev);
+    })
+}
+
 /// Deletes "/f" as another client would, and applies its event here.
 async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
     let e = delete_f_on_filer(filer).await;
@@ -2553,6 +2566,13 @@ async fn written_over_a_commit(fs: &Fs) -> (Attr, u64) {
 /// in the `fid` form only, as other clients may.
 async fn written_elsewhere(filer: &MockFiler, store: &MockChunkStore, at: i64, data: &[u8]) {
     let mut theirs = filer.get("/f").unwrap();
+    write_theirs(store, &mut theirs, at, data);
+    store_root(filer, theirs).await;
+}
+
+/// Another node's write of `data` at `at` into its copy `theirs` of an entry, as a chunk
+/// newer than all of it.
+fn write_theirs(store: &MockChunkStore, theirs: &mut pb::Entry, at: i64, data: &[u8]) {
     let mut c = store.insert(data.to_vec());
     c.offset = at;
     c.modified_ts_ns = theirs
@@ -2566,7 +2586,6 @@ async fn written_elsewhere(filer: &MockFiler, store: &MockChunkStore, at: i64, d
     let a = theirs.attributes.as_mut().unwrap();
     a.file_size = a.file_size.max(at as u64 + data.len() as u64);
     theirs.chunks.push(c);
-    store_root(filer, theirs).await;
 }
 
 /// One writer's commits are never refused: the chunk list this node keeps as the filer's
@@ -2724,18 +2743,7 @@ async fn a_file_committed_to_under_many_commits_is_rebased_until_it_lands() {
     let mut theirs = filer.get("/f").unwrap();
     let mut commits = Vec::new();
     for k in 0..40u8 {
-        let mut c = store.insert(vec![b'a' + k % 26]);
-        c.offset = 10 + i64::from(k);
-        c.modified_ts_ns = theirs
-            .chunks
-            .iter()
-            .map(|c| c.modified_ts_ns)
-            .max()
-            .unwrap()
-            + 1;
-        c.file_id.clear();
-        theirs.chunks.push(c);
-        theirs.attributes.as_mut().unwrap().file_size = 11 + u64::from(k);
+        write_theirs(&store, &mut theirs, 10 + i64::from(k), &[b'a' + k % 26]);
         commits.push(theirs.clone());
     }
     filer.commits_before_next_conditional_creates("/", commits);
@@ -2976,13 +2984,7 @@ async fn an_open_follows_a_move_whose_event_comes_a_moment_later() {
     fs.write(fh, a.ino, 0, b"data").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
     rename_unseen(&filer, "f", "g").await;
-    let late = {
-        let (fs, ev) = (fs.clone(), filer.events().last().unwrap().clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            fs.apply_event(&ev);
-        })
-    };
+    let late = apply_later(&fs, filer.events().last().unwrap().clone(), 50);
     let fh2 = fs.open(a.ino, libc::O_RDWR).await.unwrap();
     late.await.unwrap();
     fs.write(fh2, a.ino, 4, b" more").await.unwrap();
@@ -3002,22 +3004,9 @@ async fn an_open_of_a_file_removed_elsewhere_is_estale_when_its_event_says_so() 
         let (a, fh) = create_f(&fs, libc::O_RDWR).await;
         fs.write(fh, a.ino, 0, b"data").await.unwrap();
         fs.flush(fh, a.ino).await.unwrap();
-        filer
-            .other_client()
-            .delete_entry(pb::DeleteEntryRequest {
-                directory: "/".into(),
-                name: "f".into(),
-                is_delete_data: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let gone = delete_f_on_filer(&filer).await;
         if late_event {
-            let (fs, ev) = (fs.clone(), filer.events().last().unwrap().clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                fs.apply_event(&ev);
-            });
+            apply_later(&fs, event(Some(gone), None), 50);
         }
         let t = std::time::Instant::now();
         let e = fs.open(a.ino, libc::O_RDWR).await.unwrap_err();
@@ -3041,14 +3030,7 @@ async fn a_commit_refused_at_a_moved_name_looks_again_soon() {
     let (fs, _store, filer) = fs_and_store(Duration::from_secs(1));
     let (a, fh) = committed_then_written(&fs).await;
     rename_unseen(&filer, "f", "g").await;
-    let moved = filer.events().last().unwrap().clone();
-    let late = {
-        let fs = fs.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            fs.apply_event(&moved);
-        })
-    };
+    let late = apply_later(&fs, filer.events().last().unwrap().clone(), 20);
     let t = tokio::time::Instant::now();
     fs.flush(fh, a.ino).await.unwrap();
     let took = t.elapsed();

@@ -618,7 +618,17 @@ impl Fs {
                 let current = s.epoch == epoch
                     && s.local_inflight == 0
                     && (s.dir.as_str(), s.entry.name.as_str()) == (&dir, &name);
-                tracing::debug!(path, ?found, taken, current, epoch_now = s.epoch, epoch, inflight = s.local_inflight, now = %super::inode::join(&s.dir, &s.entry.name), "checked an open file's name before its commit");
+                tracing::debug!(
+                    path,
+                    ?found,
+                    taken,
+                    current,
+                    epoch,
+                    epoch_now = s.epoch,
+                    inflight = s.local_inflight,
+                    now = %join(&s.dir, &s.entry.name),
+                    "checked an open file's name before its commit"
+                );
                 if current && found == Some(true) {
                     s.name_doubt = false;
                     s.removal_doubt = false;
