@@ -508,27 +508,44 @@ def record_block(ref, seed, i, size):
     return struct.pack("<QQ", seed, i) + ref[16:size]
 
 
-def write_records(path, total, size, ref, seed, fsync_every=0, append=False):
+def write_records(path, total, size, ref, seed, fsync_every=0, append=False, lat=None):
     """`total` bytes in `size`-byte write(2)s (O_APPEND if `append`), an fsync every
-    `fsync_every` bytes and at the end, then close. Returns the seconds it took."""
+    `fsync_every` bytes and at the end, then close. Returns the seconds it took. `lat`: a dict
+    that gets each write's and each periodic fsync's seconds ("write", "fsync")."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_APPEND if append else 0)
     n = total // size
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    writes, fsyncs = [], []
+    t0 = clock()
     fd = os.open(path, flags, 0o644)
     try:
         since = 0
         for i in range(n):
-            w = os.write(fd, record_block(ref, seed, i, size))
+            block = record_block(ref, seed, i, size)
+            a = clock()
+            w = os.write(fd, block)
+            writes.append(clock() - a)
             if w != size:
                 raise RuntimeError(f"{path}: short write {w} of {size}")
             since += size
             if fsync_every and since >= fsync_every:
+                a = clock()
                 os.fsync(fd)
+                fsyncs.append(clock() - a)
                 since = 0
         os.fsync(fd)
     finally:
         os.close(fd)
-    return time.perf_counter() - t0
+    took = clock() - t0
+    if lat is not None:
+        lat["write"], lat["fsync"] = writes, fsyncs
+    return took
+
+
+def percentile(v, q):
+    """The q-quantile (0..1) of a non-empty list (nearest rank)."""
+    s = sorted(v)
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def verify_records(path, total, size, ref, seed):
@@ -896,18 +913,29 @@ class Bench:
                 p = os.path.join(base, "wal")
                 total = a.append_mb * MiB
                 c0 = self.cpu_of(m)
+                lat = {}
                 dt = write_records(p, total, 64 << 10, self.ref, seed + 10, fsync_every=MiB,
-                                   append=True)
+                                   append=True, lat=lat)
                 self.record("append+fsync (MiB/s)", impl, a.append_mb / dt)
                 self.record("append+fsync CPU (s)", impl, self.cpu_of(m) - c0)
+                # where a MiB's time goes: its 16 appends, then its fsync
+                self.record("append+fsync, writes of a MiB p50 (ms)", impl,
+                            percentile(lat["write"], 0.5) * 16e3)
+                self.record("append+fsync, fsync p50 (ms)", impl,
+                            percentile(lat["fsync"], 0.5) * 1e3)
                 verify_records(p, total, 64 << 10, self.ref, seed + 10)
                 # a log writer: 4 KiB writes, one fsync at the end
                 p = os.path.join(base, "log")
                 total = a.small_write_mb * MiB
                 c0 = self.cpu_of(m)
-                dt = write_records(p, total, 4 << 10, self.ref, seed + 11)
+                lat = {}
+                dt = write_records(p, total, 4 << 10, self.ref, seed + 11, lat=lat)
                 self.record("4k writes (MiB/s)", impl, a.small_write_mb / dt)
                 self.record("4k writes CPU (s)", impl, self.cpu_of(m) - c0)
+                # one FUSE round trip each: mostly wake-ups, which the scheduler's placement
+                # of the writer and the FUSE thread decides (see docs/BENCHMARKS.md)
+                self.record("4k write p50 (us)", impl, percentile(lat["write"], 0.5) * 1e6)
+                self.record("4k write p90 (us)", impl, percentile(lat["write"], 0.9) * 1e6)
                 verify_records(p, total, 4 << 10, self.ref, seed + 11)
                 # untar of a source tree
                 d = os.path.join(base, "tree")
