@@ -13,6 +13,7 @@ Medians over the rounds are printed as a markdown table and saved as JSON.
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -511,20 +512,24 @@ def record_block(ref, seed, i, size):
 def write_records(path, total, size, ref, seed, fsync_every=0, append=False, lat=None):
     """`total` bytes in `size`-byte write(2)s (O_APPEND if `append`), an fsync every
     `fsync_every` bytes and at the end, then close. Returns the seconds it took. `lat`: a dict
-    that gets each write's and each periodic fsync's seconds ("write", "fsync")."""
+    that gets each write's seconds ("write"), each periodic fsync's ("fsync") and, per periodic
+    fsync, the seconds of the writes since the one before ("writes per fsync")."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_APPEND if append else 0)
     n = total // size
     clock = time.perf_counter
-    writes, fsyncs = [], []
+    writes, fsyncs, between = [], [], []
     t0 = clock()
     fd = os.open(path, flags, 0o644)
     try:
         since = 0
+        batch = 0.0
         for i in range(n):
             block = record_block(ref, seed, i, size)
             a = clock()
             w = os.write(fd, block)
-            writes.append(clock() - a)
+            took = clock() - a
+            writes.append(took)
+            batch += took
             if w != size:
                 raise RuntimeError(f"{path}: short write {w} of {size}")
             since += size
@@ -532,20 +537,24 @@ def write_records(path, total, size, ref, seed, fsync_every=0, append=False, lat
                 a = clock()
                 os.fsync(fd)
                 fsyncs.append(clock() - a)
+                between.append(batch)
                 since = 0
+                batch = 0.0
         os.fsync(fd)
     finally:
         os.close(fd)
-    took = clock() - t0
+    elapsed = clock() - t0
     if lat is not None:
-        lat["write"], lat["fsync"] = writes, fsyncs
-    return took
+        lat["write"], lat["fsync"], lat["writes per fsync"] = writes, fsyncs, between
+    return elapsed
 
 
 def percentile(v, q):
-    """The q-quantile (0..1) of a non-empty list (nearest rank)."""
+    """The q-quantile (0 < q <= 1) of a list by nearest rank; None for an empty list."""
+    if not v:
+        return None
     s = sorted(v)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[max(0, math.ceil(q * len(s)) - 1)]
 
 
 def verify_records(path, total, size, ref, seed):
@@ -919,10 +928,10 @@ class Bench:
                 self.record("append+fsync (MiB/s)", impl, a.append_mb / dt)
                 self.record("append+fsync CPU (s)", impl, self.cpu_of(m) - c0)
                 # where a MiB's time goes: its 16 appends, then its fsync
-                self.record("append+fsync, writes of a MiB p50 (ms)", impl,
-                            percentile(lat["write"], 0.5) * 16e3)
-                self.record("append+fsync, fsync p50 (ms)", impl,
-                            percentile(lat["fsync"], 0.5) * 1e3)
+                for name, key in (("writes of a MiB", "writes per fsync"), ("fsync", "fsync")):
+                    v = percentile(lat[key], 0.5)
+                    if v is not None:
+                        self.record(f"append+fsync, {name} p50 (ms)", impl, v * 1e3)
                 verify_records(p, total, 64 << 10, self.ref, seed + 10)
                 # a log writer: 4 KiB writes, one fsync at the end
                 p = os.path.join(base, "log")
@@ -934,8 +943,10 @@ class Bench:
                 self.record("4k writes CPU (s)", impl, self.cpu_of(m) - c0)
                 # one FUSE round trip each: mostly wake-ups, which the scheduler's placement
                 # of the writer and the FUSE thread decides (see docs/BENCHMARKS.md)
-                self.record("4k write p50 (us)", impl, percentile(lat["write"], 0.5) * 1e6)
-                self.record("4k write p90 (us)", impl, percentile(lat["write"], 0.9) * 1e6)
+                for q in (50, 90):
+                    v = percentile(lat["write"], q / 100)
+                    if v is not None:
+                        self.record(f"4k write p{q} (us)", impl, v * 1e6)
                 verify_records(p, total, 4 << 10, self.ref, seed + 11)
                 # untar of a source tree
                 d = os.path.join(base, "tree")
