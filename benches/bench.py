@@ -941,8 +941,8 @@ class Bench:
                 dt = write_records(p, total, 4 << 10, self.ref, seed + 11, lat=lat)
                 self.record("4k writes (MiB/s)", impl, a.small_write_mb / dt)
                 self.record("4k writes CPU (s)", impl, self.cpu_of(m) - c0)
-                # one FUSE round trip each: mostly wake-ups, which the scheduler's placement
-                # of the writer and the FUSE thread decides (see docs/BENCHMARKS.md)
+                # one FUSE round trip each, mostly wake-ups: where the scheduler puts the
+                # writer and the FUSE thread moves it 3-4x (see docs/BENCHMARKS.md)
                 for q in (50, 90):
                     v = percentile(lat["write"], q / 100)
                     if v is not None:
