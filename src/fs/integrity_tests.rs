@@ -229,6 +229,8 @@ async fn delete_f_on_filer(filer: &MockFiler) -> pb::Entry {
         .delete_entry(pb::DeleteEntryRequest {
             directory: "/".into(),
             name: "f".into(),
+            // as an `rm` through any client: the data goes with the name
+            is_delete_data: true,
             ..Default::default()
         })
         .await
@@ -357,18 +359,7 @@ async fn a_real_delete_of_a_name_changed_lately_unlinks_the_open_file() {
     let (a, fh) = create_f(&fs, libc::O_RDWR).await;
     fs.write(fh, a.ino, 0, b"ours").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
-    let gone = filer.get("/f").unwrap();
-    filer
-        .other_client()
-        .delete_entry(pb::DeleteEntryRequest {
-            directory: "/".into(),
-            name: "f".into(),
-            is_delete_data: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    fs.apply_event(&event(Some(gone), None));
+    delete_f_elsewhere(&fs, &filer).await;
     settle().await;
     let of = fs.handle(fh, a.ino).await.unwrap().file.clone();
     assert!(of.state.lock().unlinked, "the filer says f is gone");
@@ -454,17 +445,7 @@ async fn a_real_delete_is_believed_once_the_filer_answers_again() {
     let (a, fh) = create_f(&fs, libc::O_RDWR).await;
     fs.write(fh, a.ino, 0, b"ours").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
-    let gone = filer.get("/f").unwrap();
-    filer
-        .other_client()
-        .delete_entry(pb::DeleteEntryRequest {
-            directory: "/".into(),
-            name: "f".into(),
-            is_delete_data: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let gone = delete_f_on_filer(&filer).await;
     // the filer blinks while the delete's event is checked
     filer.fail_next(2);
     fs.apply_event(&event(Some(gone), None));
