@@ -102,6 +102,12 @@ pub struct DriverArgs {
     #[arg(long = "concurrentWriters", env = "WEED_CONCURRENTWRITERS")]
     pub concurrent_writers: Option<usize>,
 
+    /// Longest wait of a FUSE thread, in microseconds, for the next request after answering
+    /// one before it sleeps (0: never; at most 1000; default: 50)
+    #[arg(long = "fuseSpinMicros", env = "WEED_FUSESPINMICROS",
+          value_parser = clap::value_parser!(u64).range(0..=crate::config::MAX_FUSE_SPIN_US))]
+    pub fuse_spin_us: Option<u64>,
+
     /// Data center of this node (used with dataLocality)
     #[arg(long = "dataCenter", env = "WEED_DATACENTER", default_value = "")]
     pub data_center: String,
@@ -441,6 +447,9 @@ impl DriverArgs {
             Some(v) => base.concurrent_writers = v,
             None => {}
         }
+        if let Some(v) = self.fuse_spin_us {
+            base.fuse_spin_us = v;
+        }
         base.uid_map = parse_id_map(&self.map_uid).map_err(|r| invalid("map.uid", r))?;
         base.gid_map = parse_id_map(&self.map_gid).map_err(|r| invalid("map.gid", r))?;
         let data_locality: DataLocality = self
@@ -628,6 +637,21 @@ mod tests {
         let defaults = d.volume_defaults().unwrap();
         assert_eq!(defaults.base.uid_map, vec![(1000, 0)]);
         assert_eq!(defaults.base.umask, 0);
+    }
+
+    #[test]
+    fn fuse_spin_micros_reaches_the_mounts_within_its_range() {
+        let base = |args: &[&str]| parse(args).driver.volume_defaults().unwrap().base;
+        assert_eq!(base(&["--filer=a:1"]).fuse_spin_us, 50);
+        assert_eq!(base(&["--filer=a:1", "-fuseSpinMicros=0"]).fuse_spin_us, 0);
+        assert_eq!(
+            base(&["--filer=a:1", "--fuseSpinMicros=1000"]).fuse_spin_us,
+            1000
+        );
+        for bad in ["--fuseSpinMicros=1001", "--fuseSpinMicros=-1"] {
+            let argv = ["seaweedfs-csi-driver", "--filer=a:1", bad].map(OsString::from);
+            assert!(Cli::try_parse_from(normalize_args(argv)).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub struct MountOptions {
     pub read_retry_secs: u64,
     /// FUSE worker threads; [`default_fuse_threads`] unless set.
     pub fuse_threads: usize,
+    /// Longest wait, in microseconds, of a FUSE thread for the next request after answering
+    /// one, before it sleeps (see [`crate::fuse::linger`]); 0: never.
+    pub fuse_spin_us: u64,
     /// Data chunks per manifest chunk; only tests lower it.
     pub manifest_batch: usize,
     #[serde(flatten)]
@@ -116,11 +119,19 @@ impl Default for MountOptions {
             volume_id: String::new(),
             read_retry_secs: 6,
             fuse_threads: default_fuse_threads(),
+            fuse_spin_us: DEFAULT_FUSE_SPIN_US,
             manifest_batch: crate::chunks::MANIFEST_BATCH,
             unknown: UnknownOptions::default(),
         }
     }
 }
+
+/// Default of [`MountOptions::fuse_spin_us`]: about two cross-CPU wake-ups on a VM.
+pub const DEFAULT_FUSE_SPIN_US: u64 = 50;
+
+/// Largest [`MountOptions::fuse_spin_us`] accepted: beyond it a wait costs more than the
+/// sleep it avoids.
+pub const MAX_FUSE_SPIN_US: u64 = 1000;
 
 /// One FUSE thread per CPU, at most 4. A FUSE thread never waits on the network (a request
 /// that must wait moves to the runtime), so threads beyond the CPUs only spread the kernel's

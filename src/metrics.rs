@@ -243,6 +243,8 @@ pub struct Metrics {
     uploads: Counter,
     upload_errors: Counter,
     commit_rebases: Counter,
+    lingers: Counter,
+    linger_caught: Counter,
     pub staged_volumes: Gauge,
     pub published_targets: Gauge,
     /// Live [`FuseOps`] per volume: the last one's drop removes the volume's op series (a
@@ -269,6 +271,7 @@ impl Metrics {
         );
         let (uploads, upload_errors) = (Counter::default(), Counter::default());
         let commit_rebases = Counter::default();
+        let (lingers, linger_caught) = (Counter::default(), Counter::default());
         let (staged_volumes, published_targets) = (Gauge::default(), Gauge::default());
         r.register(
             "seaweedfs_csi_uploads",
@@ -284,6 +287,16 @@ impl Metrics {
             "seaweedfs_csi_commit_rebases",
             "Commits rebased onto another client's change of the file",
             commit_rebases.clone(),
+        );
+        r.register(
+            "seaweedfs_csi_fuse_lingers",
+            "Waits of a FUSE thread for the next request after answering one",
+            lingers.clone(),
+        );
+        r.register(
+            "seaweedfs_csi_fuse_linger_caught",
+            "Requests a FUSE thread found while waiting after an answer, so it did not sleep",
+            linger_caught.clone(),
         );
         r.register(
             "seaweedfs_csi_staged_volumes",
@@ -303,6 +316,8 @@ impl Metrics {
             uploads,
             upload_errors,
             commit_rebases,
+            lingers,
+            linger_caught,
             staged_volumes,
             published_targets,
             fuse_users: Default::default(),
@@ -320,6 +335,14 @@ impl Metrics {
     /// A commit was refused because another client had changed the file, and rebased.
     pub fn commit_rebased(&self) {
         self.commit_rebases.inc();
+    }
+
+    /// A FUSE thread waited for the next request after an answer; `caught`: one came.
+    pub fn linger_done(&self, caught: bool) {
+        self.lingers.inc();
+        if caught {
+            self.linger_caught.inc();
+        }
     }
 
     /// The op series of the FUSE session serving `volume` (its filer path).

@@ -436,6 +436,13 @@ async fn real_mount_moves_the_numbers() {
         let back = std::fs::read(dir.join("a.bin"))?;
         assert_eq!(back, data);
         std::fs::read_dir(&dir)?.count();
+        // a stream of small writes: each next write comes a few microseconds after the
+        // answer, while the FUSE thread still waits for it
+        let mut f = std::fs::File::create(dir.join("log"))?;
+        for i in 0..4096u32 {
+            std::io::Write::write_all(&mut f, &[(i % 251) as u8; 4096])?;
+        }
+        f.sync_all()?;
         Ok(back)
     })
     .await
@@ -466,6 +473,11 @@ async fn real_mount_moves_the_numbers() {
         sample(&after, "seaweedfs_csi_uploads_total")
             > sample(&before, "seaweedfs_csi_uploads_total"),
         "no chunk upload was counted"
+    );
+    let caught = "seaweedfs_csi_fuse_linger_caught_total";
+    assert!(
+        sample(&after, caught) > sample(&before, caught),
+        "no request was taken by a FUSE thread waiting after an answer"
     );
     assert_exposition_format(&after);
     server.shutdown().await;

@@ -33,6 +33,7 @@ pub struct FuseAdapter {
     /// This session's FUSE op series (`volume` = the filer path), resolved once each so that a
     /// request only adds to atomics.
     ops: Arc<crate::metrics::FuseOps>,
+    linger: Arc<super::linger::Linger>,
 }
 
 /// Lets a handover stop answering new requests: once closed, requests are left unanswered
@@ -85,7 +86,14 @@ impl FuseAdapter {
             rt,
             init_hook,
             gate: Arc::default(),
+            linger: Arc::new(super::linger::Linger::new(std::time::Duration::ZERO)),
         }
+    }
+
+    /// Waits `linger` for a next request after answering one without waiting.
+    pub fn with_linger(mut self, linger: Arc<super::linger::Linger>) -> Self {
+        self.linger = linger;
+        self
     }
 
     pub fn gate(&self) -> Arc<Gate> {
@@ -100,8 +108,15 @@ impl FuseAdapter {
         let mut fut = Box::pin(fut);
         // tokio resources and `tokio::spawn` inside the future need the runtime's context
         let _rt = self.rt.enter();
-        if poll_inline(fut.as_mut()) == Some(Poll::Pending) {
-            self.rt.spawn(fut);
+        match poll_inline(fut.as_mut()) {
+            Some(Poll::Pending) => {
+                self.rt.spawn(fut);
+            }
+            // answered: the caller's next request may follow at once
+            Some(Poll::Ready(())) => {
+                self.linger.after_answer();
+            }
+            None => {}
         }
     }
 

@@ -73,6 +73,11 @@ pub struct MountArgs {
     /// FUSE worker threads (default: one per CPU, at most 4)
     #[arg(long = "fuse.threads", default_value_t = crate::config::default_fuse_threads())]
     pub fuse_threads: usize,
+    /// Longest wait of a FUSE thread, in microseconds, for the next request after answering
+    /// one before it sleeps (0: never; at most 1000)
+    #[arg(long = "fuse.spinMicros", default_value_t = crate::config::DEFAULT_FUSE_SPIN_US,
+          value_parser = clap::value_parser!(u64).range(0..=crate::config::MAX_FUSE_SPIN_US))]
+    pub fuse_spin_us: u64,
     /// Data chunks per manifest chunk. Tests lower it to reach manifests with few chunks.
     #[arg(long = "manifestBatch", hide = true, default_value_t = crate::chunks::MANIFEST_BATCH)]
     pub manifest_batch: usize,
@@ -119,6 +124,7 @@ impl MountArgs {
             volume_server_access: access,
             quota_bytes: self.collection_quota_mb << 20,
             fuse_threads: self.fuse_threads.max(1),
+            fuse_spin_us: self.fuse_spin_us,
             manifest_batch: self.manifest_batch.max(1),
             ..Default::default()
         })

@@ -344,6 +344,31 @@ pub fn raise_readahead(mountpoint: &Path, kb: u32) {
     }
 }
 
+/// The FUSE adapter of `fs`, and its linger (attached by [`serving_device`]).
+fn new_adapter(
+    fs: &Arc<Fs>,
+    opts: &MountOptions,
+) -> (super::adapter::FuseAdapter, Arc<super::linger::Linger>) {
+    let linger = Arc::new(super::linger::Linger::new(Duration::from_micros(
+        opts.fuse_spin_us,
+    )));
+    let adapter =
+        super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None)
+            .with_linger(linger.clone());
+    (adapter, linger)
+}
+
+/// Just before a session serves: attaches `linger` to its FUSE device and returns a duplicate
+/// of that device (see [`raw_device`]).
+fn serving_device<F: fuser::Filesystem>(
+    s: &fuser::Session<F>,
+    linger: &super::linger::Linger,
+) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsFd, AsRawFd};
+    linger.attach(s.as_fd().as_raw_fd());
+    raw_device(s)
+}
+
 /// A duplicate of a session's FUSE device fd (None, logged, if it cannot be made).
 fn raw_device<F: fuser::Filesystem>(s: &fuser::Session<F>) -> Option<std::os::fd::OwnedFd> {
     use std::os::fd::AsFd;
@@ -443,8 +468,7 @@ impl MountedVolume {
         mountpoint: &Path,
     ) -> Result<Self, MountError> {
         let (fs, session) = build_fs(opts, security).await?;
-        let adapter =
-            super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
+        let (adapter, linger) = new_adapter(&fs, opts);
         let mut config = fuse_config(opts, fsname(opts));
         // fuser's direct mount drops Subtype; pass it raw so the mount shows as fuse.seaweedfs
         // (takeover::mount_fresh puts it in the fs type instead)
@@ -454,7 +478,7 @@ impl MountedVolume {
         let mp = mountpoint.to_path_buf();
         let (bg, raw) = tokio::task::spawn_blocking(move || {
             let s = fuser::Session::new(adapter, &mp, &config)?;
-            let raw = raw_device(&s);
+            let raw = serving_device(&s, &linger);
             s.spawn().map(|bg| (bg, raw))
         })
         .await
@@ -533,8 +557,7 @@ impl MountedVolume {
             .try_clone_to_owned()
             .map_err(|e| mount_err(mountpoint, e))?;
         fs.verifier.attach(dirty);
-        let adapter =
-            super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
+        let (adapter, linger) = new_adapter(&fs, opts);
         let gate = adapter.gate();
         let config = fuse_config(opts, fsname(opts));
         let mp = mountpoint.to_path_buf();
@@ -577,7 +600,7 @@ impl MountedVolume {
             return Err(mount_err(mountpoint, format!("fd-keeper: {e}")));
         }
         let notifier = keeper_notifier(&keeper, volume_id, token).await;
-        let raw = raw_device(&mounted.session);
+        let raw = serving_device(&mounted.session, &linger);
         let bg = mounted.session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.to_path_buf(),
             source: e,
@@ -647,8 +670,7 @@ impl MountedVolume {
                 tracing::warn!(volume_id = %state.volume_id, "the previous process kept no dirty-inode log (older version); lost writes are not reported until the volume is staged again")
             }
         }
-        let adapter =
-            super::adapter::FuseAdapter::new(fs.clone(), tokio::runtime::Handle::current(), None);
+        let (adapter, linger) = new_adapter(&fs, &state.opts);
         let gate = adapter.gate();
         let config = fuse_config(&state.opts, fsname(&state.opts));
         let init = blob.init.clone();
@@ -668,7 +690,7 @@ impl MountedVolume {
             fs.set_posix_acl(super::adapter::posix_acl_negotiated(agreed.flags));
         }
         let notifier = keeper_notifier(&keeper, &state.volume_id, state.token).await;
-        let raw = raw_device(&session);
+        let raw = serving_device(&session, &linger);
         let bg = session.spawn().map_err(|e| MountError::Mount {
             path: mountpoint.clone(),
             source: e,
