@@ -7,9 +7,10 @@
 //! hypervisor: ~20-30 us, more than the request's own work. Checking the device for a little
 //! while first takes the request at once (docs/BENCHMARKS.md, 2026-12-07, session 38).
 //!
-//! Each thread backs off on its own: after [`MISSES_BEFORE_REST`] waits in a row that saw no
-//! request it answers the next [`REST_ANSWERS`] requests without waiting, so a mount that is
-//! idle or sees sparse requests spends next to nothing. (Sizing the wait by how soon the next
+//! Each thread backs off on its own: it counts waits that saw no request, less those that
+//! caught one, and at [`MISSES_BEFORE_REST`] it answers the next [`REST_ANSWERS`] requests
+//! without waiting. So a thread keeps waiting only while its waits catch a request at least
+//! as often as not, and one with sparse requests waits for 8 of every 72 answers. (Sizing the wait by how soon the next
 //! request came, as the kernel's haltpoll does, closed it exactly when it was needed: a thread
 //! that slept sees its own wake-up in that time.) A wait also gives way at once when another
 //! task wants this CPU: a caller woken onto this CPU runs only once we stop.
@@ -19,7 +20,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-/// Waits in a row without a request after which a thread rests.
+/// Waits without a request (less those with one) after which a thread rests.
 pub const MISSES_BEFORE_REST: u32 = 8;
 
 /// Answers a resting thread gives without waiting.
@@ -39,7 +40,7 @@ pub struct Linger {
 }
 
 thread_local! {
-    /// Waits in a row on this thread that saw no request.
+    /// Waits on this thread that saw no request, less those that caught one.
     static MISSES: Cell<u32> = const { Cell::new(0) };
     /// Answers this thread still gives without waiting.
     static RESTING: Cell<u32> = const { Cell::new(0) };
@@ -54,7 +55,7 @@ pub enum Outcome {
     TimedOut,
     /// Another task wanted this CPU.
     GaveWay,
-    /// Not waited: none allowed, or this thread rests.
+    /// Not waited: none allowed, this thread rests, or the device reports an error.
     Skipped,
 }
 
@@ -84,9 +85,12 @@ impl Linger {
             return Outcome::Skipped;
         }
         let outcome = wait_readable(fd, Instant::now(), self.max);
-        crate::metrics::global().linger_done(outcome == Outcome::Arrived);
+        if outcome != Outcome::Skipped {
+            crate::metrics::global().linger_done(outcome == Outcome::Arrived);
+        }
         match outcome {
-            Outcome::Arrived => MISSES.set(0),
+            // waits must pay off at least as often as not: a catch cancels one miss
+            Outcome::Arrived => MISSES.set(MISSES.get().saturating_sub(1)),
             Outcome::TimedOut => {
                 let misses = MISSES.get() + 1;
                 if misses >= MISSES_BEFORE_REST {
@@ -113,9 +117,12 @@ fn wait_readable(fd: RawFd, start: Instant, window: Duration) -> Outcome {
         };
         // SAFETY: one valid pollfd; a zero timeout never blocks
         let n = unsafe { libc::poll(&mut p, 1, 0) };
-        if n != 0 {
-            // input, or an error the next read reports
+        if n > 0 && p.revents == libc::POLLIN {
             return Outcome::Arrived;
+        }
+        if n != 0 {
+            // an error (an aborted connection): the next read reports it
+            return Outcome::Skipped;
         }
         if start.elapsed() >= window {
             return Outcome::TimedOut;
@@ -164,13 +171,26 @@ mod tests {
     }
 
     #[test]
+    fn an_error_on_the_device_ends_the_wait_uncounted() {
+        let (r, w) = nix::unistd::pipe().unwrap();
+        // the writer gone: POLLHUP, as an aborted connection reports an error
+        drop(w);
+        let t = Instant::now();
+        assert_eq!(
+            wait_readable(r.as_raw_fd(), t, Duration::from_secs(5)),
+            Outcome::Skipped
+        );
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
     fn a_thread_rests_after_waits_that_saw_nothing_and_then_waits_again() {
         let l = Linger::new(us(20));
         let (r, w) = nix::unistd::pipe().unwrap();
         l.attach(r.as_raw_fd());
         std::thread::spawn(move || {
             // nothing ever comes: every wait counts as a miss, except those that gave way to
-            // another task (a loaded machine), until enough missed in a row
+            // another task (a loaded machine), until 8 missed
             let mut misses = 0;
             while misses < MISSES_BEFORE_REST {
                 match l.after_answer() {
@@ -186,20 +206,31 @@ mod tests {
             }
             // and after its rest it looks again
             assert_eq!(l.after_answer(), Outcome::Arrived);
-            // a caught request clears the misses: a thread misses 7, catches one, misses 7
-            // more, and still waits
+            // a caught request cancels one miss: 7 misses and a catch leave 6, so 2 more
+            // misses start a rest, and 1 does not
             nix::unistd::read(&r, &mut [0u8; 1]).unwrap();
-            for round in 0..2 {
+            let miss = |n: u32| {
                 let mut misses = 0;
-                while misses < MISSES_BEFORE_REST - 1 {
-                    if l.after_answer() == Outcome::TimedOut {
-                        misses += 1;
+                while misses < n {
+                    match l.after_answer() {
+                        Outcome::TimedOut => misses += 1,
+                        Outcome::GaveWay => {}
+                        o => panic!("{o:?} while missing"),
                     }
                 }
-                nix::unistd::write(&w, b"x").unwrap();
-                assert_eq!(l.after_answer(), Outcome::Arrived, "round {round}");
-                nix::unistd::read(&r, &mut [0u8; 1]).unwrap();
-            }
+            };
+            miss(MISSES_BEFORE_REST - 1);
+            nix::unistd::write(&w, b"x").unwrap();
+            assert_eq!(l.after_answer(), Outcome::Arrived);
+            nix::unistd::read(&r, &mut [0u8; 1]).unwrap();
+            miss(1);
+            nix::unistd::write(&w, b"x").unwrap();
+            assert_eq!(l.after_answer(), Outcome::Arrived, "rests too early");
+            // now 6 again: 2 misses rest it
+            nix::unistd::read(&r, &mut [0u8; 1]).unwrap();
+            miss(2);
+            nix::unistd::write(&w, b"x").unwrap();
+            assert_eq!(l.after_answer(), Outcome::Skipped, "does not rest");
         })
         .join()
         .unwrap();
