@@ -10,10 +10,11 @@
 //! Each thread backs off on its own: it counts waits that saw no request, less those that
 //! caught one, and at [`MISSES_BEFORE_REST`] it answers the next [`REST_ANSWERS`] requests
 //! without waiting. So a thread keeps waiting only while its waits catch a request at least
-//! as often as not, and one with sparse requests waits for 8 of every 72 answers. (Sizing the wait by how soon the next
-//! request came, as the kernel's haltpoll does, closed it exactly when it was needed: a thread
-//! that slept sees its own wake-up in that time.) A wait also gives way at once when another
-//! task wants this CPU: a caller woken onto this CPU runs only once we stop.
+//! as often as not, and one with sparse requests waits for 8 of every 72 answers. (Sizing
+//! the wait by how soon the next request came, as the kernel's haltpoll does, closed it
+//! exactly when it was needed: a thread that slept sees its own wake-up in that time.) A
+//! wait also gives way at once when another task wants this CPU: a caller woken onto this
+//! CPU runs only once we stop.
 
 use std::cell::Cell;
 use std::os::fd::RawFd;
@@ -155,6 +156,17 @@ mod tests {
         assert_eq!(l.after_answer(), Outcome::Skipped);
     }
 
+    /// How a wait of up to 5 s on `fd` ends, asserting that it ended within a second.
+    fn ends_at_once(fd: RawFd) -> Outcome {
+        let t = Instant::now();
+        let outcome = wait_readable(fd, t, Duration::from_secs(5));
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "{outcome:?} took long"
+        );
+        outcome
+    }
+
     #[test]
     fn input_on_the_device_ends_the_wait() {
         let (r, w) = nix::unistd::pipe().unwrap();
@@ -162,12 +174,7 @@ mod tests {
         let t = Instant::now();
         assert_ne!(wait_readable(r.as_raw_fd(), t, us(200)), Outcome::Arrived);
         nix::unistd::write(&w, b"x").unwrap();
-        let t = Instant::now();
-        assert_eq!(
-            wait_readable(r.as_raw_fd(), t, Duration::from_secs(5)),
-            Outcome::Arrived
-        );
-        assert!(t.elapsed() < Duration::from_secs(1));
+        assert_eq!(ends_at_once(r.as_raw_fd()), Outcome::Arrived);
     }
 
     #[test]
@@ -175,12 +182,7 @@ mod tests {
         let (r, w) = nix::unistd::pipe().unwrap();
         // the writer gone: POLLHUP, as an aborted connection reports an error
         drop(w);
-        let t = Instant::now();
-        assert_eq!(
-            wait_readable(r.as_raw_fd(), t, Duration::from_secs(5)),
-            Outcome::Skipped
-        );
-        assert!(t.elapsed() < Duration::from_secs(1));
+        assert_eq!(ends_at_once(r.as_raw_fd()), Outcome::Skipped);
     }
 
     #[test]
@@ -189,16 +191,19 @@ mod tests {
         let (r, w) = nix::unistd::pipe().unwrap();
         l.attach(r.as_raw_fd());
         std::thread::spawn(move || {
-            // nothing ever comes: every wait counts as a miss, except those that gave way to
-            // another task (a loaded machine), until 8 missed
-            let mut misses = 0;
-            while misses < MISSES_BEFORE_REST {
-                match l.after_answer() {
-                    Outcome::TimedOut => misses += 1,
-                    Outcome::GaveWay => {}
-                    o => panic!("{o:?} with nothing to read"),
+            // `n` waits that see nothing; those that gave way to another task (a loaded
+            // machine) do not count
+            let miss = |n: u32| {
+                let mut misses = 0;
+                while misses < n {
+                    match l.after_answer() {
+                        Outcome::TimedOut => misses += 1,
+                        Outcome::GaveWay => {}
+                        o => panic!("{o:?} with nothing to read"),
+                    }
                 }
-            }
+            };
+            miss(MISSES_BEFORE_REST);
             // then it answers without looking, even with a request there
             nix::unistd::write(&w, b"x").unwrap();
             for _ in 0..REST_ANSWERS {
@@ -209,16 +214,6 @@ mod tests {
             // a caught request cancels one miss: 7 misses and a catch leave 6, so 2 more
             // misses start a rest, and 1 does not
             nix::unistd::read(&r, &mut [0u8; 1]).unwrap();
-            let miss = |n: u32| {
-                let mut misses = 0;
-                while misses < n {
-                    match l.after_answer() {
-                        Outcome::TimedOut => misses += 1,
-                        Outcome::GaveWay => {}
-                        o => panic!("{o:?} while missing"),
-                    }
-                }
-            };
             miss(MISSES_BEFORE_REST - 1);
             nix::unistd::write(&w, b"x").unwrap();
             assert_eq!(l.after_answer(), Outcome::Arrived);
