@@ -151,6 +151,77 @@ fn stale_open_file_metadata_change_keeps_another_nodes_write() {
     }
 }
 
+/// Node A holds a file open with nothing of its own to write; then node B moves another
+/// file over its name, or removes it and makes a new one there; and A at once truncates,
+/// chmods or sets an xattr through its open file, before the event reaches it. The file at
+/// the name now must keep its bytes, mode and xattrs: A's change goes to the file A opened
+/// (gone from the name) or fails with ESTALE. A chmod or xattr used to change the file at
+/// the name. (An upload over the name is not another file: the filer keeps the entry's
+/// inode and creation time, so the change goes to it.)
+#[test]
+fn a_change_through_an_open_file_never_lands_in_the_file_that_took_its_name() {
+    let w = shared_server();
+    let root = unique_path("took-name");
+    let rt = runtime();
+    let filer = filer_client(&rt, &w);
+    let a = mount_ours(&w, &root, &[]);
+    let b = mount_ours(&w, &root, &[]);
+    let mut changed = Vec::new();
+    for i in 0..3 * ROUNDS {
+        let name = format!("t{i}");
+        fs::write(a.join(&name), pseudo_random(6000 + i as u64, 4096)).unwrap();
+        let held = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(a.join(&name))
+            .unwrap();
+        let new = pseudo_random(7000 + i as u64, 64 << 10);
+        let how = match i % 2 {
+            0 => {
+                fs::write(b.join(format!("{name}.tmp")), &new).unwrap();
+                fs::rename(b.join(format!("{name}.tmp")), b.join(&name)).unwrap();
+                "moved over"
+            }
+            _ => {
+                // B may not know the name yet: it is removed once B sees it
+                assert!(
+                    eventually_reads(&b.join(&name), Duration::from_secs(15), |_| true).is_some()
+                );
+                fs::remove_file(b.join(&name)).unwrap();
+                fs::write(b.join(&name), &new).unwrap();
+                "made again"
+            }
+        };
+        let fd = held.as_raw_fd();
+        let r = match (i / 2) % 3 {
+            0 => check(unsafe { libc::ftruncate(fd, 10) }),
+            1 => check(unsafe { libc::fchmod(fd, 0o600) }),
+            _ => check(unsafe {
+                libc::fsetxattr(fd, c"user.a".as_ptr(), b"v".as_ptr().cast(), 1, 0)
+            }),
+        };
+        drop(held);
+        std::thread::sleep(Duration::from_millis(300));
+        let e = rt
+            .block_on(filer.lookup_entry(&root, &name))
+            .expect("the file at the name");
+        let bytes = w.filer_get(&format!("{root}/{name}"));
+        let mode = e.attributes.as_ref().map_or(0, |a| a.file_mode & 0o777);
+        if bytes.as_deref() != Some(&new[..]) || mode == 0o600 || !e.extended.is_empty() {
+            changed.push(format!(
+                "{name} ({how}, change #{}: {r:?}; {} bytes, mode {mode:o}, xattrs {:?})",
+                (i / 2) % 3,
+                bytes.map_or(0, |b| b.len()),
+                e.extended.keys().collect::<Vec<_>>()
+            ));
+        }
+    }
+    assert!(
+        changed.is_empty(),
+        "A's change through its open file reached the file that took the name: {changed:?}"
+    );
+}
+
 /// A file whose bytes live inline in its filer entry (as the HTTP API and S3 store small
 /// files) truncated to 1 TiB: the inline bytes must not be blown up in memory.
 #[test]

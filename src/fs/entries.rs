@@ -2,6 +2,7 @@
 //! their attributes (lookup, getattr), the root, and the entry writes the operations share.
 
 use super::attr::{entry_attr, entry_inode, file_id, to_go_mode, Attr, Kind};
+use super::events::Identity;
 use super::file::OpenFile;
 use super::inode::{join, split, FileId, ROOT_INO};
 use super::meta::Cached;
@@ -646,6 +647,36 @@ impl Fs {
             self.inodes.is_node(path, &file_id(path, e), ino)
         } else {
             entry_inode(path, e) == ino
+        }
+    }
+
+    /// Whether `e`, found at `path`, is the open file node `ino` whose own entry says
+    /// `known`: the node table says so, or neither has the filer's number and both were
+    /// born alike (such a file's node id follows the path it was first seen at).
+    pub(super) fn is_open_file(
+        &self,
+        path: &str,
+        e: &pb::Entry,
+        ino: u64,
+        known: &Identity,
+    ) -> bool {
+        self.is_node(path, e, ino) || known.is_inodeless_match(e)
+    }
+
+    /// [`Self::is_open_file`] as a check before a change of the filer's entry through an open
+    /// file: another file at the name now (moved or uploaded over it, the event not here
+    /// yet) is not changed, and the caller gets ESTALE.
+    pub(super) fn check_open_file(
+        &self,
+        path: &str,
+        e: &pb::Entry,
+        ino: u64,
+        known: &Identity,
+    ) -> Result<()> {
+        if self.is_open_file(path, e, ino, known) {
+            Ok(())
+        } else {
+            Err(errno(libc::ESTALE, format!("{path} is another file now")))
         }
     }
 

@@ -406,7 +406,7 @@ impl Fs {
     ) -> Result<Option<(pb::Entry, Vec<pb::FileChunk>)>> {
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
         let e = match self.filer.lookup_entry(dir, name).await {
-            Ok(e) if self.is_node(path, &e, ino) || known.is_inodeless_match(&e) => e,
+            Ok(e) if self.is_open_file(path, &e, ino, known) => e,
             Ok(_) | Err(FilerError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         };

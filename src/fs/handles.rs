@@ -1,6 +1,7 @@
 //! Open files and handles of [`Fs`]: open, handles re-created after a takeover, release, and
 //! an open file taking the filer's current entry while it has nothing of its own.
 
+use super::events::Identity;
 use super::file::OpenFile;
 use super::inode::split;
 use super::{errno, now_parts, Fs, Handle, OpenEntry, Result};
@@ -59,17 +60,21 @@ impl Fs {
         let deleted = |dir: &str, name: &str| {
             errno(
                 libc::ESTALE,
-                format!("{} was deleted elsewhere", super::inode::join(dir, name)),
+                format!(
+                    "{} was deleted or replaced elsewhere",
+                    super::inode::join(dir, name)
+                ),
             )
         };
         loop {
-            let (dir, name, clean, unlinked) = {
+            let (dir, name, clean, unlinked, known) = {
                 let s = of.state.lock();
                 (
                     s.dir.clone(),
                     s.entry.name.clone(),
                     s.is_clean() && !s.pending_create && !s.unlinked,
                     s.unlinked,
+                    Identity::of(&s.entry),
                 )
             };
             if unlinked && !first {
@@ -84,19 +89,24 @@ impl Fs {
             // reached the filer between them would be undone by the stale entry adopted here,
             // which this file's next commit carries
             let turn = self.entry_lock(&dir, &name).lock().await;
-            let fresh = self.fresh_entry(&dir, &name).await;
-            if fresh.is_err() {
-                // not held across the invalidation below: it waits for the directory's lock,
-                // which a rename or link there may hold while its handler waits for this turn
-                drop(turn);
-            }
-            match fresh {
-                Ok(e) => {
+            let path = super::inode::join(&dir, &name);
+            let failed = match self.fresh_entry(&dir, &name).await {
+                Ok(e) if self.is_open_file(&path, &e, ino, &known) => {
                     self.adopt_if_clean(ino, of, e).await;
                     return Ok(());
                 }
+                // another file holds the name (moved or uploaded over it, or removed and made
+                // again): taken as ours, its bytes would be changed and committed as ours
+                Ok(_) => None,
+                Err(e) if e.errno == libc::ENOENT => None,
+                Err(e) => Some(e),
+            };
+            // not held across the invalidation below: it waits for the directory's lock,
+            // which a rename or link there may hold while its handler waits for this turn
+            drop(turn);
+            match failed {
                 // gone from this name on the filer: forgotten here, the kernel's entry too
-                Err(e) if e.errno == libc::ENOENT => {
+                None => {
                     // (once per name: each time drops cached listings)
                     let gone = Some((dir.clone(), name.clone()));
                     if forgotten != gone {
@@ -131,7 +141,7 @@ impl Fs {
                         tokio::time::sleep(pauses.next_pause()).await;
                     }
                 }
-                Err(e) => return Err(e),
+                Some(e) => return Err(e),
             }
         }
     }

@@ -3021,3 +3021,73 @@ async fn a_commit_refused_at_a_moved_name_looks_again_soon() {
     assert!(filer.get("/g").is_some());
     fs.release(fh, a.ino).await.unwrap();
 }
+
+/// Another client moves another file over the name of a file this node has open with
+/// nothing of its own to commit (also one without an inode attribute, as filers before
+/// 4.21 stored uploads), the event not here yet. A second writable open, a truncate, a
+/// chmod or a setxattr of the open file used to take the entry found at the name (the
+/// other file's) as its own and change that file: an inodeless file's bytes were
+/// overwritten or cut (its identity, once taken, passed the commit's check), and either
+/// file's mode or xattrs changed. The name no longer leads to this file: ESTALE (after the name settles, for
+/// data), and the other file keeps its bytes and attributes.
+#[tokio::test]
+async fn a_change_to_a_clean_open_file_never_lands_in_another_file_put_at_its_name() {
+    for inodeless in [false, true] {
+        for op in ["open", "truncate", "chmod", "xattr"] {
+            let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+            let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+            fs.write(fh, a.ino, 0, b"ours").await.unwrap();
+            fs.flush(fh, a.ino).await.unwrap();
+            let (g, gfh) = fs
+                .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
+                .await
+                .unwrap();
+            fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
+            fs.release(gfh, g.ino).await.unwrap();
+            rename_unseen(&filer, "g", "f").await;
+            if inodeless {
+                let mut up = filer.get("/f").unwrap();
+                let attrs = up.attributes.as_mut().unwrap();
+                attrs.inode = 0;
+                attrs.crtime_ns = 0;
+                store_root(&filer, up).await;
+            }
+            let r = match op {
+                "open" => match fs.open(a.ino, libc::O_RDWR).await {
+                    Ok(fh2) => {
+                        fs.write(fh2, a.ino, 0, b"OURS").await.unwrap();
+                        let r = fs.flush(fh2, a.ino).await;
+                        let _ = fs.release(fh2, a.ino).await;
+                        r
+                    }
+                    Err(e) => Err(e),
+                },
+                "truncate" => {
+                    let cut = SetAttr {
+                        size: Some(2),
+                        ..Default::default()
+                    };
+                    fs.setattr(a.ino, cut).await.map(|_| ())
+                }
+                "chmod" => fs.setattr(a.ino, chmod(0o600)).await.map(|_| ()),
+                _ => fs.setxattr(a.ino, "user.k", b"v", 0).await,
+            };
+            let case = format!("{op}, inodeless {inodeless}");
+            let e = r.expect_err(&case);
+            assert_eq!(e.errno, libc::ESTALE, "{case}: {e}");
+            let _ = fs.release(fh, a.ino).await;
+            let f = filer.get("/f").unwrap();
+            assert_eq!(
+                bytes_on_filer(&store, &f).await,
+                b"the other file",
+                "{case}: the bytes of the file at the name changed"
+            );
+            assert_eq!(
+                perm_on_filer(&filer, "/f"),
+                0o644,
+                "{case}: its mode changed"
+            );
+            assert!(f.extended.is_empty(), "{case}: its xattrs changed");
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! open-file state.
 
 use super::attr::{self, entry_attr, to_go_mode, Attr, Kind};
+use super::events::Identity;
 use super::file::{cut_start, OpenFile};
 use super::inode::{split, ROOT_INO};
 use super::xattr::chmod_access_acl;
@@ -307,8 +308,10 @@ impl Fs {
                 return Ok(None);
             }
             let (dir, name) = split(path);
+            let known = Identity::of(&of.state.lock().entry);
             let e = self
                 .update_fresh(&dir, &name, |e| {
+                    self.check_open_file(path, e, ino, &known)?;
                     self.apply_setattr(e, req);
                     Ok(())
                 })

@@ -596,7 +596,7 @@ impl Fs {
             // (found, another file holds the name)
             let (found, taken) = match self.filer.lookup_entry(&dir, &name).await {
                 Ok(e) => {
-                    let ours = self.is_node(&path, &e, of.ino) || known.is_inodeless_match(&e);
+                    let ours = self.is_open_file(&path, &e, of.ino, &known);
                     (Some(ours), !ours)
                 }
                 Err(FilerError::NotFound(_)) => (Some(false), false),
@@ -718,7 +718,7 @@ impl Fs {
                 Ok(e) if e.is_directory => return Ok(Rebase::NameGone),
                 // another file took the name (moved over it, or removed and made again):
                 // this one's data is not merged into it; its events decide
-                Ok(e) if !self.is_node(&path, &e, of.ino) && !known.is_inodeless_match(&e) => {
+                Ok(e) if !self.is_open_file(&path, &e, of.ino, &known) => {
                     return Ok(Rebase::NameGone)
                 }
                 Ok(e) => break e,

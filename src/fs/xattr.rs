@@ -229,8 +229,15 @@ impl Fs {
             // opened since the caller looked: that state takes the change (see setattr)
             return None;
         }
+        let known = open
+            .filter(|_| ino != ROOT_INO)
+            .map(|of| super::events::Identity::of(&of.state.lock().entry));
+        let path = super::inode::join(&dir, &name);
         let e = self
             .update_fresh_locked(&dir, &name, |e| {
+                if let Some(known) = &known {
+                    self.check_open_file(&path, e, ino, known)?;
+                }
                 f(e)?;
                 let a = e.attributes.get_or_insert_with(Default::default);
                 (a.ctime, a.ctime_ns) = now_parts();
