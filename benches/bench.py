@@ -674,8 +674,11 @@ class Bench:
         self.ref = bytearray(rnd.randbytes(MiB))
         self.memfs_ok = None
         self.recording = False  # setup mounts are not measured
+        self.warming = False  # warm-up rounds record nothing
 
     def record(self, workload, impl, value, quiet=False):
+        if self.warming:
+            return
         self.results.setdefault(workload, {}).setdefault(impl, []).append(value)
         if not quiet:
             log(f"  {workload:28s} {impl:8s} {value:.4g}")
@@ -1047,6 +1050,21 @@ class Bench:
         a = self.args
         self.setup()
         ra = ["weed-ra"] if a.weed_readahead else []
+        # Unrecorded warm-up of the write phases: the first minutes of a fresh `weed server`
+        # are slow for whichever client writes first (the first round's appends ran at about
+        # half speed for both), and round 1 always starts with ours.
+        for w in range(a.warmup_rounds):
+            rnd = a.rounds + w  # files of its own
+            log(f"warm-up {w + 1}/{a.warmup_rounds} (not recorded)")
+            self.warming = True
+            for name, fn in (("write", lambda: self.phase_write(["ours", "weed"], rnd)),
+                             ("writes", lambda: self.phase_writes(["ours", "weed"], rnd))):
+                if self.wants(name):
+                    fn()
+            if not a.keep_files:
+                self.cleanup_round(rnd)
+                self.cluster.vacuum()
+            self.warming = False
         self.recording = True
         for rnd in range(a.rounds):
             order = ["ours", "weed"] if rnd % 2 == 0 else ["weed", "ours"]
@@ -1226,6 +1244,8 @@ def main():
                     default=os.path.join(REPO, "target/release/seaweedfs-csi-test-support"),
                     help="binary with the memfs subcommand (cargo build --features test-support)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="unrecorded rounds of the write phases before the measured ones")
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--cache-mb", type=int, default=1024,
                     help="cacheCapacityMB of both mounts (must hold the big file)")
@@ -1280,7 +1300,7 @@ def main():
                   indent=1)
     text = (f"machine: {mach['nproc']} CPUs, {mach['mem_mib']} MiB RAM, kernel {mach['kernel']}, "
             f"{mach['date']}, weed {mach['weed']}\n"
-            f"rounds {args.rounds}, file {args.size_mb} MiB, cacheCapacityMB {args.cache_mb}, "
+            f"rounds {args.rounds} (+{args.warmup_rounds} unrecorded warm-up of the write phases), file {args.size_mb} MiB, cacheCapacityMB {args.cache_mb}, "
             f"fio {args.fio_runtime} s\n\n" + table)
     with open(os.path.join(args.out, f"bench-{stamp}.md"), "w") as f:
         f.write(text)
