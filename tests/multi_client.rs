@@ -465,6 +465,10 @@ fn rand_offset(rng: &mut Rng, size: usize) -> usize {
 }
 
 fn apply_write(data: &mut Vec<u8>, off: usize, buf: &[u8]) {
+    // an empty write changes nothing, also past the end
+    if buf.is_empty() {
+        return;
+    }
     if data.len() < off + buf.len() {
         data.resize(off + buf.len(), 0);
     }
