@@ -94,6 +94,24 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
         && data_differs
 }
 
+/// An open file's name `path` now leads to another file (one moved over it). A hard link
+/// with other names (`linked`) lives on: one less link, and, if `path` was its own name, it
+/// moves to `other`, another name of it known here (none: unlinked). Otherwise unlinked.
+pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, other: Option<String>) {
+    s.epoch += 1;
+    if !linked {
+        s.unlinked = true;
+        return;
+    }
+    s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
+    if join(&s.dir, &s.entry.name) == path {
+        match other {
+            Some(p) => (s.dir, s.entry.name) = super::inode::split(&p),
+            None => s.unlinked = true,
+        }
+    }
+}
+
 /// The filer confirmed that the open file's name is gone (an event said so): an unlinked
 /// file, or a hard-linked one whose link group lives on at `moved_to` (path, link count),
 /// found by [`Fs::other_link`] (also for a group an event showed the file in, which its
@@ -530,13 +548,19 @@ impl Fs {
                                     Cached::Found(cur) if other_upload(&cur, new));
                             if replaced != old_ino && !same {
                                 if let Some(of) = self.open_file(replaced) {
+                                    // a hard link lives on under its other names here
+                                    let other = self
+                                        .inodes
+                                        .live_names(replaced)
+                                        .into_iter()
+                                        .find(|p| *p != npath);
                                     // The event may predate our own change of that name: an
                                     // open file of ours with data to commit is then kept (its
                                     // commit wins, as the last writer does), never dropped.
                                     let mut s = of.state.lock();
                                     if !self.doubtful(&s, ndir, &new.name) {
-                                        s.unlinked = true;
-                                        s.epoch += 1;
+                                        let linked = super::attr::has_other_links(&s.entry);
+                                        name_taken(&mut s, &npath, linked, other);
                                     } else if s.want_resync(true) {
                                         doubtful.push(of.clone());
                                     }

@@ -503,8 +503,11 @@ impl Fs {
                 }
                 _ => {}
             }
-            // the replaced file lives on in open handles only
-            let replaced = self.open_file(self.node_id(&npath, d));
+            // the replaced file lives on in open handles only (a hard link, also under its
+            // other names)
+            let replaced = self
+                .open_file(self.node_id(&npath, d))
+                .map(|of| (of, attr::has_other_links(d)));
             return self
                 .rename_plain_over(&odir, name, &ndir, newname, &src, replaced)
                 .await;
@@ -525,7 +528,8 @@ impl Fs {
     }
 
     /// Moves `odir/name` to `ndir/newname`; `replaced` is the open file the move replaces
-    /// there, unlinked by it (undone if the move fails).
+    /// there, and whether it has other links: unlinked by the move (undone if the move
+    /// fails), or, a hard link, moved to another of its names once the move is done.
     async fn rename_plain_over(
         &self,
         odir: &str,
@@ -533,7 +537,7 @@ impl Fs {
         ndir: &str,
         newname: &str,
         src: &pb::Entry,
-        replaced: Option<Arc<OpenFile>>,
+        replaced: Option<(Arc<OpenFile>, bool)>,
     ) -> Result<()> {
         let opath = join(odir, name);
         let npath = join(ndir, newname);
@@ -546,14 +550,15 @@ impl Fs {
         // open files know their new names: a commit in between would create the old name
         // again, or write the replaced file over the moved one, with chunks another entry
         // lists (deleting either would delete the other's data).
-        let held = self.open_files_at(&opath, replaced.as_ref());
+        let held = self.open_files_at(&opath, replaced.as_ref().map(|(of, _)| of));
         let mut _commits = Vec::with_capacity(held.len());
         for of in &held {
             _commits.push(of.commit.lock().await);
         }
-        let marked = replaced
-            .as_ref()
-            .is_some_and(|of| !std::mem::replace(&mut of.state.lock().unlinked, true));
+        // (a hard link is not marked: its commit cannot run before it moves, its lock is held)
+        let marked = replaced.as_ref().is_some_and(|(of, linked)| {
+            !linked && !std::mem::replace(&mut of.state.lock().unlinked, true)
+        });
         let _old = self.note_local(odir, name, Some(ino));
         let _new = self.note_local(ndir, newname, None);
         self.stats.filer_calls.fetch_add(1, Ordering::Relaxed);
@@ -570,7 +575,7 @@ impl Fs {
         {
             Ok(events) => events,
             Err(e) => {
-                if let (Some(of), true) = (&replaced, marked) {
+                if let (Some((of, _)), true) = (&replaced, marked) {
                     of.state.lock().unlinked = false;
                 }
                 return Err(e.into());
@@ -588,6 +593,11 @@ impl Fs {
             self.meta.invalidate_dir(&npath, true);
         }
         self.moved(&opath, &npath, !src.is_directory);
+        if let Some((of, true)) = &replaced {
+            // its name here is the moved file's now; its other names still lead to it
+            let other = self.inodes.live_names(of.ino).into_iter().next();
+            super::events::name_taken(&mut of.state.lock(), &npath, true, other);
+        }
         // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
         // now: `src` may be older than another node's last write to it.
         let moved = match self
