@@ -3136,3 +3136,73 @@ async fn a_move_over_one_name_of_an_open_hard_link_keeps_it_at_its_other_name() 
         assert_eq!(bytes_on_filer(&store, &f).await, b"the other file");
     }
 }
+
+/// The same through an event alone: another client made the hard link ("f" and "l") and
+/// moves another file over "f" while this node has it open (no change of this node's in
+/// doubt, so the event is taken as it comes).
+#[tokio::test]
+async fn another_clients_move_over_one_name_of_an_open_hard_link_keeps_it_at_its_other_name() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let other = filer.other_client();
+    let mut chunk = store.insert(b"linked".to_vec());
+    chunk.modified_ts_ns = 1;
+    let mut e = pb::Entry {
+        chunks: vec![chunk],
+        hard_link_id: b"group-f-l".to_vec(),
+        hard_link_counter: 2,
+        attributes: Some(pb::FuseAttributes {
+            file_size: 6,
+            file_mode: 0o644,
+            inode: 777_001,
+            crtime: 1_700_000_000,
+            mtime: 1_700_000_000,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    for name in ["f", "l"] {
+        e.name = name.into();
+        other
+            .create_entry(pb::CreateEntryRequest {
+                directory: "/".into(),
+                entry: Some(e.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let mut g = e.clone();
+    g.name = "g".into();
+    g.hard_link_id.clear();
+    g.hard_link_counter = 0;
+    g.chunks = vec![store.insert(b"the other file".to_vec())];
+    let ga = g.attributes.as_mut().unwrap();
+    (ga.inode, ga.file_size) = (777_002, 14);
+    other
+        .create_entry(pb::CreateEntryRequest {
+            directory: "/".into(),
+            entry: Some(g),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let a = fs.lookup(ROOT_INO, "f").await.unwrap();
+    fs.lookup(ROOT_INO, "l").await.unwrap();
+    let fh = fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    rename_unseen(&filer, "g", "f").await;
+    fs.apply_event(filer.events().last().unwrap());
+    {
+        let of = fs.open_file(a.ino).unwrap();
+        let s = of.state.lock();
+        assert!(!s.unlinked, "the open file was taken as unlinked");
+        assert_eq!(s.entry.name, "l");
+    }
+    assert_eq!(fs.getattr(a.ino).await.unwrap().nlink, 1);
+    fs.write(fh, a.ino, 0, b"LINKED").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
+    let l = filer.get("/l").unwrap();
+    assert_eq!(bytes_on_filer(&store, &l).await, b"LINKED");
+    let f = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &f).await, b"the other file");
+}
