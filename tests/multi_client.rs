@@ -104,8 +104,8 @@ struct World {
     /// `MODEL_VERBOSE=1`: print each operation as it is done.
     verbose: bool,
     /// `MODEL_HELD_LINKS=1`: held descriptors on hard-linked files too (known to fail: a
-    /// held file that is or was hard-linked can show `st_nlink` 0 at a name it still has, or
-    /// another file's size; see docs/SEMANTICS.md). Off: a link closes the held
+    /// node holding a group's file whose names went can show its size at a name another
+    /// node links then, seed 250893840; see docs/SEMANTICS.md). Off: a link closes the held
     /// descriptors first, and only files never linked are held.
     held_links: bool,
     /// A directory in the root that is not part of the model (load for the clients).
