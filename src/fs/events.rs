@@ -97,6 +97,9 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 /// An open file's name `path` now leads to another file (one moved over it). A hard link
 /// with other names (`linked`) lives on: one less link, and, if `path` was its own name, it
 /// moves to `other`, another name of it known here (none: unlinked). Otherwise unlinked.
+/// A name known here may be gone on the filer already (removed elsewhere, its event not
+/// here yet): the next commit first asks the filer (a removal is then believed), so it
+/// never brings that name back.
 pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, other: Option<String>) {
     s.epoch += 1;
     if !linked {
@@ -105,8 +108,12 @@ pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, other: Opt
     }
     s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
     if join(&s.dir, &s.entry.name) == path {
-        match other {
-            Some(p) => (s.dir, s.entry.name) = super::inode::split(&p),
+        match other.filter(|p| p != path) {
+            Some(p) => {
+                (s.dir, s.entry.name) = super::inode::split(&p);
+                s.name_doubt = true;
+                s.removal_doubt = true;
+            }
             None => s.unlinked = true,
         }
     }

@@ -3206,3 +3206,41 @@ async fn another_clients_move_over_one_name_of_an_open_hard_link_keeps_it_at_its
     let f = filer.get("/f").unwrap();
     assert_eq!(bytes_on_filer(&store, &f).await, b"the other file");
 }
+
+/// ...and when the other name it moves to was removed elsewhere meanwhile (its event not
+/// here yet), its next commit does not bring that name back (review): the file has no
+/// name left on the filer.
+#[tokio::test]
+async fn an_open_hard_link_moved_to_a_name_removed_unseen_does_not_bring_it_back() {
+    let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
+    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"linked").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.link(a.ino, ROOT_INO, "l").await.unwrap();
+    let (g, gfh) = fs
+        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
+    fs.release(gfh, g.ino).await.unwrap();
+    filer
+        .other_client()
+        .delete_entry(pb::DeleteEntryRequest {
+            directory: "/".into(),
+            name: "l".into(),
+            is_delete_data: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fs.rename(ROOT_INO, "g", ROOT_INO, "f", 0).await.unwrap();
+    let _ = fs.write(fh, a.ino, 0, b"LINKED").await;
+    let _ = fs.flush(fh, a.ino).await;
+    let _ = fs.release(fh, a.ino).await;
+    assert!(
+        filer.get("/l").is_none(),
+        "the name removed elsewhere came back"
+    );
+    let f = filer.get("/f").unwrap();
+    assert_eq!(bytes_on_filer(&store, &f).await, b"the other file");
+}
