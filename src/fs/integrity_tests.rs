@@ -3208,8 +3208,10 @@ async fn another_clients_move_over_one_name_of_an_open_hard_link_keeps_it_at_its
 }
 
 /// ...and when the other name it moves to was removed elsewhere meanwhile (its event not
-/// here yet), its next commit does not bring that name back (review): the file has no
-/// name left on the filer.
+/// here yet), its next commit does not bring that name back (review): the commit asks the
+/// filer first and takes the file as removed (no name left), so the fsync succeeds, as on
+/// an unlinked file. (Without that check the commit's `IF_EXISTS` condition kept the name
+/// from coming back too, but the fsync waited for the events and failed with ESTALE.)
 #[tokio::test]
 async fn an_open_hard_link_moved_to_a_name_removed_unseen_does_not_bring_it_back() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
@@ -3234,9 +3236,9 @@ async fn an_open_hard_link_moved_to_a_name_removed_unseen_does_not_bring_it_back
         .await
         .unwrap();
     fs.rename(ROOT_INO, "g", ROOT_INO, "f", 0).await.unwrap();
-    let _ = fs.write(fh, a.ino, 0, b"LINKED").await;
-    let _ = fs.flush(fh, a.ino).await;
-    let _ = fs.release(fh, a.ino).await;
+    fs.write(fh, a.ino, 0, b"LINKED").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.release(fh, a.ino).await.unwrap();
     assert!(
         filer.get("/l").is_none(),
         "the name removed elsewhere came back"
