@@ -664,8 +664,8 @@ impl Fs {
     }
 
     /// [`Self::is_open_file`] as a check before a change of the filer's entry through an open
-    /// file: another file at the name now (moved over it, or removed and made again, the event not here
-    /// yet) is not changed, and the caller gets ESTALE.
+    /// file: another file at the name now (moved over it, or removed and made again, the
+    /// event not here yet) is not changed, and the caller gets ESTALE.
     pub(super) fn check_open_file(
         &self,
         path: &str,
