@@ -65,6 +65,26 @@ async fn create_f(fs: &Fs, flags: i32) -> (Attr, u64) {
         .unwrap()
 }
 
+/// "/g" holding "the other file", made here and closed (to be moved over another name).
+async fn other_file_g(fs: &Fs) {
+    let (g, gfh) = fs
+        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
+        .await
+        .unwrap();
+    fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
+    fs.release(gfh, g.ino).await.unwrap();
+}
+
+/// "/f" holding "linked", committed and hard-linked as "/l", still open for reading and
+/// writing.
+async fn open_hard_link_f_l(fs: &Fs) -> (Attr, u64) {
+    let (a, fh) = create_f(fs, libc::O_RDWR).await;
+    fs.write(fh, a.ino, 0, b"linked").await.unwrap();
+    fs.flush(fh, a.ino).await.unwrap();
+    fs.link(a.ino, ROOT_INO, "l").await.unwrap();
+    (a, fh)
+}
+
 /// Background deletes have run (they are spawned after the commit).
 async fn settle() {
     for _ in 0..20 {
@@ -223,12 +243,18 @@ async fn delete_f_elsewhere(fs: &Arc<Fs>, filer: &MockFiler) {
 
 /// Another client deletes "/f"; its event has not arrived here. Returns the entry it had.
 async fn delete_f_on_filer(filer: &MockFiler) -> pb::Entry {
-    let e = filer.get("/f").unwrap();
+    delete_on_filer(filer, "f").await
+}
+
+/// Removes "/`name`" as another client would, without its event reaching us; returns the
+/// entry removed.
+async fn delete_on_filer(filer: &MockFiler, name: &str) -> pb::Entry {
+    let e = filer.get(&format!("/{name}")).unwrap();
     filer
         .other_client()
         .delete_entry(pb::DeleteEntryRequest {
             directory: "/".into(),
-            name: "f".into(),
+            name: name.into(),
             // as an `rm` through any client: the data goes with the name
             is_delete_data: true,
             ..Default::default()
@@ -2845,12 +2871,7 @@ async fn a_commit_rebased_onto_a_manifest_the_other_node_made_keeps_both_writes(
 async fn a_commit_is_not_rebased_onto_another_file_moved_over_its_name() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
     let (a, fh) = committed_then_written(&fs).await;
-    let (g, gfh) = fs
-        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
-        .await
-        .unwrap();
-    fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
-    fs.release(gfh, g.ino).await.unwrap();
+    other_file_g(&fs).await;
     rename_unseen(&filer, "g", "f").await;
     let e = fs.flush(fh, a.ino).await.unwrap_err();
     assert_eq!(e.errno, libc::ESTALE, "{e}");
@@ -3038,12 +3059,7 @@ async fn a_change_to_a_clean_open_file_never_lands_in_another_file_put_at_its_na
             let (a, fh) = create_f(&fs, libc::O_RDWR).await;
             fs.write(fh, a.ino, 0, b"ours").await.unwrap();
             fs.flush(fh, a.ino).await.unwrap();
-            let (g, gfh) = fs
-                .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
-                .await
-                .unwrap();
-            fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
-            fs.release(gfh, g.ino).await.unwrap();
+            other_file_g(&fs).await;
             rename_unseen(&filer, "g", "f").await;
             if inodeless {
                 let mut up = filer.get("/f").unwrap();
@@ -3100,16 +3116,8 @@ async fn a_change_to_a_clean_open_file_never_lands_in_another_file_put_at_its_na
 async fn a_move_over_one_name_of_an_open_hard_link_keeps_it_at_its_other_name() {
     for by_event in [false, true] {
         let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-        let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-        fs.write(fh, a.ino, 0, b"linked").await.unwrap();
-        fs.flush(fh, a.ino).await.unwrap();
-        fs.link(a.ino, ROOT_INO, "l").await.unwrap();
-        let (g, gfh) = fs
-            .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
-            .await
-            .unwrap();
-        fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
-        fs.release(gfh, g.ino).await.unwrap();
+        let (a, fh) = open_hard_link_f_l(&fs).await;
+        other_file_g(&fs).await;
         if by_event {
             rename_unseen(&filer, "g", "f").await;
             fs.apply_event(filer.events().last().unwrap());
@@ -3215,26 +3223,9 @@ async fn another_clients_move_over_one_name_of_an_open_hard_link_keeps_it_at_its
 #[tokio::test]
 async fn an_open_hard_link_moved_to_a_name_removed_unseen_does_not_bring_it_back() {
     let (fs, store, filer) = fs_and_store(Duration::from_secs(1));
-    let (a, fh) = create_f(&fs, libc::O_RDWR).await;
-    fs.write(fh, a.ino, 0, b"linked").await.unwrap();
-    fs.flush(fh, a.ino).await.unwrap();
-    fs.link(a.ino, ROOT_INO, "l").await.unwrap();
-    let (g, gfh) = fs
-        .create(ROOT_INO, "g", 0o644, 0, libc::O_RDWR, 0, 0)
-        .await
-        .unwrap();
-    fs.write(gfh, g.ino, 0, b"the other file").await.unwrap();
-    fs.release(gfh, g.ino).await.unwrap();
-    filer
-        .other_client()
-        .delete_entry(pb::DeleteEntryRequest {
-            directory: "/".into(),
-            name: "l".into(),
-            is_delete_data: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let (a, fh) = open_hard_link_f_l(&fs).await;
+    other_file_g(&fs).await;
+    delete_on_filer(&filer, "l").await;
     fs.rename(ROOT_INO, "g", ROOT_INO, "f", 0).await.unwrap();
     fs.write(fh, a.ino, 0, b"LINKED").await.unwrap();
     fs.flush(fh, a.ino).await.unwrap();
