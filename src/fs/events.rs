@@ -96,11 +96,12 @@ fn other_upload(a: &pb::Entry, b: &pb::Entry) -> bool {
 
 /// An open file's name `path` now leads to another file (one moved over it). A hard link
 /// with other names (`linked`) lives on: one less link, and, if `path` was its own name, it
-/// moves to `other`, another name of it known here (none: unlinked). Otherwise unlinked.
+/// moves to another of `names`, the names known here to lead to it (none: unlinked).
+/// Otherwise unlinked.
 /// A name known here may be gone on the filer already (removed elsewhere, its event not
 /// here yet): the next commit first asks the filer (a removal is then believed), so it
 /// never brings that name back.
-pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, other: Option<String>) {
+pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, names: Vec<String>) {
     s.epoch += 1;
     if !linked {
         s.unlinked = true;
@@ -108,7 +109,7 @@ pub(super) fn name_taken(s: &mut FileState, path: &str, linked: bool, other: Opt
     }
     s.entry.hard_link_counter = (s.entry.hard_link_counter - 1).max(1);
     if join(&s.dir, &s.entry.name) == path {
-        match other.filter(|p| p != path) {
+        match names.into_iter().find(|p| p != path) {
             Some(p) => {
                 (s.dir, s.entry.name) = super::inode::split(&p);
                 s.name_doubt = true;
@@ -556,18 +557,14 @@ impl Fs {
                             if replaced != old_ino && !same {
                                 if let Some(of) = self.open_file(replaced) {
                                     // a hard link lives on under its other names here
-                                    let other = self
-                                        .inodes
-                                        .live_names(replaced)
-                                        .into_iter()
-                                        .find(|p| *p != npath);
+                                    let names = self.inodes.live_names(replaced);
                                     // The event may predate our own change of that name: an
                                     // open file of ours with data to commit is then kept (its
                                     // commit wins, as the last writer does), never dropped.
                                     let mut s = of.state.lock();
                                     if !self.doubtful(&s, ndir, &new.name) {
                                         let linked = super::attr::has_other_links(&s.entry);
-                                        name_taken(&mut s, &npath, linked, other);
+                                        name_taken(&mut s, &npath, linked, names);
                                     } else if s.want_resync(true) {
                                         doubtful.push(of.clone());
                                     }

@@ -595,12 +595,8 @@ impl Fs {
         self.moved(&opath, &npath, !src.is_directory);
         if let Some((of, true)) = &replaced {
             // its name here is the moved file's now; its other names still lead to it
-            let other = self
-                .inodes
-                .live_names(of.ino)
-                .into_iter()
-                .find(|p| *p != npath);
-            super::events::name_taken(&mut of.state.lock(), &npath, true, other);
+            let names = self.inodes.live_names(of.ino);
+            super::events::name_taken(&mut of.state.lock(), &npath, true, names);
         }
         // POSIX: rename changes the moved inode's ctime. Set on the filer's entry as it is
         // now: `src` may be older than another node's last write to it.
