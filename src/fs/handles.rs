@@ -95,8 +95,8 @@ impl Fs {
                     self.adopt_if_clean(ino, of, e).await;
                     return Ok(());
                 }
-                // another file holds the name (moved or uploaded over it, or removed and made
-                // again): taken as ours, its bytes would be changed and committed as ours
+                // another file holds the name (moved over it, or removed and made again):
+                // taken as ours, its bytes would be changed and committed as ours
                 Ok(_) => None,
                 Err(e) if e.errno == libc::ENOENT => None,
                 Err(e) => Some(e),
@@ -104,44 +104,41 @@ impl Fs {
             // not held across the invalidation below: it waits for the directory's lock,
             // which a rename or link there may hold while its handler waits for this turn
             drop(turn);
-            match failed {
-                // gone from this name on the filer: forgotten here, the kernel's entry too
-                None => {
-                    // (once per name: each time drops cached listings)
-                    let gone = Some((dir.clone(), name.clone()));
-                    if forgotten != gone {
-                        self.meta.remove(&dir, &name);
-                        self.note_name_gone();
-                        if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir))
-                        {
-                            nt.inval_entry(pino, &name);
-                        }
-                        forgotten = gone;
-                    }
-                    // moved elsewhere, its event not here yet, and a lookup since found it at
-                    // its new name (the kernel opens what that lookup gave it): it is there
-                    // now. Said ESTALE, the kernel's second walk finds the same node and fails
-                    // for good.
-                    if self.found_moved(ino, of, &dir, &name).await {
-                        return Ok(());
-                    }
-                    // deleted elsewhere and its event lost, or a name that keeps moving: a
-                    // commit would bring it back with chunks the filer already deleted.
-                    // ESTALE makes the kernel walk the path again (an O_CREAT open then
-                    // creates a new file instead of failing).
-                    if start.elapsed() >= NAME_SETTLE {
-                        return Err(deleted(&dir, &name));
-                    }
-                    let renamed = {
-                        let s = of.state.lock();
-                        (s.dir.as_str(), s.entry.name.as_str()) != (dir.as_str(), name.as_str())
-                    };
-                    // moved by a rename of this node or an event meanwhile: look there at once
-                    if !renamed {
-                        tokio::time::sleep(pauses.next_pause()).await;
-                    }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            // gone from this name on the filer: forgotten here, the kernel's entry too
+            // (once per name: each time drops cached listings)
+            let gone = Some((dir.clone(), name.clone()));
+            if forgotten != gone {
+                self.meta.remove(&dir, &name);
+                self.note_name_gone();
+                if let (Some(nt), Some(pino)) = (self.notifier(), self.inodes.ino_of(&dir)) {
+                    nt.inval_entry(pino, &name);
                 }
-                Some(e) => return Err(e),
+                forgotten = gone;
+            }
+            // moved elsewhere, its event not here yet, and a lookup since found it at
+            // its new name (the kernel opens what that lookup gave it): it is there
+            // now. Said ESTALE, the kernel's second walk finds the same node and fails
+            // for good.
+            if self.found_moved(ino, of, &dir, &name).await {
+                return Ok(());
+            }
+            // deleted elsewhere and its event lost, or a name that keeps moving: a
+            // commit would bring it back with chunks the filer already deleted.
+            // ESTALE makes the kernel walk the path again (an O_CREAT open then
+            // creates a new file instead of failing).
+            if start.elapsed() >= NAME_SETTLE {
+                return Err(deleted(&dir, &name));
+            }
+            let renamed = {
+                let s = of.state.lock();
+                (s.dir.as_str(), s.entry.name.as_str()) != (dir.as_str(), name.as_str())
+            };
+            // moved by a rename of this node or an event meanwhile: look there at once
+            if !renamed {
+                tokio::time::sleep(pauses.next_pause()).await;
             }
         }
     }
